@@ -1,0 +1,3 @@
+"""SmartGen: a KV-cache transfer engine for disaggregated LLM inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,324 @@
+"""The decode side of the transfer engine: KV pool, masks, and the parallel local/remote fetch.
+
+A request on the decode node:
+1. `open()`: a pool slot is taken (its masks say remote, padding 0), the push lane accepts
+   writes for it, a prefill node is chosen (least loaded) and OPEN is sent.
+2. Prefilling: proactive blocks land and their mask entries turn 1; `wait_first_token()`
+   returns FIRST_TOKEN. Under full transfer `wait_all_local()` blocks until every block landed.
+3. Decoding, per step and layer: `begin_layer()` sends the idle notice (speculative
+   policies); `assemble()` splits the selector's index by the mask, gathers local entries
+   while the remote ones are fetched, lands fetched tokens in the pool (mask 1, so they are
+   never fetched twice) and returns the selected KV; `append()` adds the new token's K/V.
+4. Fully local: `end_step()` sends RELEASE once every block is local.
+5. `finish()` / `abort()`: the lane stops accepting writes for the request, its slot is
+   freed, and RELEASE / ABORT goes to the prefill node if it was not sent yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from smartgen.index_ops import IndexSplit, gather_kv, split_reorder
+from smartgen.lanes.base import Message, MessageKind
+from smartgen.lanes.link import LinkEnd
+from smartgen.layout import KVLayout
+from smartgen.mask import REMOTE
+from smartgen.metrics import PathCounters, RequestMetrics, RequestState
+from smartgen.policy import Policy
+from smartgen.pool import DecodePool
+
+__all__ = ["DecodeEngine", "Assembled", "RequestFailed"]
+
+
+class RequestFailed(RuntimeError):
+    """A request could not go on: its prefill node failed it, went away, or timed out."""
+
+
+class Assembled(NamedTuple):
+    """The selected KV of one layer for a batch: rows remote-first, padding last."""
+
+    k: torch.Tensor  # [R, k, d]
+    v: torch.Tensor  # [R, k, d]
+    num_valid: torch.Tensor  # [R] int32: entries [0, num_valid) of each row are real
+    split: IndexSplit
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    slot: int
+    length: int
+    link: LinkEnd
+    policy: Policy
+    metrics: RequestMetrics
+    first_token: Future = field(default_factory=Future)
+    fetch_counts: torch.Tensor | None = None  # [L, n] int32: how often each token was fetched
+    released: bool = False
+
+
+class DecodeEngine:
+    """Owns the decode pool and talks to the prefill nodes attached with `attach()`."""
+
+    def __init__(self, layout: KVLayout, num_slots: int, max_tokens: int, *, device: str = "cpu") -> None:
+        self.layout = layout
+        self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
+        self.counters = PathCounters()
+        self._links: list[LinkEnd] = []
+        self._requests: dict[str, _Request] = {}
+        self._fetches: dict[int, Future] = {}
+        self._fetch_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- connections ------------------------------------------------------------------
+    def attach(self, link: LinkEnd) -> None:
+        """Connects a prefill node: registers the pool's regions on its push lane and listens."""
+        for name, buffer in self.pool.byte_views().items():
+            link.push.register_region(name, buffer)
+        self._links.append(link)
+        thread = threading.Thread(target=self._listen, args=(link,), name="decode-listen", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id, "decode engine closed")
+        for link in self._links:
+            link.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _listen(self, link: LinkEnd) -> None:
+        while True:
+            message = link.control.recv()
+            if message is None:
+                self._fail_link(link)
+                return
+            if message.kind == MessageKind.FETCH_REPLY:
+                with self._lock:
+                    future = self._fetches.pop(int(message.meta["fetch_id"]), None)
+                if future is not None:
+                    future.set_result(message)
+            elif message.kind == MessageKind.FIRST_TOKEN:
+                request = self._requests.get(message.request_id)
+                if request is not None and not request.first_token.done():
+                    request.first_token.set_result(int(message.meta["token"]))
+            elif message.kind in (MessageKind.ERROR, MessageKind.ABORT):
+                self._fail_request(message.request_id, str(message.meta.get("reason", "prefill node failed")))
+
+    def _fail_link(self, link: LinkEnd) -> None:
+        """The prefill node is gone: every request it served fails, every waiter wakes up."""
+        with self._lock:
+            victims = [r.request_id for r in self._requests.values() if r.link is link]
+            pending = list(self._fetches.items())
+        for request_id in victims:
+            self._fail_request(request_id, "prefill node connection lost")
+        for fetch_id, future in pending:
+            if not future.done():
+                future.set_exception(RequestFailed("prefill node connection lost"))
+
+    def _fail_request(self, request_id: str, reason: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        request.metrics.error = reason
+        if not request.first_token.done():
+            request.first_token.set_exception(RequestFailed(reason))
+
+    def _pick_link(self) -> LinkEnd:
+        if not self._links:
+            raise RuntimeError("no prefill node attached")
+        load = {id(link): 0 for link in self._links}
+        for request in self._requests.values():
+            load[id(request.link)] += 1
+        return min(self._links, key=lambda link: load[id(link)])
+
+    # -- request life -----------------------------------------------------------------
+    def open(self, length: int, policy: Policy, *, max_new_tokens: int = 0, request_id: str | None = None) -> str:
+        """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id."""
+        request_id = request_id or uuid.uuid4().hex
+        slot = self.pool.allocate(length, max_new_tokens)
+        link = self._pick_link()
+        request = _Request(
+            request_id, slot, length, link, policy, RequestMetrics(request_id, length, RequestState.DISPATCHED),
+            fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
+        )
+        with self._lock:
+            self._requests[request_id] = request
+        link.push.accept(request_id)
+        meta = {"slot": slot, "length": length, "policy": policy.name.split("[")[0], "strategy": policy.strategy,
+                "speculative_ratio": policy.speculative_ratio}
+        link.control.send(Message(MessageKind.OPEN, request_id, meta))
+        request.metrics.state = RequestState.PREFILLING
+        return request_id
+
+    def wait_first_token(self, request_id: str, timeout: float | None = None) -> int:
+        request = self._require(request_id)
+        try:
+            token = request.first_token.result(timeout=timeout)
+        except TimeoutError:
+            raise RequestFailed(f"no first token for {request_id} within {timeout} s") from None
+        request.metrics.token_times.append(time.monotonic())
+        request.metrics.state = RequestState.DECODING
+        return token
+
+    def wait_all_local(self, request_id: str, timeout: float | None = None, poll: float = 0.0005) -> None:
+        """Blocks until every prompt block of the request is in the pool (full transfer)."""
+        request = self._require(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.pool.masks.all_local(request.slot, request.length):
+            if request.metrics.error:
+                raise RequestFailed(request.metrics.error)
+            if deadline is not None and time.monotonic() > deadline:
+                raise RequestFailed(f"KV of {request_id} did not arrive within {timeout} s")
+            time.sleep(poll)
+
+    def begin_layer(self, layer: int, request_ids: list[str]) -> None:
+        """The start of an attention layer: tell prefill nodes the link is idle (speculative policies)."""
+        for request_id in request_ids:
+            request = self._require(request_id)
+            if request.policy.speculative and not request.released:
+                request.link.control.send(Message(MessageKind.IDLE, request_id, {"layer": layer}))
+
+    def assemble(self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float = 60.0) -> Assembled:
+        """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows."""
+        requests = [self._require(rid) for rid in request_ids]
+        num_heads = self.layout.num_kv_heads
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        num_rows, k = index.shape
+        k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
+        v_out = torch.zeros_like(k_out)
+        num_remote, num_local = split.num_remote, split.num_local
+        fetches = self._send_fetches(layer, requests, split)
+        local_start = num_remote
+        local_stop = num_remote + num_local
+        started = time.monotonic()
+        if requests and requests[0].policy.parallel:
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, local_stop, k_out, v_out)
+            self.counters.add("local", seconds=time.monotonic() - started)
+            self._land_fetches(layer, fetches, timeout)
+        else:  # partial transfer: remote first, then local
+            self._land_fetches(layer, fetches, timeout)
+            local_started = time.monotonic()
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, local_stop, k_out, v_out)
+            self.counters.add("local", seconds=time.monotonic() - local_started)
+        if fetches:
+            zeros = torch.zeros_like(num_remote)
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, zeros, num_remote, k_out, v_out)
+        selected = int(local_stop.sum())
+        remote = int(num_remote.sum())
+        self.counters.add_selection(selected, remote)
+        for b, request in enumerate(requests):
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            request.metrics.selected_entries += int(local_stop[rows].sum())
+            request.metrics.remote_entries += int(num_remote[rows].sum())
+        return Assembled(k_out, v_out, local_stop, split)
+
+    def _send_fetches(self, layer: int, requests: list[_Request], split: IndexSplit) -> list[tuple[_Request, torch.Tensor, Future, float]]:
+        """FETCH for every request with remote entries: the union of its heads' remote tokens."""
+        num_heads = self.layout.num_kv_heads
+        fetches = []
+        for b, request in enumerate(requests):
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            status = split.status[rows]
+            if not bool((status == REMOTE).any()):
+                continue
+            positions = split.index[rows][status == REMOTE].unique().cpu()
+            future: Future = Future()
+            with self._lock:
+                fetch_id = next(self._fetch_ids)
+                self._fetches[fetch_id] = future
+            message = Message(MessageKind.FETCH, request.request_id, {"layer": layer, "fetch_id": fetch_id}, {"positions": positions})
+            request.link.control.send(message, tag="fetch_request")
+            fetches.append((request, positions, future, time.monotonic()))
+        return fetches
+
+    def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
+        for request, positions, future, sent in fetches:
+            try:
+                reply: Message = future.result(timeout=timeout)
+            except TimeoutError:
+                raise RequestFailed(f"fetch for {request.request_id} layer {layer} timed out after {timeout} s") from None
+            self.pool.write_tokens(layer, request.slot, positions, reply.payload["k"], reply.payload["v"])
+            request.fetch_counts[layer, positions] += 1
+            request.metrics.fetched_tokens += positions.numel()
+            self.counters.add("on_demand", reply.payload_bytes, time.monotonic() - sent)
+
+    def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
+        return self.pool.append(layer, self._require(request_id).slot, k, v)
+
+    def end_step(self, request_ids: list[str]) -> None:
+        """After a step: record the token, and RELEASE requests whose blocks are now all local."""
+        now = time.monotonic()
+        for request_id in request_ids:
+            request = self._require(request_id)
+            request.metrics.token_times.append(now)
+            if request.released or not request.policy.speculative:
+                continue
+            if self.pool.masks.all_local(request.slot, request.length):
+                self._release(request, MessageKind.RELEASE)
+                request.metrics.state = RequestState.FULLY_LOCAL
+                request.metrics.fully_local_at = now
+
+    def _release(self, request: _Request, kind: MessageKind, reason: str = "") -> None:
+        if request.released:
+            return
+        request.released = True
+        request.link.control.send(Message(kind, request.request_id, {"reason": reason} if reason else {}))
+
+    def finish(self, request_id: str) -> RequestMetrics:
+        """The request is done: stop its writes, free its slot, release it on the prefill node."""
+        request = self._require(request_id)
+        request.link.push.revoke(request_id)
+        self._release(request, MessageKind.RELEASE)
+        self.pool.free(request.slot)
+        request.metrics.state = RequestState.FINISHED
+        with self._lock:
+            self._requests.pop(request_id, None)
+        return request.metrics
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """The request failed: same clean-up as `finish`, with ABORT and the reason."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        request.link.push.revoke(request_id)
+        self._release(request, MessageKind.ABORT, reason)
+        self.pool.free(request.slot)
+        request.metrics.state = RequestState.ABORTED
+        request.metrics.error = reason
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _require(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.metrics.error:
+            raise RequestFailed(request.metrics.error)
+        return request
+
+    # -- what the monitor reads ---------------------------------------------------------
+    def slot_of(self, request_id: str) -> int:
+        return self._require(request_id).slot
+
+    def fetch_counts(self, request_id: str) -> torch.Tensor:
+        return self._require(request_id).fetch_counts
+
+    def metrics(self, request_id: str) -> RequestMetrics:
+        return self._requests[request_id].metrics
+
+    def mask_summary(self, request_id: str) -> list[tuple[int, int, int]]:
+        """Per layer (pad, local, remote) counts of one request's mask."""
+        slot = self._require(request_id).slot
+        return [tuple(self.pool.masks.summary(layer, slot)) for layer in range(self.layout.num_layers)]

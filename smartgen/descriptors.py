@@ -1,0 +1,62 @@
+"""Turns KV blocks of a request into one-sided write descriptors: K and V runs, then their mask runs.
+
+Adjacent blocks of a layer are merged into one run before descriptors are made, so a
+layer pushed whole is three descriptors (K, V, mask), not 3·M.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smartgen.lanes.base import WriteOp
+from smartgen.layout import block_bounds
+from smartgen.pool import PoolGeometry, RequestKV
+
+__all__ = ["block_runs", "block_write_ops", "ONES_SOURCE"]
+
+ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
+
+
+def block_runs(blocks: torch.Tensor) -> list[tuple[int, int]]:
+    """Ascending block ids -> maximal runs [(first, last + 1), ...] of consecutive blocks."""
+    if blocks.numel() == 0:
+        return []
+    ids = blocks.sort().values.tolist()
+    runs: list[tuple[int, int]] = []
+    start = prev = ids[0]
+    for block in ids[1:]:
+        if block != prev + 1:
+            runs.append((start, prev + 1))
+            start = block
+        prev = block
+    runs.append((start, prev + 1))
+    return runs
+
+
+def block_write_ops(
+    geometry: PoolGeometry, entry: RequestKV, slot: int, layer_blocks: list[tuple[int, torch.Tensor]]
+) -> tuple[list[WriteOp], int]:
+    """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
+
+    All data descriptors come before all mask descriptors, so in one in-order batch no mask
+    entry turns local before its bytes are in. Returns (ops, KV bytes).
+    """
+    length = entry.length
+    bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
+    token_bytes = geometry.layout.token_bytes
+    data: list[WriteOp] = []
+    masks: list[WriteOp] = []
+    kv_bytes = 0
+    for layer, blocks in layer_blocks:
+        for first, stop in block_runs(blocks):
+            start_tok, stop_tok = bounds[first], bounds[stop]
+            if stop_tok == start_tok:
+                continue
+            num_bytes = (stop_tok - start_tok) * token_bytes
+            src = entry.kv_offset(layer, start_tok)
+            dst = geometry.kv_offset(layer, slot, start_tok)
+            data.append(WriteOp("k", "k", src, dst, num_bytes))
+            data.append(WriteOp("v", "v", src, dst, num_bytes))
+            masks.append(WriteOp(ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), stop_tok - start_tok))
+            kv_bytes += 2 * num_bytes
+    return data + masks, kv_bytes

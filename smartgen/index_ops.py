@@ -1,0 +1,125 @@
+"""Splits a decode step's KV index by mask into remote and local lanes and gathers the selected KV.
+
+These PyTorch functions are the CPU path and the reference every Triton kernel in
+`smartgen.kernels` is tested against. Shapes, with R = B·H rows (row r is batch r // H,
+KV head r % H), k selected entries per row, S pool slots, N tokens per slot:
+
+    index   [R, k]     int64  token positions; -1 (or any position outside [0, N)) = no entry
+    mask    [S, N]     int8   0 = padding, 1 = local, 2 = remote (one layer of the mask table)
+    slots   [B]        int64  pool slot of each batch entry
+    pool    [S, N, H, d]      one layer of the decode pool's K or V (token-major)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from smartgen.mask import LOCAL, PAD, REMOTE
+
+__all__ = [
+    "IndexSplit",
+    "split_reorder_reference",
+    "gather_kv_reference",
+    "split_reorder",
+    "gather_kv",
+]
+
+
+class IndexSplit(NamedTuple):
+    """A KV index reordered remote-first, with the mask value of each entry."""
+
+    index: torch.Tensor  # [R, k] int64: remote entries, then local, then padding (stable)
+    status: torch.Tensor  # [R, k] int8: mask value of each reordered entry
+    num_remote: torch.Tensor  # [R] int32
+    num_local: torch.Tensor  # [R] int32
+
+
+def entry_status(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Operator (1): status = mask[slot(b), index] -> [R, k] int8, 0 for out-of-range entries."""
+    num_rows, _ = index.shape
+    num_tokens = mask.shape[1]
+    row_slot = slots.repeat_interleave(num_heads)  # [R]
+    valid = (index >= 0) & (index < num_tokens)
+    safe = torch.where(valid, index, torch.zeros_like(index))
+    status = mask[row_slot.unsqueeze(1).expand_as(index), safe]
+    return torch.where(valid, status, torch.zeros_like(status)).to(torch.int8)
+
+
+def split_reorder_reference(
+    index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int
+) -> IndexSplit:
+    """Operators (1)-(5) of the on-demand path: status, local/remote split, stable remote-first reorder."""
+    if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
+        raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
+    status = entry_status(index, mask, slots, num_heads)
+    # A stable descending sort keeps each lane's entries in selection order.
+    order = torch.sort(status.to(torch.int16), dim=1, descending=True, stable=True).indices
+    return IndexSplit(
+        index=torch.gather(index, 1, order),
+        status=torch.gather(status, 1, order),
+        num_remote=(status == REMOTE).sum(dim=1, dtype=torch.int32),
+        num_local=(status == LOCAL).sum(dim=1, dtype=torch.int32),
+    )
+
+
+def gather_kv_reference(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    index: torch.Tensor,
+    start: torch.Tensor,
+    stop: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """Copies pool[slot(b), index[r, j], r % H] into out[r, j] for start[r] <= j < stop[r].
+
+    k_out / v_out are [R, k, d]; entries outside [start, stop) are left untouched, so the
+    local and the remote lane can fill disjoint parts of the same rows.
+    """
+    num_heads = k_pool.shape[2]
+    num_rows, k = index.shape
+    cols = torch.arange(k, device=index.device).unsqueeze(0)
+    take = (cols >= start.unsqueeze(1).long()) & (cols < stop.unsqueeze(1).long())  # [R, k]
+    rows, js = take.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return
+    slot = slots[rows // num_heads]
+    head = rows % num_heads
+    pos = index[rows, js]
+    k_out[rows, js] = k_pool[slot, pos, head]
+    v_out[rows, js] = v_pool[slot, pos, head]
+
+
+def split_reorder(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
+    """Dispatches to the Triton kernel on CUDA (or when forced), else the PyTorch reference."""
+    from smartgen.kernels import use_triton
+
+    if use_triton(index):
+        from smartgen.kernels.launch import split_reorder_triton
+
+        return split_reorder_triton(index, mask, slots, num_heads)
+    return split_reorder_reference(index, mask, slots, num_heads)
+
+
+def gather_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    index: torch.Tensor,
+    start: torch.Tensor,
+    stop: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """Dispatches to the Triton kernel on CUDA (or when forced), else the PyTorch reference."""
+    from smartgen.kernels import use_triton
+
+    if use_triton(k_pool):
+        from smartgen.kernels.launch import gather_kv_triton
+
+        gather_kv_triton(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
+    else:
+        gather_kv_reference(k_pool, v_pool, slots, index, start, stop, k_out, v_out)

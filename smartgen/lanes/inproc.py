@@ -1,0 +1,184 @@
+"""An in-process lane: two endpoints joined by queues and threads, optionally paced to a link rate.
+
+Each endpoint runs two threads for what it posts: a transmit thread that books the pacer
+(so the link is busy for as long as the bytes would take) and a delivery thread that waits
+out the one-way delay and applies writes to the peer's regions / queues messages into the
+peer's inbox. One queue per direction keeps everything in posting order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
+from smartgen.lanes.pacer import Pacer, sleep_until
+
+__all__ = ["InprocLane"]
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _WriteBatch:
+    request_id: str
+    sources: Mapping[str, torch.Tensor]
+    ops: list[WriteOp]
+    completion: Completion
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class _Marker:
+    completion: Completion
+
+
+class InprocLane(Lane):
+    """One endpoint; make connected pairs with `InprocLane.pair()`."""
+
+    def __init__(self, name: str, pacer: Pacer | None) -> None:
+        self.name = name
+        self.counters = LaneCounters()
+        self._pacer = pacer or Pacer(None)
+        self._peer: InprocLane | None = None
+        self._regions: dict[str, torch.Tensor] = {}
+        self._accepted: set[str] = set()
+        self._apply_lock = threading.Lock()
+        self._inbox: queue.Queue[Message | object] = queue.Queue()
+        self._outbox: queue.Queue[object] = queue.Queue()
+        self._in_flight: queue.Queue[tuple[float, object]] = queue.Queue()
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
+            threading.Thread(target=self._deliver_loop, name=f"{name}-rx", daemon=True),
+        ]
+
+    @classmethod
+    def pair(
+        cls, name: str, pacer_a: Pacer | None = None, pacer_b: Pacer | None = None
+    ) -> tuple["InprocLane", "InprocLane"]:
+        """Two connected endpoints; each side's outgoing traffic is paced by its own pacer."""
+        a, b = cls(f"{name}.a", pacer_a), cls(f"{name}.b", pacer_b)
+        a._peer, b._peer = b, a
+        for thread in a._threads + b._threads:
+            thread.start()
+        return a, b
+
+    # -- receiving side -------------------------------------------------------------
+    def register_region(self, name: str, buffer: torch.Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("a region must be a flat, contiguous uint8 tensor")
+        self._regions[name] = buffer
+
+    def accept(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.add(request_id)
+
+    def revoke(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.discard(request_id)
+
+    def _apply(self, batch: _WriteBatch) -> bool:
+        with self._apply_lock:
+            if batch.request_id not in self._accepted:
+                return False
+            for op in batch.ops:
+                src = batch.sources[op.src]
+                dst = self._regions[op.dst]
+                dst[op.dst_offset : op.dst_offset + op.length].copy_(src[op.src_offset : op.src_offset + op.length])
+            return True
+
+    # -- sending side ---------------------------------------------------------------
+    def post_writes(
+        self, request_id: str, sources: Mapping[str, torch.Tensor], ops: Sequence[WriteOp], *, tag: str
+    ) -> Completion:
+        merged = coalesce(ops)
+        completion = Completion()
+        if self._closed.is_set():
+            completion.set(False)
+            return completion
+        num_bytes = sum(op.length for op in merged)
+        self.counters.add_batch(tag, num_bytes, len(merged))
+        self._outbox.put(_WriteBatch(request_id, sources, merged, completion, num_bytes))
+        return completion
+
+    def send(self, message: Message, *, tag: str = "control") -> None:
+        if self._closed.is_set():
+            return
+        self.counters.add_message(tag, message.payload_bytes)
+        self._outbox.put(message)
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is _STOP:
+            self._inbox.put(_STOP)  # let every other receiver see it too
+            return None
+        return item  # type: ignore[return-value]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        marker = _Marker(Completion())
+        self._outbox.put(marker)
+        return marker.completion.wait(timeout)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._outbox.put(_STOP)
+        self._inbox.put(_STOP)
+        if self._peer is not None:
+            self._peer._inbox.put(_STOP)
+
+    # -- threads ----------------------------------------------------------------------
+    def _transmit_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is _STOP:
+                self._in_flight.put((0.0, _STOP))
+                return
+            num_bytes = item.num_bytes if isinstance(item, _WriteBatch) else (
+                item.payload_bytes if isinstance(item, Message) else 0
+            )
+            started = time.monotonic()
+            sent_at = self._pacer.reserve(num_bytes)
+            sleep_until(sent_at)  # the link is busy until the bytes are out
+            self.counters.add_busy(time.monotonic() - started)
+            self._in_flight.put((sent_at + self._pacer.delay_s, item))
+
+    def _deliver_loop(self) -> None:
+        peer = self._peer
+        while True:
+            arrival, item = self._in_flight.get()
+            if item is _STOP:
+                self._drain()
+                return
+            sleep_until(arrival)
+            if isinstance(item, _WriteBatch):
+                applied = not self._closed.is_set() and peer is not None and peer._apply(item)
+                item.completion.set(applied)
+            elif isinstance(item, Message):
+                if peer is not None and not self._closed.is_set():
+                    peer._inbox.put(item)
+            elif isinstance(item, _Marker):
+                item.completion.set(True)
+
+    def _drain(self) -> None:
+        """Releases every waiter on what was still queued when the lane closed."""
+        for source in (self._outbox, self._in_flight):
+            while True:
+                try:
+                    item = source.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    item = item[1]
+                if isinstance(item, (_WriteBatch, _Marker)):
+                    item.completion.set(False)

@@ -1,0 +1,60 @@
+"""Caps a node's outgoing traffic at a link rate (Gbit/s) with an optional one-way delay.
+
+All lanes of a node share one pacer, as they would share a NIC. The pacer is a virtual
+clock of when the link is next free: reserving n bytes pushes it n·8/rate seconds on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["Pacer"]
+
+# Sleeping is coarse (tens of µs); letting the virtual clock lag real time by this much
+# lets a sender catch up after an oversleep instead of losing link time for good.
+CATCH_UP_SECONDS = 0.002
+
+
+class Pacer:
+    """A shared link: `reserve(n)` says when n bytes have finished crossing it."""
+
+    def __init__(self, gbps: float | None = None, delay_s: float = 0.0) -> None:
+        if gbps is not None and gbps <= 0:
+            raise ValueError(f"link rate must be positive, got {gbps} Gbit/s")
+        if delay_s < 0:
+            raise ValueError(f"one-way delay must be >= 0, got {delay_s} s")
+        self.gbps = gbps
+        self.delay_s = delay_s
+        self._next_free = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        return None if self.gbps is None else self.gbps * 1e9 / 8
+
+    def transfer_seconds(self, num_bytes: int) -> float:
+        """How long num_bytes take on this link (0 when unpaced)."""
+        rate = self.bytes_per_second
+        return 0.0 if rate is None else num_bytes / rate
+
+    def reserve(self, num_bytes: int) -> float:
+        """Books the link for num_bytes; returns the monotonic time they have been sent."""
+        now = time.monotonic()
+        if self.gbps is None:
+            return now
+        with self._lock:
+            start = max(self._next_free, now - CATCH_UP_SECONDS)
+            self._next_free = start + self.transfer_seconds(num_bytes)
+            return self._next_free
+
+    def arrival(self, num_bytes: int) -> float:
+        """Books the link and adds the one-way delay: when the bytes reach the peer."""
+        return self.reserve(num_bytes) + self.delay_s
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleeps until a monotonic deadline (no-op when it has passed)."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)

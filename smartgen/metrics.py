@@ -1,0 +1,110 @@
+"""Counters the monitor, the benchmarks and Prometheus read: bytes and time per path, on-demand ratio, request state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
+
+PATHS = ("proactive", "on_demand", "speculative", "local")
+
+
+class RequestState(str, Enum):
+    """Where a request is in its life on the decode node (see smartgen.decode_engine)."""
+
+    ADMITTED = "admitted"
+    DISPATCHED = "dispatched"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FULLY_LOCAL = "fully_local"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """One request's timeline and transfer counts."""
+
+    request_id: str
+    prompt_tokens: int
+    state: RequestState = RequestState.ADMITTED
+    created: float = field(default_factory=time.monotonic)
+    token_times: list[float] = field(default_factory=list)  # monotonic arrival of each output token
+    selected_entries: int = 0
+    remote_entries: int = 0
+    fetched_tokens: int = 0
+    fully_local_at: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.created if self.token_times else None
+
+    @property
+    def ttst(self) -> float | None:
+        return self.token_times[1] - self.created if len(self.token_times) > 1 else None
+
+    @property
+    def tbt(self) -> float | None:
+        """Mean time between tokens after the second one."""
+        times = self.token_times[1:]
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    @property
+    def on_demand_ratio(self) -> float:
+        return self.remote_entries / self.selected_entries if self.selected_entries else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "state": self.state.value,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": len(self.token_times),
+            "ttft": self.ttft,
+            "ttst": self.ttst,
+            "tbt": self.tbt,
+            "on_demand_ratio": self.on_demand_ratio,
+            "fetched_tokens": self.fetched_tokens,
+            "error": self.error,
+        }
+
+
+class PathCounters:
+    """Bytes and seconds per transfer path, plus selected/remote entry counts (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.selected_entries = 0
+        self.remote_entries = 0
+
+    def add(self, path: str, num_bytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.bytes[path] += num_bytes
+            self.seconds[path] += seconds
+
+    def add_selection(self, selected: int, remote: int) -> None:
+        with self._lock:
+            self.selected_entries += selected
+            self.remote_entries += remote
+
+    @property
+    def on_demand_ratio(self) -> float:
+        with self._lock:
+            return self.remote_entries / self.selected_entries if self.selected_entries else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "bytes": {p: self.bytes.get(p, 0) for p in PATHS},
+                "seconds": {p: self.seconds.get(p, 0.0) for p in PATHS},
+                "selected_entries": self.selected_entries,
+                "remote_entries": self.remote_entries,
+                "on_demand_ratio": self.remote_entries / self.selected_entries if self.selected_entries else 0.0,
+            }

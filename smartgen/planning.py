@@ -1,0 +1,226 @@
+"""Block importance, the proactive budget K_r, and the transfer plan (proactive set + speculative order).
+
+Everything here is pure tensor arithmetic: the plan is decided apart from the lanes that
+carry it, and is testable without a network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from smartgen.layout import effective_blocks, resample_importance, token_blocks
+
+__all__ = [
+    "ImportanceAccumulator",
+    "proactive_budget",
+    "TransferPlan",
+    "plan_transfer",
+    "STRATEGIES",
+    "strategy_scores",
+    "speculative_slice_size",
+    "Planner",
+]
+
+ALWAYS_SENT_LAYERS = 2  # layers 0 and 1 attend densely on the decode node, so they always go whole
+
+
+class ImportanceAccumulator:
+    """Accumulates per-entry selection counts into block importance I[l, m] over M relative blocks.
+
+    I[l, m] is the mean selection count of the entries (token × KV head) that fall in
+    relative block m of layer l, over every prompt added.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.sums = torch.zeros(num_layers, num_blocks, dtype=torch.float64)
+        self.entries = torch.zeros(num_blocks, dtype=torch.float64)
+        self.num_prompts = 0
+
+    def add(self, counts: torch.Tensor) -> None:
+        """Adds one prompt's selection counts: [L, H, n] per entry (or [L, n], one head)."""
+        if counts.dim() == 2:
+            counts = counts.unsqueeze(1)
+        num_layers, num_heads, length = counts.shape
+        if num_layers != self.num_layers:
+            raise ValueError(f"counts have {num_layers} layers, the accumulator {self.num_layers}")
+        per_token = counts.double().sum(dim=1)  # [L, n]
+        if length >= self.num_blocks:
+            blocks = token_blocks(length, self.num_blocks)  # [n]
+            self.sums.index_add_(1, blocks, per_token)
+            self.entries += torch.bincount(blocks, minlength=self.num_blocks).double() * num_heads
+        else:
+            # Each token covers several relative blocks; each of them sees the token's entries.
+            token_of_block = torch.arange(self.num_blocks) * length // self.num_blocks  # [M]
+            self.sums += per_token[:, token_of_block]
+            self.entries += num_heads
+        self.num_prompts += 1
+
+    def importance(self) -> torch.Tensor:
+        """I[l, m] as float32 [L, M]; blocks no prompt reached are 0."""
+        safe = torch.where(self.entries > 0, self.entries, torch.ones_like(self.entries))
+        return (self.sums / safe).float()
+
+
+def proactive_budget(num_layers: int, num_blocks: int, prefill_time: float, transfer_time: float) -> int:
+    """K_r = clip(L·M · ((L-1)/L · T_p) / T_t, 2M, L·M): blocks the link moves while layers 1..L-1 prefill."""
+    total = num_layers * num_blocks
+    floor = ALWAYS_SENT_LAYERS * num_blocks
+    if transfer_time <= 0:
+        return total
+    raw = total * ((num_layers - 1) / num_layers * max(prefill_time, 0.0)) / transfer_time
+    return int(min(max(math.floor(raw), floor), total))
+
+
+def speculative_slice_size(total_blocks: int, ratio: float) -> int:
+    """Blocks pushed per idle notice: a fixed fraction of all blocks, at least one."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"speculative ratio must be in (0, 1], got {ratio}")
+    return max(1, math.ceil(ratio * total_blocks))
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Which blocks of one request go proactively, and the order the rest go speculatively.
+
+    Block ids are flat: layer · M_eff + block.
+    """
+
+    num_layers: int
+    num_blocks: int  # M_eff of this request
+    proactive: torch.Tensor  # [L, M_eff] bool
+    speculative_order: torch.Tensor  # [L·M_eff − num_proactive] int64 flat ids, most important first
+
+    def __post_init__(self) -> None:
+        if self.proactive.shape != (self.num_layers, self.num_blocks):
+            raise ValueError(f"proactive must be [{self.num_layers}, {self.num_blocks}], got {tuple(self.proactive.shape)}")
+        if self.num_proactive + self.speculative_order.numel() != self.num_layers * self.num_blocks:
+            raise ValueError("proactive set and speculative order must partition the blocks")
+
+    @property
+    def num_proactive(self) -> int:
+        return int(self.proactive.sum())
+
+    def proactive_blocks(self, layer: int) -> torch.Tensor:
+        """Ascending block ids of one layer to push right after that layer's prefill."""
+        return self.proactive[layer].nonzero().flatten()
+
+
+def _rank(scores: torch.Tensor) -> torch.Tensor:
+    """Flat ids ordered by score, descending; ties go to the lower (layer, block) — deterministic."""
+    return torch.sort(scores.flatten().double(), descending=True, stable=True).indices
+
+
+def plan_transfer(scores: torch.Tensor, budget: int) -> TransferPlan:
+    """Layers 0-1 whole plus the top (budget − 2·M_eff) blocks of layers >= 2 by score; the rest by score.
+
+    `budget` is K_r: the total number of blocks sent proactively, layers 0-1 included.
+    """
+    num_layers, num_blocks = scores.shape
+    total = num_layers * num_blocks
+    budget = int(min(max(budget, ALWAYS_SENT_LAYERS * num_blocks), total))
+    order = _rank(scores)
+    always = order < ALWAYS_SENT_LAYERS * num_blocks
+    rest = order[~always]
+    chosen = rest[: budget - ALWAYS_SENT_LAYERS * num_blocks]
+    proactive = torch.zeros(total, dtype=torch.bool)
+    proactive[: ALWAYS_SENT_LAYERS * num_blocks] = True
+    proactive[chosen] = True
+    speculative = rest[budget - ALWAYS_SENT_LAYERS * num_blocks :]
+    return TransferPlan(num_layers, num_blocks, proactive.view(num_layers, num_blocks), speculative)
+
+
+STRATEGIES = ("profile", "random", "sequential", "streaming", "optimal")
+
+
+def strategy_scores(
+    strategy: str,
+    num_layers: int,
+    length: int,
+    num_blocks: int,
+    *,
+    importance: torch.Tensor | None = None,
+    request_counts: torch.Tensor | None = None,
+    seed: int = 0,
+    sink_tokens: int = 4,
+) -> torch.Tensor:
+    """Block scores [L, M_eff] under a proactive-set strategy; `plan_transfer` takes the top ones.
+
+    - profile: the profile's importance [L, M], resampled to this request.
+    - random: a seeded random order.
+    - sequential: blocks in the order prefill produces them (layer, then position).
+    - streaming: StreamingLLM — the blocks holding the first `sink_tokens` tokens, then the
+      most recent blocks, the same number in every layer.
+    - optimal: the blocks this request's selector really picks (`request_counts`, [L, H, n]).
+    """
+    m_eff = effective_blocks(length, num_blocks)
+    if strategy == "profile":
+        if importance is None:
+            raise ValueError("the profile strategy needs a profile's importance matrix")
+        if importance.shape[0] != num_layers:
+            raise ValueError(f"profile has {importance.shape[0]} layers, the model {num_layers}")
+        if importance.shape[1] != num_blocks:
+            raise ValueError(f"profile has {importance.shape[1]} blocks per layer, the plan {num_blocks}")
+        return resample_importance(importance.float(), length)
+    if strategy == "random":
+        generator = torch.Generator().manual_seed(seed)
+        return torch.rand(num_layers, m_eff, generator=generator)
+    if strategy == "sequential":
+        return -torch.arange(num_layers * m_eff, dtype=torch.float32).view(num_layers, m_eff)
+    if strategy == "streaming":
+        recency = torch.arange(m_eff, dtype=torch.float32)
+        sink_blocks = int(token_blocks(length, num_blocks)[min(sink_tokens, length) - 1]) + 1
+        recency[:sink_blocks] = float(m_eff + 1)
+        return recency.expand(num_layers, m_eff).clone()
+    if strategy == "optimal":
+        if request_counts is None:
+            raise ValueError("the optimal strategy needs the request's own selection counts")
+        acc = ImportanceAccumulator(num_layers, m_eff)
+        acc.add(request_counts)
+        return acc.importance()
+    raise ValueError(f"unknown proactive strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Planner:
+    """Makes each request's TransferPlan from a profile (or a strategy) and the link's timings.
+
+    prefill_seconds / transfer_seconds are T_p and T_t for this length range (from the
+    profile store, or measured); `plan` scales them to the request's length, since both
+    grow with the number of tokens.
+    """
+
+    num_layers: int
+    num_blocks: int
+    importance: torch.Tensor | None = None
+    prefill_seconds_per_token: float = 0.0
+    transfer_seconds_per_token: float = 0.0
+    seed: int = 0
+
+    def budget(self, length: int, mode: str) -> int:
+        """K_r for a request: all blocks, just layers 0-1 ("floor"), or the formula ("budget")."""
+        m_eff = effective_blocks(length, self.num_blocks)
+        if mode == "all":
+            return self.num_layers * m_eff
+        if mode == "floor":
+            return ALWAYS_SENT_LAYERS * m_eff
+        return proactive_budget(
+            self.num_layers, m_eff, self.prefill_seconds_per_token * length, self.transfer_seconds_per_token * length
+        )
+
+    def plan(self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None) -> TransferPlan:
+        if mode == "budget" and strategy == "profile" and self.importance is None:
+            raise ValueError("no profile for this model: run `smartgen profile`, or choose another strategy")
+        scores = (
+            strategy_scores(
+                strategy, self.num_layers, length, self.num_blocks,
+                importance=self.importance, request_counts=request_counts, seed=self.seed,
+            )
+            if mode == "budget"
+            else strategy_scores("sequential", self.num_layers, length, self.num_blocks)
+        )
+        return plan_transfer(scores, self.budget(length, mode))

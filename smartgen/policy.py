@@ -1,0 +1,68 @@
+"""Transfer policies: SmartGen, its baselines and ablations, as settings of one engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from smartgen.planning import STRATEGIES
+
+__all__ = ["Policy", "POLICIES", "get_policy"]
+
+PROACTIVE_MODES = ("all", "floor", "budget")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How one request's KV moves.
+
+    proactive: "all" pushes every block during prefill (full transfer); "floor" only layers
+    0-1 (partial transfer); "budget" layers 0-1 plus the top K_r blocks by `strategy`.
+    parallel: fetch remote entries while gathering local ones (else remote, then local).
+    speculative: push the next slice of unsent blocks on every idle notice.
+    wait_for_all: decoding starts only when every block is local (full transfer).
+    """
+
+    name: str
+    proactive: str = "budget"
+    strategy: str = "profile"
+    parallel: bool = True
+    speculative: bool = True
+    speculative_ratio: float = 0.1
+    wait_for_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.proactive not in PROACTIVE_MODES:
+            raise ValueError(f"proactive must be one of {PROACTIVE_MODES}, got {self.proactive!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown proactive strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if not 0 < self.speculative_ratio <= 1:
+            raise ValueError(f"speculative ratio must be in (0, 1], got {self.speculative_ratio}")
+
+    def with_strategy(self, strategy: str) -> "Policy":
+        """The same policy with another proactive-set strategy (random, sequential, streaming, ...)."""
+        return replace(self, strategy=strategy, name=f"{self.name}[{strategy}]")
+
+
+POLICIES: dict[str, Policy] = {
+    policy.name: policy
+    for policy in (
+        Policy("full", proactive="all", parallel=False, speculative=False, wait_for_all=True),
+        Policy("partial", proactive="floor", parallel=False, speculative=False),
+        Policy("partial+profile", proactive="budget", parallel=False, speculative=False),
+        Policy("partial+profile+parallel", proactive="budget", parallel=True, speculative=False),
+        Policy("smartgen", proactive="budget", parallel=True, speculative=True),
+    )
+}
+
+
+def get_policy(name: str, strategy: str | None = None, speculative_ratio: float | None = None) -> Policy:
+    """Looks a policy up by name, optionally with another strategy or speculative ratio."""
+    try:
+        policy = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; choose one of {', '.join(POLICIES)}") from None
+    if strategy is not None and strategy != policy.strategy:
+        policy = policy.with_strategy(strategy)
+    if speculative_ratio is not None:
+        policy = replace(policy, speculative_ratio=speculative_ratio)
+    return policy

@@ -1,0 +1,200 @@
+"""KV memory on both sides: the decode node's slotted KV pool and the prefill node's per-request store.
+
+The decode pool is token-major, K and V each one tensor [L, S, N, H, d]: a run of tokens
+of one layer of one slot is one contiguous byte range, so a block (or several adjacent
+blocks) is a single one-sided write for K and one for V, and the whole tensor can be
+registered as one memory region.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from smartgen.layout import KVLayout
+from smartgen.mask import LOCAL, MaskTable
+
+__all__ = ["PoolGeometry", "PoolFull", "DecodePool", "RequestKV", "PrefillStore"]
+
+
+class PoolFull(RuntimeError):
+    """No free slot, or the request is longer than a slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """Byte offsets into a decode pool's regions; shared with prefill nodes at the handshake."""
+
+    layout: KVLayout
+    num_slots: int
+    max_tokens: int
+
+    def kv_offset(self, layer: int, slot: int, token: int) -> int:
+        """Byte offset of (layer, slot, token) in the K (or V) region."""
+        return ((layer * self.num_slots + slot) * self.max_tokens + token) * self.layout.token_bytes
+
+    def mask_offset(self, layer: int, slot: int, token: int) -> int:
+        """Byte offset of (layer, slot, token) in the int8 mask region."""
+        return (layer * self.num_slots + slot) * self.max_tokens + token
+
+
+class DecodePool:
+    """The decode node's KV pool: K and V [L, S, N, H, d] plus the mask table [L, S, N].
+
+    Host memory (pinned when CUDA is present) unless a device is given. One slot per request;
+    prompt tokens arrive from prefill nodes, generated tokens are appended here.
+    """
+
+    def __init__(self, layout: KVLayout, num_slots: int, max_tokens: int, device: str | torch.device = "cpu") -> None:
+        if num_slots < 1 or max_tokens < 1:
+            raise ValueError("a pool needs at least one slot of at least one token")
+        self.layout = layout
+        self.geometry = PoolGeometry(layout, num_slots, max_tokens)
+        shape = (layout.num_layers, num_slots, max_tokens, layout.num_kv_heads, layout.head_dim)
+        pin = torch.device(device).type == "cpu" and torch.cuda.is_available()
+        self.k = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
+        self.masks = MaskTable(layout.num_layers, num_slots, max_tokens)
+        self.lengths = [0] * num_slots  # tokens in use per slot (prompt + generated)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def num_slots(self) -> int:
+        return self.geometry.num_slots
+
+    @property
+    def max_tokens(self) -> int:
+        return self.geometry.max_tokens
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, prompt_length: int, max_new_tokens: int = 0) -> int:
+        """Takes a slot for a prompt of `prompt_length` tokens: its mask says remote, the rest padding."""
+        needed = prompt_length + max_new_tokens
+        if needed > self.max_tokens:
+            raise PoolFull(f"request needs {needed} tokens, a pool slot holds {self.max_tokens}")
+        with self._lock:
+            if not self._free:
+                raise PoolFull(f"all {self.num_slots} pool slots are in use")
+            slot = self._free.pop()
+        self.masks.open(slot, prompt_length)
+        self.lengths[slot] = prompt_length
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Returns a slot; its mask goes back to padding so nothing can read stale KV."""
+        self.masks.close(slot)
+        self.lengths[slot] = 0
+        with self._lock:
+            if slot in self._free:
+                raise ValueError(f"slot {slot} is already free")
+            self._free.append(slot)
+
+    def append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Writes a generated token's K/V [H, d] of one layer at the slot's end; local at once.
+
+        Returns its position. The slot's length advances when layer 0 appends, so call
+        layers in order for each new token.
+        """
+        position = self.lengths[slot] if layer == 0 else self.lengths[slot] - 1
+        if layer == 0:
+            if position >= self.max_tokens:
+                raise PoolFull(f"slot {slot} is full ({self.max_tokens} tokens)")
+            self.lengths[slot] += 1
+        self.k[layer, slot, position] = k
+        self.v[layer, slot, position] = v
+        self.masks.values[layer, slot, position] = LOCAL
+        return position
+
+    def write_tokens(self, layer: int, slot: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Lands fetched tokens ([T, H, d] each) in the pool, then marks them local (data before mask)."""
+        self.k[layer, slot, positions] = k.to(self.k.device)
+        self.v[layer, slot, positions] = v.to(self.v.device)
+        self.masks.set_local_tokens(layer, slot, positions)
+
+    def byte_views(self) -> dict[str, torch.Tensor]:
+        """The regions a lane registers: flat uint8 views of K, V and the masks."""
+        return {
+            "k": self.k.view(-1).view(torch.uint8),
+            "v": self.v.view(-1).view(torch.uint8),
+            "mask": self.masks.values.view(-1).view(torch.uint8),
+        }
+
+
+@dataclass(slots=True)
+class RequestKV:
+    """One request's prompt KV on a prefill node: K and V [L, n, H, d], token-major like the pool."""
+
+    request_id: str
+    k: torch.Tensor
+    v: torch.Tensor
+    layers_ready: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    def byte_views(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k.view(-1).view(torch.uint8), "v": self.v.view(-1).view(torch.uint8)}
+
+    def kv_offset(self, layer: int, token: int) -> int:
+        return (layer * self.length + token) * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+
+
+class PrefillStore:
+    """The prefill node's per-request KV, kept until the decode node releases the request."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._requests: dict[str, RequestKV] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str, length: int) -> RequestKV:
+        shape = (self.layout.num_layers, length, self.layout.num_kv_heads, self.layout.head_dim)
+        entry = RequestKV(request_id, torch.empty(shape, dtype=self.layout.dtype), torch.empty(shape, dtype=self.layout.dtype))
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already open on this prefill node")
+            self._requests[request_id] = entry
+        return entry
+
+    def put_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> RequestKV:
+        """Stores one layer's K/V ([n, H, d] each) as soon as that layer's prefill is done."""
+        entry = self.get(request_id)
+        if layer != entry.layers_ready:
+            raise ValueError(f"layer {layer} of {request_id!r} arrived out of order (expected {entry.layers_ready})")
+        entry.k[layer].copy_(k)
+        entry.v[layer].copy_(v)
+        entry.layers_ready += 1
+        return entry
+
+    def get(self, request_id: str) -> RequestKV:
+        with self._lock:
+            entry = self._requests.get(request_id)
+        if entry is None:
+            raise KeyError(f"no KV for request {request_id!r} on this prefill node")
+        return entry
+
+    def release(self, request_id: str) -> bool:
+        """Frees a request's KV; returns whether it was held."""
+        with self._lock:
+            return self._requests.pop(request_id, None) is not None
+
+    def __contains__(self, request_id: object) -> bool:
+        with self._lock:
+            return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    @property
+    def bytes_held(self) -> int:
+        with self._lock:
+            return sum(e.k.nbytes + e.v.nbytes for e in self._requests.values())

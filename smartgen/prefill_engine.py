@@ -1,0 +1,209 @@
+"""The prefill side of the transfer engine: request KV store, proactive and speculative pushes, fetch serving.
+
+A request on a prefill node:
+1. OPEN arrives from a decode node: the request's KV store is allocated, its transfer plan
+   made (policy + profile + link timings), and it is queued for `next_request()`.
+2. Prefill runs layer by layer; `prefill_layer()` stores each layer's K/V and at once
+   pushes that layer's planned blocks (data, then mask) on the push lane.
+3. `finish_prefill()` sends FIRST_TOKEN on the control lane (not behind bulk pushes).
+4. FETCH requests are answered with the K/V of the asked tokens; each IDLE notice pushes the
+   next speculative slice, in importance order, unless the previous slice is still in flight.
+5. RELEASE or ABORT frees the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from smartgen.descriptors import ONES_SOURCE, block_write_ops
+from smartgen.lanes.base import Completion, Message, MessageKind
+from smartgen.lanes.link import LinkEnd
+from smartgen.layout import KVLayout
+from smartgen.planning import Planner, TransferPlan, speculative_slice_size
+from smartgen.policy import Policy, get_policy
+from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
+
+__all__ = ["PrefillEngine", "OpenedRequest"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OpenedRequest:
+    """A request this prefill node is serving."""
+
+    request_id: str
+    slot: int
+    length: int
+    policy: Policy
+    plan: TransferPlan
+    link: LinkEnd
+    geometry: PoolGeometry
+    kv: RequestKV
+    ones: torch.Tensor
+    spec_cursor: int = 0
+    spec_in_flight: Completion | None = None
+    completions: list[Completion] = field(default_factory=list)
+
+    @property
+    def speculation_done(self) -> bool:
+        return self.spec_cursor >= self.plan.speculative_order.numel()
+
+
+class PrefillEngine:
+    """Serves the decode nodes attached to it; `prefill_layer` is called by the model runtime."""
+
+    def __init__(self, layout: KVLayout, planner: Planner) -> None:
+        self.layout = layout
+        self.planner = planner
+        self.store = PrefillStore(layout)
+        self.oracle_counts: dict[str, torch.Tensor] = {}  # request_id -> [L, H, n] for the "optimal" strategy
+        self._requests: dict[str, OpenedRequest] = {}
+        self._lock = threading.Lock()
+        self._opened: queue.Queue[OpenedRequest] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._links: list[LinkEnd] = []
+
+    # -- connections ------------------------------------------------------------------
+    def attach(self, link: LinkEnd, geometry: PoolGeometry) -> None:
+        """Serves one decode node over `link`; `geometry` is its pool's (exchanged at the handshake)."""
+        self._links.append(link)
+        thread = threading.Thread(target=self._serve, args=(link, geometry), name="prefill-serve", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _serve(self, link: LinkEnd, geometry: PoolGeometry) -> None:
+        while True:
+            message = link.control.recv()
+            if message is None:
+                self._drop_link(link)
+                return
+            try:
+                self._handle(link, geometry, message)
+            except Exception as exc:  # a bad request must not take the node down
+                log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
+                link.control.send(Message(MessageKind.ERROR, message.request_id, {"reason": str(exc)}))
+
+    def _handle(self, link: LinkEnd, geometry: PoolGeometry, message: Message) -> None:
+        kind = message.kind
+        if kind == MessageKind.OPEN:
+            self._open(link, geometry, message)
+        elif kind == MessageKind.FETCH:
+            self._serve_fetch(link, message)
+        elif kind == MessageKind.IDLE:
+            request = self._get(message.request_id)
+            if request is not None:
+                self.push_speculative(request)
+        elif kind in (MessageKind.RELEASE, MessageKind.ABORT):
+            self.release(message.request_id)
+        else:
+            raise ValueError(f"unexpected {kind.name} on a prefill node")
+
+    def _drop_link(self, link: LinkEnd) -> None:
+        """The decode node is gone: free every request it had here."""
+        with self._lock:
+            gone = [rid for rid, req in self._requests.items() if req.link is link]
+        for request_id in gone:
+            self.release(request_id)
+
+    # -- request life -----------------------------------------------------------------
+    def _open(self, link: LinkEnd, geometry: PoolGeometry, message: Message) -> None:
+        meta = message.meta
+        policy = get_policy(meta["policy"], meta.get("strategy"), meta.get("speculative_ratio"))
+        length = int(meta["length"])
+        plan = self.planner.plan(length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None))
+        kv = self.store.open(message.request_id, length)
+        request = OpenedRequest(
+            message.request_id, int(meta["slot"]), length, policy, plan, link, geometry, kv,
+            ones=torch.ones(length, dtype=torch.uint8),
+        )
+        with self._lock:
+            self._requests[message.request_id] = request
+        self._opened.put(request)
+
+    def next_request(self, timeout: float | None = None) -> OpenedRequest | None:
+        """The next opened request to prefill (None after `timeout`)."""
+        try:
+            return self._opened.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _get(self, request_id: str) -> OpenedRequest | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def prefill_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Stores one prefilled layer ([n, H, d] each) and pushes its planned blocks; returns bytes posted."""
+        request = self._get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not open on this prefill node")
+        self.store.put_layer(request_id, layer, k, v)
+        return self._push(request, [(layer, request.plan.proactive_blocks(layer))], tag="proactive")
+
+    def finish_prefill(self, request_id: str, first_token: int) -> None:
+        request = self._get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not open on this prefill node")
+        request.link.control.send(Message(MessageKind.FIRST_TOKEN, request_id, {"token": int(first_token)}))
+
+    def push_speculative(self, request: OpenedRequest) -> int:
+        """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight."""
+        if not request.policy.speculative or request.speculation_done:
+            return 0
+        if request.spec_in_flight is not None and not request.spec_in_flight.done():
+            return 0
+        if request.kv.layers_ready < self.layout.num_layers:
+            return 0  # speculation starts once prefill is over
+        total = request.plan.num_layers * request.plan.num_blocks
+        size = speculative_slice_size(total, request.policy.speculative_ratio)
+        ids = request.plan.speculative_order[request.spec_cursor : request.spec_cursor + size]
+        request.spec_cursor += ids.numel()
+        layer_of = ids // request.plan.num_blocks
+        layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
+        return self._push(request, layer_blocks, tag="speculative")
+
+    def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
+        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks)
+        if not ops:
+            return 0
+        sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
+        completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
+        if tag == "speculative":
+            request.spec_in_flight = completion
+        return kv_bytes
+
+    def _serve_fetch(self, link: LinkEnd, message: Message) -> None:
+        request = self._get(message.request_id)
+        if request is None:
+            raise KeyError(f"request {message.request_id!r} is not open on this prefill node")
+        layer = int(message.meta["layer"])
+        positions = message.payload["positions"]
+        if request.kv.layers_ready <= layer:
+            raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
+        reply = Message(
+            MessageKind.FETCH_REPLY, message.request_id, {"fetch_id": message.meta["fetch_id"]},
+            {"k": request.kv.k[layer, positions].contiguous(), "v": request.kv.v[layer, positions].contiguous()},
+        )
+        link.control.send(reply, tag="on_demand")
+
+    def release(self, request_id: str) -> bool:
+        """Frees a request's KV (RELEASE, ABORT, or its decode node gone)."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+        return self.store.release(request_id)
+
+    @property
+    def num_open(self) -> int:
+        with self._lock:
+            return len(self._requests)

@@ -1,0 +1,1 @@
+"""smartgen.store package."""

@@ -1,0 +1,1 @@
+"""smartgen.tui package."""
