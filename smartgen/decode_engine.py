@@ -261,14 +261,25 @@ class DecodeEngine:
         """After a step: record the token, and RELEASE requests whose blocks are now all local."""
         now = time.monotonic()
         for request_id in request_ids:
+            self._require(request_id).metrics.token_times.append(now)
+        self.release_fully_local(request_ids)
+
+    def release_fully_local(self, request_ids: list[str]) -> list[str]:
+        """Sends RELEASE for speculative requests whose blocks are all local; returns their ids."""
+        released = []
+        for request_id in request_ids:
             request = self._require(request_id)
-            request.metrics.token_times.append(now)
             if request.released or not request.policy.speculative:
                 continue
             if self.pool.masks.all_local(request.slot, request.length):
                 self._release(request, MessageKind.RELEASE)
                 request.metrics.state = RequestState.FULLY_LOCAL
-                request.metrics.fully_local_at = now
+                request.metrics.fully_local_at = time.monotonic()
+                released.append(request_id)
+        return released
+
+    def is_released(self, request_id: str) -> bool:
+        return self._require(request_id).released
 
     def _release(self, request: _Request, kind: MessageKind, reason: str = "") -> None:
         if request.released:

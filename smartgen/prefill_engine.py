@@ -24,6 +24,7 @@ from smartgen.descriptors import ONES_SOURCE, block_write_ops
 from smartgen.lanes.base import Completion, Message, MessageKind
 from smartgen.lanes.link import LinkEnd
 from smartgen.layout import KVLayout
+from smartgen.metrics import PathCounters
 from smartgen.planning import Planner, TransferPlan, speculative_slice_size
 from smartgen.policy import Policy, get_policy
 from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
@@ -62,6 +63,7 @@ class PrefillEngine:
         self.layout = layout
         self.planner = planner
         self.store = PrefillStore(layout)
+        self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
         self.oracle_counts: dict[str, torch.Tensor] = {}  # request_id -> [L, H, n] for the "optimal" strategy
         self._requests: dict[str, OpenedRequest] = {}
         self._lock = threading.Lock()
@@ -179,6 +181,7 @@ class PrefillEngine:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
         completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
+        self.counters.add(tag, kv_bytes)
         if tag == "speculative":
             request.spec_in_flight = completion
         return kv_bytes
@@ -196,6 +199,7 @@ class PrefillEngine:
             {"k": request.kv.k[layer, positions].contiguous(), "v": request.kv.v[layer, positions].contiguous()},
         )
         link.control.send(reply, tag="on_demand")
+        self.counters.add("on_demand", reply.payload_bytes)
 
     def release(self, request_id: str) -> bool:
         """Frees a request's KV (RELEASE, ABORT, or its decode node gone)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
-from smartgen.lanes.pacer import Pacer, sleep_until
+from smartgen.lanes.pacer import Pacer
 
 __all__ = ["InprocLane"]
 
@@ -149,7 +149,7 @@ class InprocLane(Lane):
             )
             started = time.monotonic()
             sent_at = self._pacer.reserve(num_bytes)
-            sleep_until(sent_at)  # the link is busy until the bytes are out
+            self._sleep_until(sent_at)  # the link is busy until the bytes are out
             self.counters.add_busy(time.monotonic() - started)
             self._in_flight.put((sent_at + self._pacer.delay_s, item))
 
@@ -160,7 +160,7 @@ class InprocLane(Lane):
             if item is _STOP:
                 self._drain()
                 return
-            sleep_until(arrival)
+            self._sleep_until(arrival)
             if isinstance(item, _WriteBatch):
                 applied = not self._closed.is_set() and peer is not None and peer._apply(item)
                 item.completion.set(applied)
@@ -169,6 +169,12 @@ class InprocLane(Lane):
                     peer._inbox.put(item)
             elif isinstance(item, _Marker):
                 item.completion.set(True)
+
+    def _sleep_until(self, deadline: float) -> None:
+        """Sleeps like the wire would, but wakes at once when the lane closes."""
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            self._closed.wait(remaining)
 
     def _drain(self) -> None:
         """Releases every waiter on what was still queued when the lane closed."""

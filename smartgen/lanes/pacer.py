@@ -44,7 +44,8 @@ class Pacer:
         if self.gbps is None:
             return now
         with self._lock:
-            start = max(self._next_free, now - CATCH_UP_SECONDS)
+            # An idle link starts now; a busy one continues its clock, even slightly in the past.
+            start = self._next_free if self._next_free > now - CATCH_UP_SECONDS else now
             self._next_free = start + self.transfer_seconds(num_bytes)
             return self._next_free
 

@@ -1,0 +1,42 @@
+# SmartGen developer tasks. `make test` builds .venv when missing; `make test TORCH=torch` for a CUDA build.
+
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-slow demo bench clean FORCE
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Rewritten only when TORCH changes, so `make test TORCH=torch` reinstalls and a plain rerun does not.
+$(VENV)/.torch-spec: FORCE | $(PY)
+	@echo '$(TORCH)' | cmp -s - $@ || echo '$(TORCH)' > $@
+
+$(STAMP): pyproject.toml Makefile $(VENV)/.torch-spec | $(PY)
+	$(PY) -m pip install '$(TORCH)'
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+# pytest exits 5 when it collects nothing; make fails on that like on any non-zero status.
+test: venv
+	$(PY) -m pytest -q
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+demo: venv
+	$(VENV)/bin/smartgen simulate
+
+bench: venv
+	$(PY) bench/engine_ops.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+FORCE:

@@ -1,0 +1,249 @@
+"""Runs requests through a prefill engine and a decode engine joined by an in-process link.
+
+The KV cache and the selector trace are synthetic and compute is emulated by sleeping
+(`prefill_seconds_per_token`, `decode_layer_seconds`); everything else — plans, masks,
+pushes, fetches, speculation, pacing — is the real engine. Used by the tests (which
+check every assembled KV against the ground truth), the benchmarks and `smartgen simulate`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from smartgen.decode_engine import DecodeEngine
+from smartgen.lanes.link import inproc_link
+from smartgen.layout import KVLayout
+from smartgen.planning import ImportanceAccumulator, Planner
+from smartgen.policy import Policy
+from smartgen.prefill_engine import PrefillEngine
+from smartgen.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
+
+__all__ = ["SimulationConfig", "SimulationResult", "calibrate", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationConfig:
+    """What to run: model shape, requests, link, emulated compute."""
+
+    layout: KVLayout
+    lengths: tuple[int, ...] = (2048,)
+    steps: int = 16  # output tokens per request, the first one from prefill
+    select_ratio: float = 0.1
+    gbps: float | None = None  # None = unpaced
+    delay_s: float = 0.0
+    prefill_seconds_per_token: float = 0.0  # emulated prefill compute (all layers)
+    decode_layer_seconds: float = 0.0  # emulated attention+FFN compute per layer per step
+    seed: int = 0
+    verify: bool = True  # compare every assembled KV with the ground truth
+    calibration_prompts: int = 4
+    calibration_steps: int = 4
+    drain_speculation: bool = True  # after the last step, stay idle until speculation is done
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """What one policy did: per-request timings and the bytes each path moved."""
+
+    policy: str
+    requests: list[dict[str, Any]]
+    path_bytes: dict[str, int]
+    push_descriptors: int
+    on_demand_ratio: float
+    max_fetch_count: int
+    prefill_requests_left: int
+    pool_equals_prefill: bool | None
+    all_local: bool
+    mismatches: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def mean(self, key: str) -> float | None:
+        values = [r[key] for r in self.requests if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+
+def calibrate(config: SimulationConfig, trace: SyntheticTrace) -> torch.Tensor:
+    """A profile: block importance [L, M] from calibration prompts (other seeds than the requests)."""
+    accumulator = ImportanceAccumulator(config.layout.num_layers, config.layout.num_blocks)
+    for i in range(config.calibration_prompts):
+        length = config.lengths[i % len(config.lengths)]
+        accumulator.add(trace.request_counts(length, config.calibration_steps, seed=10_000 + i))
+    return accumulator.importance()
+
+
+def _prefill_worker(engine: PrefillEngine, config: SimulationConfig, kvs: dict[str, tuple], count: int, stop: threading.Event) -> None:
+    layer_seconds = config.prefill_seconds_per_token / config.layout.num_layers
+    served = 0
+    while served < count and not stop.is_set():
+        request = engine.next_request(timeout=0.1)
+        if request is None:
+            continue
+        k, v = kvs[request.request_id]
+        for layer in range(config.layout.num_layers):
+            if layer_seconds:
+                time.sleep(layer_seconds * request.length)
+            engine.prefill_layer(request.request_id, layer, k[layer], v[layer])
+        engine.finish_prefill(request.request_id, first_token=0)
+        served += 1
+
+
+def simulate(
+    config: SimulationConfig,
+    policy: Policy,
+    importance: torch.Tensor | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> SimulationResult:
+    """Runs one batch of requests (one per entry of `config.lengths`) under `policy`."""
+    layout = config.layout
+    trace = SyntheticTrace(layout.num_layers, layout.num_kv_heads, ratio=config.select_ratio)
+    planner = Planner(
+        layout.num_layers, layout.num_blocks, importance,
+        prefill_seconds_per_token=config.prefill_seconds_per_token,
+        transfer_seconds_per_token=_transfer_seconds_per_token(config),
+        seed=config.seed,
+    )
+    prefill = PrefillEngine(layout, planner)
+    decode = DecodeEngine(layout, num_slots=len(config.lengths), max_tokens=max(config.lengths) + config.steps)
+    if config.verify:
+        decode.pool.k.fill_(float("nan"))  # a read of anything not yet landed shows up as a mismatch
+        decode.pool.v.fill_(float("nan"))
+    prefill_end, decode_end = inproc_link(config.gbps, config.delay_s)
+    prefill.attach(prefill_end, decode.pool.geometry)
+    decode.attach(decode_end)
+
+    request_ids = [f"req-{config.seed}-{i}" for i in range(len(config.lengths))]
+    kvs = {rid: synthetic_kv(layout, n, seed=config.seed * 101 + i) for i, (rid, n) in enumerate(zip(request_ids, config.lengths))}
+    for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
+        if policy.strategy == "optimal":
+            prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
+    stop = threading.Event()
+    worker = threading.Thread(target=_prefill_worker, args=(prefill, config, kvs, len(request_ids), stop), daemon=True)
+    worker.start()
+    mismatches = 0
+    try:
+        for rid, n in zip(request_ids, config.lengths):
+            decode.open(n, policy, max_new_tokens=config.steps, request_id=rid)
+        for rid in request_ids:
+            decode.wait_first_token(rid, timeout=600)
+        if policy.wait_for_all:
+            for rid in request_ids:
+                decode.wait_all_local(rid, timeout=600)
+        for step in range(1, config.steps):
+            for layer in range(layout.num_layers):
+                decode.begin_layer(layer, request_ids)
+                index = _step_index(trace, config, step, layer)
+                assembled = decode.assemble(layer, request_ids, index)
+                if config.verify:
+                    mismatches += _count_mismatches(assembled, kvs, config, layer)
+                if config.decode_layer_seconds:
+                    time.sleep(config.decode_layer_seconds)
+                for i, rid in enumerate(request_ids):
+                    new_k, new_v = synthetic_new_token(layout, config.seed * 101 + i, step, layer)
+                    decode.append(layer, rid, new_k, new_v)
+            decode.end_step(request_ids)
+            if on_step:
+                on_step(step)
+        if policy.speculative and config.drain_speculation:
+            _drain(decode, request_ids)
+        all_local = all(decode.pool.masks.all_local(decode.slot_of(rid), n) for rid, n in zip(request_ids, config.lengths))
+        pool_equal = None
+        if config.verify and all_local:
+            pool_equal = all(
+                torch.equal(decode.pool.k[:, decode.slot_of(rid), :n], kvs[rid][0])
+                and torch.equal(decode.pool.v[:, decode.slot_of(rid), :n], kvs[rid][1])
+                for rid, n in zip(request_ids, config.lengths)
+            )
+        max_fetch = max(int(decode.fetch_counts(rid).max()) for rid in request_ids)
+        metrics = [decode.finish(rid) for rid in request_ids]
+        _wait(lambda: prefill.store.num_requests == 0, 10)
+        push = prefill_end.push.counters.snapshot()
+        path_bytes = {path: prefill.counters.bytes.get(path, 0) for path in ("proactive", "speculative", "on_demand")}
+        return SimulationResult(
+            policy=policy.name,
+            requests=[m.snapshot() for m in metrics],
+            path_bytes=path_bytes,
+            push_descriptors=push["num_descriptors"],
+            on_demand_ratio=decode.counters.on_demand_ratio,
+            max_fetch_count=max_fetch,
+            prefill_requests_left=prefill.store.num_requests,
+            pool_equals_prefill=pool_equal,
+            all_local=all_local,
+            mismatches=mismatches,
+        )
+    finally:
+        stop.set()
+        decode.close()
+        prefill.close()
+        worker.join(timeout=5)
+
+
+def _transfer_seconds_per_token(config: SimulationConfig) -> float:
+    if config.gbps is None:
+        return 0.0
+    return config.layout.kv_bytes(1) * 8 / (config.gbps * 1e9)
+
+
+def _wait(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _step_index(trace: SyntheticTrace, config: SimulationConfig, step: int, layer: int) -> torch.Tensor:
+    """The selector's index [B·H, k] for one step and layer; short rows padded with -1."""
+    heads = config.layout.num_kv_heads
+    rows = [
+        trace.select(layer, n, n + step - 1, seed=(config.seed * 101 + i) * 7919 + step * 131 + layer)
+        for i, n in enumerate(config.lengths)
+    ]
+    index = torch.full((len(rows) * heads, max(r.shape[1] for r in rows)), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        index[i * heads : (i + 1) * heads, : r.shape[1]] = r
+    return index
+
+
+def _drain(decode: DecodeEngine, request_ids: list[str], timeout: float = 120.0) -> None:
+    """Keeps telling the prefill nodes the link is idle until speculation has moved everything."""
+    deadline = time.monotonic() + timeout
+    pending = [rid for rid in request_ids if not decode.is_released(rid)]
+    while pending and time.monotonic() < deadline:
+        decode.begin_layer(0, pending)
+        time.sleep(0.001)
+        decode.release_fully_local(pending)
+        pending = [rid for rid in pending if not decode.is_released(rid)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so NaN poisoning and -0.0 compare exactly."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _count_mismatches(assembled, kvs: dict, config: SimulationConfig, layer: int) -> int:
+    """Selected entries whose assembled K or V differs (bitwise) from the ground truth."""
+    layout = config.layout
+    heads = layout.num_kv_heads
+    bad = 0
+    for i, (rid, n) in enumerate(zip(kvs, config.lengths)):
+        k_true, v_true = kvs[rid]
+        for h in range(heads):
+            row = i * heads + h
+            positions = assembled.split.index[row, : int(assembled.num_valid[row])]
+            expect_k = torch.empty(positions.numel(), layout.head_dim, dtype=layout.dtype)
+            expect_v = torch.empty_like(expect_k)
+            prompt = positions < n
+            expect_k[prompt] = k_true[layer, positions[prompt], h]
+            expect_v[prompt] = v_true[layer, positions[prompt], h]
+            for j in (~prompt).nonzero().flatten().tolist():
+                step_k, step_v = synthetic_new_token(layout, config.seed * 101 + i, int(positions[j]) - n + 1, layer)
+                expect_k[j], expect_v[j] = step_k[h], step_v[h]
+            valid = positions.numel()
+            same = (_bits(assembled.k[row, :valid]) == _bits(expect_k)).all(-1) & (_bits(assembled.v[row, :valid]) == _bits(expect_v)).all(-1)
+            bad += int((~same).sum())
+    return bad

@@ -1,0 +1,105 @@
+"""Tests the `smartgen` command line through typer's CliRunner: help everywhere, `info`, `--version`, `python -m`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import typer
+import typer.main
+from typer.testing import CliRunner
+
+import smartgen
+from smartgen.cli.app import app
+from smartgen.sysinfo import PACKAGES
+
+runner = CliRunner()
+
+
+def _walk(cmd: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """Yields (`smartgen sub cmd`, command) for the root and every command and sub-command below it.
+
+    Duck-typed: typer >= 0.20 vendors click, so its commands are not `click.Group` instances.
+    """
+    yield " ".join(("smartgen", *path)), cmd
+    for name, sub in sorted((getattr(cmd, "commands", None) or {}).items()):
+        yield from _walk(sub, (*path, name))
+
+
+COMMANDS = list(_walk(typer.main.get_command(app)))
+
+
+def test_help_lists_commands() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    names = list(typer.main.get_command(app).commands)
+    assert "info" in names
+    for name in names:
+        assert name in result.output
+
+
+def test_no_args_shows_help() -> None:
+    result = runner.invoke(app, [])
+    assert "Usage" in result.output
+
+
+def test_walk_finds_subcommands() -> None:
+    assert "smartgen info" in [path for path, _ in COMMANDS]
+
+
+@pytest.mark.parametrize(("path", "cmd"), COMMANDS, ids=[path for path, _ in COMMANDS])
+def test_every_command_has_help(path: str, cmd: Any) -> None:
+    assert (cmd.help or cmd.short_help or "").strip(), f"`{path}` has no help text"
+    for param in cmd.params:
+        # Options and typer Arguments both carry `help`; a bare click Argument has none to check.
+        if param.param_type_name == "option" or hasattr(param, "help"):
+            assert (getattr(param, "help", None) or "").strip(), f"`{path}` {param.opts} has no help text"
+    # --help must render, not only exist
+    result = runner.invoke(app, [*path.split()[1:], "--help"])
+    assert result.exit_code == 0, result.output
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"smartgen {smartgen.__version__}"
+
+
+def test_info_prints_versions() -> None:
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    for name in ("python", "smartgen", *PACKAGES, "CUDA", "RDMA", "Triton", "Profile DB"):
+        assert name in result.output
+
+
+def test_info_json() -> None:
+    result = runner.invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report) == {"versions", "cuda", "rdma", "triton", "db_path"}
+    assert set(report["versions"]) == {"python", "smartgen", *PACKAGES}
+    assert report["versions"]["smartgen"] == smartgen.__version__
+    assert {"status", "devices"} <= set(report["cuda"]) and {"status", "devices"} <= set(report["rdma"])
+
+
+def test_verbose_sets_log_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    # -v configures logging; put the root handlers and smartgen's level back for the tests after this one.
+    root, log = logging.getLogger(), logging.getLogger("smartgen")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(log, "level", log.level)
+    result = runner.invoke(app, ["-vv", "info", "--json"])
+    assert result.exit_code == 0, result.output
+    assert log.level == logging.DEBUG
+
+
+def test_python_dash_m() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "smartgen", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "info" in proc.stdout

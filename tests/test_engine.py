@@ -1,0 +1,270 @@
+"""The three paths and the baselines end to end over the in-process lane, on a synthetic cache and trace."""
+
+import time
+
+import pytest
+import torch
+
+import smartgen.decode_engine as decode_module
+from smartgen.decode_engine import DecodeEngine, RequestFailed
+from smartgen.lanes.base import MessageKind
+from smartgen.lanes.link import inproc_link
+from smartgen.layout import KVLayout
+from smartgen.mask import LOCAL
+from smartgen.planning import Planner, speculative_slice_size
+from smartgen.policy import POLICIES, get_policy
+from smartgen.prefill_engine import PrefillEngine
+from smartgen.simulate import SimulationConfig, calibrate, simulate
+from smartgen.synthetic import SyntheticTrace, synthetic_kv
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, num_blocks=16)
+
+
+def config(**overrides) -> SimulationConfig:
+    base = dict(layout=LAYOUT, lengths=(100, 37), steps=5, select_ratio=0.2, gbps=0.2, prefill_seconds_per_token=2e-5)
+    base.update(overrides)
+    return SimulationConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def importance():
+    cfg = config()
+    return calibrate(cfg, SyntheticTrace(LAYOUT.num_layers, LAYOUT.num_kv_heads, ratio=cfg.select_ratio))
+
+
+@pytest.fixture
+def remote_read_guard(monkeypatch):
+    """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
+    real_gather = decode_module.gather_kv
+    violations = []
+
+    def guarded(k_pool, v_pool, slots, index, start, stop, k_out, v_out):
+        pool_k = decode_module_pools[-1]
+        layer = next(i for i in range(pool_k.k.shape[0]) if pool_k.k[i].data_ptr() == k_pool.data_ptr())
+        mask = pool_k.masks.layer(layer)
+        heads = k_pool.shape[2]
+        for r in range(index.shape[0]):
+            for j in range(int(start[r]), int(stop[r])):
+                if int(mask[int(slots[r // heads]), int(index[r, j])]) != LOCAL:
+                    violations.append((layer, r, j))
+        real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
+
+    decode_module_pools = []
+    real_init = DecodeEngine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        decode_module_pools.append(self.pool)
+
+    monkeypatch.setattr(DecodeEngine, "__init__", init)
+    monkeypatch.setattr(decode_module, "gather_kv", guarded)
+    return violations
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_assembles_the_true_kv(name, importance, remote_read_guard):
+    policy = POLICIES[name]
+    result = simulate(config(), policy, importance)
+    assert result.mismatches == 0, "assembled KV must equal the selected ground truth bit for bit"
+    assert remote_read_guard == [], "an entry was read from the pool while its mask said remote"
+    assert result.max_fetch_count <= 1, "an entry was fetched twice"
+    assert result.prefill_requests_left == 0
+    assert all(r["error"] is None for r in result.requests)
+    if policy.speculative or policy.wait_for_all:
+        assert result.all_local and result.pool_equals_prefill
+
+
+@pytest.mark.parametrize("strategy", ["random", "sequential", "streaming", "optimal"])
+def test_smartgen_with_every_proactive_strategy(strategy, importance):
+    result = simulate(config(gbps=None), get_policy("smartgen", strategy=strategy), importance)
+    assert result.mismatches == 0 and result.max_fetch_count <= 1
+    assert result.all_local and result.pool_equals_prefill and result.prefill_requests_left == 0
+
+
+def test_bfloat16_cache_is_moved_bit_for_bit(importance):
+    layout = KVLayout(4, 2, 8, dtype=torch.bfloat16, num_blocks=16)
+    result = simulate(config(layout=layout, lengths=(50,)), POLICIES["smartgen"], importance)
+    assert result.mismatches == 0 and result.pool_equals_prefill
+
+
+def test_full_transfer_sends_all_kv_once(importance):
+    cfg = config()
+    result = simulate(cfg, POLICIES["full"], importance)
+    assert result.path_bytes == {"proactive": sum(LAYOUT.kv_bytes(n) for n in cfg.lengths), "speculative": 0, "on_demand": 0}
+
+
+def _expected_proactive_bytes(planner: Planner, policy, length: int) -> int:
+    plan = planner.plan(length, policy.proactive, policy.strategy)
+    from smartgen.layout import block_bounds
+
+    sizes = (block_bounds(length, LAYOUT.num_blocks)[1:] - block_bounds(length, LAYOUT.num_blocks)[:-1])
+    tokens = int((plan.proactive.long() * sizes).sum())
+    return tokens * 2 * LAYOUT.token_bytes
+
+
+def test_smartgen_bytes_match_the_plan(importance):
+    # A link slow enough that K_r sits between the clip's bounds.
+    cfg = config(lengths=(160,), gbps=0.05, prefill_seconds_per_token=1e-4)
+    policy = POLICIES["smartgen"]
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, LAYOUT.kv_bytes(1) * 8 / 0.05e9)
+    budget = planner.budget(160, "budget")
+    assert 2 * 16 < budget < 4 * 16
+    result = simulate(cfg, policy, importance)
+    assert result.path_bytes["proactive"] == _expected_proactive_bytes(planner, policy, 160)
+    # proactive + speculative = the whole cache; what was fetched on demand was pushed anyway
+    assert result.path_bytes["proactive"] + result.path_bytes["speculative"] == LAYOUT.kv_bytes(160)
+
+
+def test_partial_pushes_layers_0_and_1_only(importance):
+    cfg = config(lengths=(64,), gbps=None)
+    result = simulate(cfg, POLICIES["partial"], importance)
+    assert result.path_bytes["proactive"] == LAYOUT.kv_bytes(64, num_layers=2)
+    assert result.path_bytes["speculative"] == 0
+    assert result.on_demand_ratio > 0
+
+
+class _Spy:
+    """Records every write batch a lane posts."""
+
+    def __init__(self, lane):
+        self.lane = lane
+        self.batches = []
+        real = lane.post_writes
+
+        def post(request_id, sources, ops, *, tag):
+            self.batches.append((tag, list(ops)))
+            return real(request_id, sources, ops, tag=tag)
+
+        lane.post_writes = post
+
+
+def _engines(policy_planner, gbps=None):
+    prefill = PrefillEngine(LAYOUT, policy_planner)
+    decode = DecodeEngine(LAYOUT, num_slots=2, max_tokens=256)
+    prefill_end, decode_end = inproc_link(gbps)
+    prefill.attach(prefill_end, decode.pool.geometry)
+    decode.attach(decode_end)
+    return prefill, decode, prefill_end
+
+
+def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(importance):
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance)
+    prefill, decode, prefill_end = _engines(planner)
+    spy = _Spy(prefill_end.push)
+    try:
+        policy = get_policy("smartgen", speculative_ratio=0.1)
+        rid = decode.open(200, policy)
+        request = prefill.next_request(timeout=5)
+        k, v = synthetic_kv(LAYOUT, 200, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(rid, layer, k[layer], v[layer])
+        prefill.finish_prefill(rid, 0)
+        decode.wait_first_token(rid, timeout=5)
+        plan = request.plan
+        size = speculative_slice_size(plan.num_layers * plan.num_blocks, 0.1)
+        pushed = []
+        while not request.speculation_done:
+            before = len(spy.batches)
+            decode.begin_layer(2, [rid])  # idle notice
+            deadline = time.monotonic() + 5
+            while len(spy.batches) == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+            tag, ops = spy.batches[-1]
+            assert tag == "speculative"
+            spy.lane.flush(5)  # let the slice land before the next notice
+            pushed.append(ops)
+        order = plan.speculative_order.tolist()
+        slices = [sorted(order[i : i + size]) for i in range(0, len(order), size)]
+        assert len(pushed) == len(slices)
+        for ops, expected in zip(pushed, slices):
+            assert sorted(_blocks_of(ops, decode, request)) == expected
+        assert decode.release_fully_local([rid]) == [rid]
+        deadline = time.monotonic() + 5
+        while rid in prefill.store and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rid not in prefill.store, "RELEASE frees the prefill store"
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _blocks_of(ops, decode, request):
+    """Flat block ids covered by the K descriptors of a batch."""
+    from smartgen.layout import block_bounds
+
+    geometry = decode.pool.geometry
+    bounds = block_bounds(request.length, LAYOUT.num_blocks).tolist()
+    per_layer = geometry.num_slots * geometry.max_tokens * LAYOUT.token_bytes
+    ids = []
+    for op in ops:
+        if op.dst != "k":
+            continue
+        layer, rest = divmod(op.dst_offset, per_layer)
+        start = (rest - geometry.kv_offset(0, request.slot, 0)) // LAYOUT.token_bytes
+        stop = start + op.length // LAYOUT.token_bytes
+        ids += [layer * request.plan.num_blocks + m for m in range(len(bounds) - 1) if start <= bounds[m] and bounds[m + 1] <= stop]
+    return ids
+
+
+def test_a_lost_prefill_node_fails_requests_and_frees_everything(importance):
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance)
+    prefill, decode, prefill_end = _engines(planner)
+    try:
+        rid = decode.open(64, POLICIES["smartgen"])
+        assert prefill.next_request(timeout=5) is not None
+        prefill_end.close()  # the prefill node dies before its first token
+        with pytest.raises(RequestFailed, match="connection lost"):
+            decode.wait_first_token(rid, timeout=10)
+        decode.abort(rid, "prefill node lost")
+        assert decode.pool.num_free == 2
+        assert int(decode.pool.masks.values.abs().sum()) == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_lost_decode_node_frees_the_prefill_store(importance):
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance)
+    prefill, decode, _ = _engines(planner)
+    try:
+        decode.open(64, POLICIES["smartgen"])
+        assert prefill.next_request(timeout=5) is not None
+        assert prefill.store.num_requests == 1
+        decode.close()
+        deadline = time.monotonic() + 5
+        while prefill.store.num_requests and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert prefill.store.num_requests == 0
+    finally:
+        prefill.close()
+
+
+def test_prefill_errors_reach_the_decode_node_as_a_reason(importance):
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None))
+    try:
+        rid = decode.open(64, POLICIES["smartgen"])  # the prefill node has no profile
+        with pytest.raises(RequestFailed, match="no profile"):
+            decode.wait_first_token(rid, timeout=10)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_pool_refuses_what_it_cannot_hold():
+    from smartgen.pool import PoolFull
+
+    decode = DecodeEngine(LAYOUT, num_slots=1, max_tokens=32)
+    with pytest.raises(PoolFull, match="holds 32"):
+        decode.pool.allocate(30, 5)
+    decode.pool.allocate(10)
+    with pytest.raises(PoolFull, match="in use"):
+        decode.pool.allocate(10)
+
+
+def test_generated_tokens_are_local_at_once():
+    decode = DecodeEngine(LAYOUT, num_slots=1, max_tokens=32)
+    slot = decode.pool.allocate(10, 4)
+    for layer in range(LAYOUT.num_layers):
+        assert decode.pool.append(layer, slot, torch.ones(2, 8), torch.ones(2, 8)) == 10
+    assert bool((decode.pool.masks.values[:, slot, 10] == LOCAL).all())
+    assert decode.pool.masks.summary(0, slot) == (32 - 11, 1, 10)

@@ -1,0 +1,118 @@
+"""The lane contract on the in-process lane: coalescing, ordering, revocation, pacing, shutdown."""
+
+import threading
+
+import pytest
+import torch
+
+from smartgen.descriptors import block_runs, block_write_ops
+from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
+from smartgen.lanes.inproc import InprocLane
+from smartgen.layout import KVLayout
+from smartgen.pool import DecodePool, PrefillStore
+
+
+def test_coalesce_merges_only_continuing_neighbours():
+    ops = [WriteOp("k", "k", 0, 100, 10), WriteOp("k", "k", 10, 110, 5), WriteOp("v", "v", 15, 115, 5), WriteOp("k", "k", 20, 120, 5)]
+    assert coalesce(ops) == [WriteOp("k", "k", 0, 100, 15), WriteOp("v", "v", 15, 115, 5), WriteOp("k", "k", 20, 120, 5)]
+    # adjacent in the source but not in the destination: kept apart
+    assert len(coalesce([WriteOp("k", "k", 0, 0, 4), WriteOp("k", "k", 4, 8, 4)])) == 2
+
+
+def test_block_runs_and_a_whole_layer_is_three_descriptors():
+    assert block_runs(torch.tensor([5, 1, 2, 3, 7, 8])) == [(1, 4), (5, 6), (7, 9)]
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    pool = DecodePool(layout, num_slots=2, max_tokens=128)
+    store = PrefillStore(layout)
+    entry = store.open("r", 100)
+    ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(2, torch.arange(16))])
+    assert [op.dst for op in ops] == ["k", "v", "mask"]
+    assert kv_bytes == 2 * 100 * layout.token_bytes
+    # data before mask, for every batch
+    ops, _ = block_write_ops(pool.geometry, entry, 1, [(2, torch.tensor([0, 5])), (3, torch.tensor([9]))])
+    kinds = [op.dst == "mask" for op in ops]
+    assert kinds == sorted(kinds)
+
+
+@pytest.fixture
+def lane_pair():
+    a, b = InprocLane.pair("test")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_writes_land_in_order_and_messages_follow_them(lane_pair):
+    a, b = lane_pair
+    region = torch.zeros(64, dtype=torch.uint8)
+    b.register_region("x", region)
+    b.accept("r1")
+    src = torch.arange(1, 33, dtype=torch.uint8)
+    seen = []
+
+    for i in range(20):
+        a.post_writes("r1", {"s": src}, [WriteOp("s", "x", 0, i, 32)], tag="t")
+    a.send(Message(MessageKind.FIRST_TOKEN, "r1", {"token": 7}))
+    message = b.recv(timeout=5)
+    seen.append(region.clone())
+    assert message.kind == MessageKind.FIRST_TOKEN and message.meta["token"] == 7
+    # the message was posted after the writes, so all of them are in when it arrives
+    assert torch.equal(seen[0][19:51], src)
+    assert a.counters.snapshot()["bytes_by_tag"]["t"] == 20 * 32
+
+
+def test_revoked_requests_never_land(lane_pair):
+    a, b = lane_pair
+    region = torch.zeros(16, dtype=torch.uint8)
+    b.register_region("x", region)
+    src = torch.full((16,), 9, dtype=torch.uint8)
+    done = a.post_writes("stranger", {"s": src}, [WriteOp("s", "x", 0, 0, 16)], tag="t")
+    assert done.wait(5) and not done.applied
+    b.accept("r")
+    b.revoke("r")
+    done = a.post_writes("r", {"s": src}, [WriteOp("s", "x", 0, 0, 16)], tag="t")
+    assert done.wait(5) and not done.applied
+    assert int(region.sum()) == 0
+
+
+def test_pacer_books_the_link_like_a_virtual_clock():
+    pacer = Pacer(gbps=8.0)  # 1 GB/s
+    assert pacer.transfer_seconds(10**9) == pytest.approx(1.0)
+    first = pacer.reserve(10**6)
+    second = pacer.reserve(10**6)
+    assert second - first == pytest.approx(1e-3)
+    assert Pacer(None).transfer_seconds(10**9) == 0.0
+    with pytest.raises(ValueError):
+        Pacer(0)
+
+
+def test_paced_lane_takes_at_least_the_wire_time():
+    import time
+
+    a, b = InprocLane.pair("paced", Pacer(gbps=0.08))  # 10 MB/s
+    try:
+        region = torch.zeros(200_000, dtype=torch.uint8)
+        b.register_region("x", region)
+        b.accept("r")
+        started = time.monotonic()
+        a.post_writes("r", {"s": torch.ones(200_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 200_000)], tag="t").wait(10)
+        # functional lower bound (20 ms of wire time), never an upper bound: the machine is shared
+        assert time.monotonic() - started >= 0.019
+    finally:
+        a.close()
+        b.close()
+
+
+def test_close_wakes_receivers_and_drops_pending_work():
+    a, b = InprocLane.pair("closing", Pacer(gbps=0.001))
+    b.register_region("x", torch.zeros(10**6, dtype=torch.uint8))
+    b.accept("r")
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(b.recv(timeout=30)))
+    waiter.start()
+    pending = [a.post_writes("r", {"s": torch.ones(10**5, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 10**5)], tag="t") for _ in range(3)]
+    a.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and got == [None]
+    assert all(p.wait(10) for p in pending)
+    b.close()
