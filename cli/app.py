@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 import smartgen
-from smartgen.cli import info
+from smartgen.cli import info, simulate
 
 app = typer.Typer(
     name="smartgen",
@@ -45,6 +45,7 @@ def root(
 
 # Commands live in their own modules; register each here (sub-apps per noun via app.add_typer).
 app.command("info", rich_help_panel="Inspect")(info.info)
+app.command("simulate", rich_help_panel="Benchmark")(simulate.simulate)
 
 
 def main() -> None:

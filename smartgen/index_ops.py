@@ -79,18 +79,24 @@ def gather_kv_reference(
     k_out / v_out are [R, k, d]; entries outside [start, stop) are left untouched, so the
     local and the remote lane can fill disjoint parts of the same rows.
     """
-    num_heads = k_pool.shape[2]
+    num_slots, num_tokens, num_heads, head_dim = k_pool.shape
     num_rows, k = index.shape
     cols = torch.arange(k, device=index.device).unsqueeze(0)
     take = (cols >= start.unsqueeze(1).long()) & (cols < stop.unsqueeze(1).long())  # [R, k]
-    rows, js = take.nonzero(as_tuple=True)
-    if rows.numel() == 0:
+    flat_take = take.flatten().nonzero().squeeze(1)  # [T] positions in the [R·k] output rows
+    if flat_take.numel() == 0:
         return
-    slot = slots[rows // num_heads]
-    head = rows % num_heads
-    pos = index[rows, js]
-    k_out[rows, js] = k_pool[slot, pos, head]
-    v_out[rows, js] = v_pool[slot, pos, head]
+    rows = torch.arange(num_rows, device=index.device)
+    # One flat row id per entry into the pool seen as [S·N·H, d]: a single index_select per tensor.
+    pool_row = ((slots[rows // num_heads].unsqueeze(1) * num_tokens + index) * num_heads + (rows % num_heads).unsqueeze(1))
+    pool_row = pool_row.flatten()[flat_take]
+    for pool, out in ((k_pool, k_out), (v_pool, v_out)):
+        values = pool.reshape(-1, head_dim).index_select(0, pool_row)  # a view when the pool is contiguous
+        if out.is_contiguous():
+            out.view(-1, head_dim).index_copy_(0, flat_take, values)
+        else:
+            r, j = flat_take // k, flat_take % k
+            out[r, j] = values
 
 
 def split_reorder(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:

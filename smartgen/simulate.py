@@ -23,7 +23,7 @@ from smartgen.policy import Policy
 from smartgen.prefill_engine import PrefillEngine
 from smartgen.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
 
-__all__ = ["SimulationConfig", "SimulationResult", "calibrate", "simulate"]
+__all__ = ["SimulationConfig", "SimulationResult", "calibrate", "simulate", "compare", "link_rate_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,11 @@ def simulate(
     for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
         if policy.strategy == "optimal":
             prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
+    # The selector's indices and the ground truth (prompt + generated KV) are made up front,
+    # so the timed loop runs only the engine.
+    lengths = list(config.lengths)
+    indices = {(step, layer): _step_index(trace, config, step, layer) for step in range(1, config.steps) for layer in range(layout.num_layers)}
+    truths = [_truth(config, i, kvs[rid]) for i, rid in enumerate(request_ids)]
     stop = threading.Event()
     worker = threading.Thread(target=_prefill_worker, args=(prefill, config, kvs, len(request_ids), stop), daemon=True)
     worker.start()
@@ -135,15 +140,13 @@ def simulate(
         for step in range(1, config.steps):
             for layer in range(layout.num_layers):
                 decode.begin_layer(layer, request_ids)
-                index = _step_index(trace, config, step, layer)
-                assembled = decode.assemble(layer, request_ids, index)
+                assembled = decode.assemble(layer, request_ids, indices[(step, layer)])
                 if config.verify:
-                    mismatches += _count_mismatches(assembled, kvs, config, layer)
+                    mismatches += _count_mismatches(assembled, truths, layer)
                 if config.decode_layer_seconds:
                     time.sleep(config.decode_layer_seconds)
                 for i, rid in enumerate(request_ids):
-                    new_k, new_v = synthetic_new_token(layout, config.seed * 101 + i, step, layer)
-                    decode.append(layer, rid, new_k, new_v)
+                    decode.append(layer, rid, truths[i][0][layer, lengths[i] + step - 1], truths[i][1][layer, lengths[i] + step - 1])
             decode.end_step(request_ids)
             if on_step:
                 on_step(step)
@@ -225,25 +228,50 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _count_mismatches(assembled, kvs: dict, config: SimulationConfig, layer: int) -> int:
-    """Selected entries whose assembled K or V differs (bitwise) from the ground truth."""
+def _truth(config: SimulationConfig, request: int, prompt_kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, n + steps, H, d] of one request: the prompt, then every generated token."""
     layout = config.layout
-    heads = layout.num_kv_heads
+    new = [[synthetic_new_token(layout, config.seed * 101 + request, step, layer) for layer in range(layout.num_layers)] for step in range(1, config.steps)]
+    k_new = torch.stack([torch.stack([kv[0] for kv in per_step]) for per_step in new], dim=1) if new else prompt_kv[0][:, :0]
+    v_new = torch.stack([torch.stack([kv[1] for kv in per_step]) for per_step in new], dim=1) if new else prompt_kv[1][:, :0]
+    return torch.cat([prompt_kv[0], k_new], dim=1), torch.cat([prompt_kv[1], v_new], dim=1)
+
+
+def _count_mismatches(assembled, truths: list[tuple[torch.Tensor, torch.Tensor]], layer: int) -> int:
+    """Selected entries whose assembled K or V differs (bitwise) from the ground truth."""
+    heads = truths[0][0].shape[2]
+    rows, k = assembled.split.index.shape
+    row_ids = torch.arange(rows)
+    valid = torch.arange(k).unsqueeze(0) < assembled.num_valid.unsqueeze(1).long()  # [R, k]
     bad = 0
-    for i, (rid, n) in enumerate(zip(kvs, config.lengths)):
-        k_true, v_true = kvs[rid]
-        for h in range(heads):
-            row = i * heads + h
-            positions = assembled.split.index[row, : int(assembled.num_valid[row])]
-            expect_k = torch.empty(positions.numel(), layout.head_dim, dtype=layout.dtype)
-            expect_v = torch.empty_like(expect_k)
-            prompt = positions < n
-            expect_k[prompt] = k_true[layer, positions[prompt], h]
-            expect_v[prompt] = v_true[layer, positions[prompt], h]
-            for j in (~prompt).nonzero().flatten().tolist():
-                step_k, step_v = synthetic_new_token(layout, config.seed * 101 + i, int(positions[j]) - n + 1, layer)
-                expect_k[j], expect_v[j] = step_k[h], step_v[h]
-            valid = positions.numel()
-            same = (_bits(assembled.k[row, :valid]) == _bits(expect_k)).all(-1) & (_bits(assembled.v[row, :valid]) == _bits(expect_v)).all(-1)
-            bad += int((~same).sum())
+    for i, (k_true, v_true) in enumerate(truths):
+        rs = row_ids[i * heads : (i + 1) * heads]
+        pos = assembled.split.index[rs].clamp(min=0)  # [H, k]; padding is masked out below
+        head = (rs % heads).unsqueeze(1).expand_as(pos)
+        expect_k, expect_v = k_true[layer, pos, head], v_true[layer, pos, head]  # [H, k, d]
+        same = (_bits(assembled.k[rs]) == _bits(expect_k)).all(-1) & (_bits(assembled.v[rs]) == _bits(expect_v)).all(-1)
+        bad += int((~same & valid[rs]).sum())
     return bad
+
+def link_rate_for(config: SimulationConfig, transfer_ratio: float) -> float:
+    """The Gbit/s at which a full transfer of the batch takes `transfer_ratio` × its prefill time."""
+    prefill_seconds = config.prefill_seconds_per_token * max(config.lengths)
+    if prefill_seconds <= 0:
+        raise ValueError("deriving the link rate from a transfer ratio needs a non-zero prefill time")
+    total_bytes = sum(config.layout.kv_bytes(n) for n in config.lengths)
+    return total_bytes * 8 / (transfer_ratio * prefill_seconds) / 1e9
+
+
+def compare(
+    config: SimulationConfig,
+    policies: list[Policy],
+    on_progress: Callable[[str, int], None] | None = None,
+) -> list[SimulationResult]:
+    """Calibrates a profile once, then runs every policy on the same requests; results in order."""
+    trace = SyntheticTrace(config.layout.num_layers, config.layout.num_kv_heads, ratio=config.select_ratio)
+    importance = calibrate(config, trace)
+    results = []
+    for policy in policies:
+        step_cb = (lambda step, name=policy.name: on_progress(name, step)) if on_progress else None
+        results.append(simulate(config, policy, importance, on_step=step_cb))
+    return results

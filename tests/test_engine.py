@@ -148,7 +148,8 @@ def _engines(policy_planner, gbps=None):
 
 
 def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(importance):
-    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance)
+    # slow link: K_r hits the clip's floor, so everything past layers 0-1 goes speculatively
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
     prefill, decode, prefill_end = _engines(planner)
     spy = _Spy(prefill_end.push)
     try:
@@ -161,6 +162,7 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
         prefill.finish_prefill(rid, 0)
         decode.wait_first_token(rid, timeout=5)
         plan = request.plan
+        assert plan.num_proactive == 2 * LAYOUT.num_blocks
         size = speculative_slice_size(plan.num_layers * plan.num_blocks, 0.1)
         pushed = []
         while not request.speculation_done:

@@ -22,6 +22,7 @@ from smartgen.lanes.pacer import Pacer
 __all__ = ["InprocLane"]
 
 _STOP = object()
+CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -41,8 +42,9 @@ class _Marker:
 class InprocLane(Lane):
     """One endpoint; make connected pairs with `InprocLane.pair()`."""
 
-    def __init__(self, name: str, pacer: Pacer | None) -> None:
+    def __init__(self, name: str, pacer: Pacer | None, bulk: bool = False) -> None:
         self.name = name
+        self.bulk = bulk  # bulk lanes yield the link to urgent ones between chunks
         self.counters = LaneCounters()
         self._pacer = pacer or Pacer(None)
         self._peer: InprocLane | None = None
@@ -60,10 +62,10 @@ class InprocLane(Lane):
 
     @classmethod
     def pair(
-        cls, name: str, pacer_a: Pacer | None = None, pacer_b: Pacer | None = None
+        cls, name: str, pacer_a: Pacer | None = None, pacer_b: Pacer | None = None, bulk: bool = False
     ) -> tuple["InprocLane", "InprocLane"]:
         """Two connected endpoints; each side's outgoing traffic is paced by its own pacer."""
-        a, b = cls(f"{name}.a", pacer_a), cls(f"{name}.b", pacer_b)
+        a, b = cls(f"{name}.a", pacer_a, bulk), cls(f"{name}.b", pacer_b, bulk)
         a._peer, b._peer = b, a
         for thread in a._threads + b._threads:
             thread.start()
@@ -111,6 +113,8 @@ class InprocLane(Lane):
         if self._closed.is_set():
             return
         self.counters.add_message(tag, message.payload_bytes)
+        if not self.bulk:
+            self._pacer.urgent_enqueued()
         self._outbox.put(message)
 
     def recv(self, timeout: float | None = None) -> Message | None:
@@ -148,8 +152,22 @@ class InprocLane(Lane):
                 item.payload_bytes if isinstance(item, Message) else 0
             )
             started = time.monotonic()
-            sent_at = self._pacer.reserve(num_bytes)
-            self._sleep_until(sent_at)  # the link is busy until the bytes are out
+            sent_at = started
+            # Book the link a chunk at a time, so the node's other lanes interleave with a
+            # bulk push the way a NIC arbitrates between queue pairs, instead of waiting it out.
+            remaining = num_bytes
+            urgent = isinstance(item, Message) and not self.bulk
+            while True:
+                if self.bulk:
+                    self._pacer.wait_no_urgent(timeout=1.0)
+                sent_at = self._pacer.reserve(min(remaining, CHUNK_BYTES))
+                if urgent:
+                    self._pacer.urgent_booked()
+                    urgent = False
+                self._sleep_until(sent_at)  # the link is busy until the bytes are out
+                remaining -= CHUNK_BYTES
+                if remaining <= 0:
+                    break
             self.counters.add_busy(time.monotonic() - started)
             self._in_flight.put((sent_at + self._pacer.delay_s, item))
 

@@ -33,6 +33,6 @@ def inproc_link(gbps: float | None = None, delay_s: float = 0.0, name: str = "li
     """An in-process link paced at `gbps` each way; returns (prefill end, decode end)."""
     prefill_nic = Pacer(gbps, delay_s)
     decode_nic = Pacer(gbps, delay_s)
-    push_p, push_d = InprocLane.pair(f"{name}.push", prefill_nic, decode_nic)
+    push_p, push_d = InprocLane.pair(f"{name}.push", prefill_nic, decode_nic, bulk=True)
     ctl_p, ctl_d = InprocLane.pair(f"{name}.control", prefill_nic, decode_nic)
     return LinkEnd(push_p, ctl_p, prefill_nic), LinkEnd(push_d, ctl_d, decode_nic)

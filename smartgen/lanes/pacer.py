@@ -2,6 +2,9 @@
 
 All lanes of a node share one pacer, as they would share a NIC. The pacer is a virtual
 clock of when the link is next free: reserving n bytes pushes it n·8/rate seconds on.
+Bulk lanes book the link a chunk at a time and hold back while an urgent (on-demand)
+transfer is queued, so a decode step's fetch waits for at most one bulk chunk, never for
+a whole speculative slice.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ class Pacer:
         self.delay_s = delay_s
         self._next_free = 0.0
         self._lock = threading.Lock()
+        self._num_urgent = 0
+        self._urgent_changed = threading.Condition()
+
+    def urgent_enqueued(self) -> None:
+        """An on-demand transfer is waiting for the link: bulk chunks hold back until it is booked."""
+        with self._urgent_changed:
+            self._num_urgent += 1
+
+    def urgent_booked(self) -> None:
+        with self._urgent_changed:
+            self._num_urgent -= 1
+            if self._num_urgent == 0:
+                self._urgent_changed.notify_all()
+
+    def wait_no_urgent(self, timeout: float | None = None) -> bool:
+        """Blocks a bulk sender while on-demand transfers are queued for this link."""
+        with self._urgent_changed:
+            return self._urgent_changed.wait_for(lambda: self._num_urgent == 0, timeout)
 
     @property
     def bytes_per_second(self) -> float | None:
