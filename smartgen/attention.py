@@ -1,0 +1,31 @@
+"""Decode attention over the selected KV of each (batch, KV head) row: the PyTorch reference and CPU path."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sparse_decode_attention"]
+
+
+def sparse_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_valid: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """One decode step's attention over gathered entries.
+
+    query [B, Hq, d]; keys / values [B·H, k, d] with rows laid out as `assemble` returns
+    them (entries [0, num_valid[r]) real, the rest padding); num_valid [B·H]. The Hq / H
+    query heads of a GQA group share their KV head's row. Order inside a row does not
+    matter: positions are already in the (post-RoPE) keys. Returns [B, Hq, d].
+    """
+    batch, num_q_heads, head_dim = query.shape
+    rows, k, _ = keys.shape
+    num_kv_heads = rows // batch
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    q = query.view(batch * num_kv_heads, group, head_dim)  # [R, G, d]
+    scores = torch.bmm(q.float(), keys.float().transpose(1, 2)) * scale  # [R, G, k]
+    padding = torch.arange(k, device=keys.device).unsqueeze(0) >= num_valid.unsqueeze(1).long()  # [R, k]
+    scores.masked_fill_(padding.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no entries attends to nothing
+    out = torch.bmm(weights, values.float())  # [R, G, d]
+    return out.view(batch, num_q_heads, head_dim).to(query.dtype)
