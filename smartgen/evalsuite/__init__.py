@@ -1,0 +1,1 @@
+"""Offline long-context evaluation suite (RULER / passkey style), generated from a seed."""

@@ -1,0 +1,185 @@
+"""Decode runner: generates tokens on the decode node through transformers' extension points.
+
+Per step, for every attention layer l of the batch:
+1. the idle notice goes out (speculative policies push their next slice);
+2. the index is made: layers 0-1 (and a dense selector) take every prompt token, sliding-window
+   layers their window, other layers the selector's pick; every row also gets the tokens
+   generated so far (local, always attended);
+3. the engine splits it by the mask and gathers local entries while remote ones are fetched;
+4. attention runs over the gathered rows plus the token being decoded (whose K/V the
+   `EngineCache.update` call has just appended to the pool).
+With a lookahead selector (InfiniGen) steps 2-3 for layer l+1 start in a background worker
+as soon as layer l's attention is done, so the fetch overlaps layer l's FFN (on CUDA the
+worker runs on its own stream).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from smartgen.attention import sparse_decode_attention
+from smartgen.decode_engine import Assembled, DecodeEngine
+from smartgen.runtime.capture import HiddenCapture
+from smartgen.runtime.hooks import use_handler
+from smartgen.runtime.models import layer_kinds
+from smartgen.runtime.prefill import DENSE_LAYERS
+from smartgen.runtime.sampling import Sampler
+from smartgen.selectors.base import Selector, StepQuery, pad_rows
+from smartgen.selectors.dense import DenseSelector
+
+__all__ = ["DecodeBatch", "EngineCache", "DecodeRunner"]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Requests decoding together; each has its prompt length, metadata and current position."""
+
+    request_ids: list[str]
+    prompt_lengths: list[int]
+    metadata: list[list[dict[str, torch.Tensor]]]  # [request][layer]
+    last_tokens: torch.Tensor  # [B] the token to feed next
+    positions: torch.Tensor = field(default=None)  # [B] its position; defaults to the prompt length
+
+    def __post_init__(self) -> None:
+        if self.positions is None:
+            self.positions = torch.tensor(self.prompt_lengths, dtype=torch.int64)
+        if not (len(self.request_ids) == len(self.prompt_lengths) == len(self.metadata) == len(self.last_tokens)):
+            raise ValueError("a decode batch needs one id, length, metadata list and last token per request")
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        self.last_tokens = tokens
+        self.positions = self.positions + 1
+
+    def drop(self, keep: list[int]) -> None:
+        """Keeps only the requests at `keep` (finished ones leave the batch)."""
+        self.request_ids = [self.request_ids[i] for i in keep]
+        self.prompt_lengths = [self.prompt_lengths[i] for i in keep]
+        self.metadata = [self.metadata[i] for i in keep]
+        self.last_tokens = self.last_tokens[keep]
+        self.positions = self.positions[keep]
+
+
+class EngineCache(Cache):
+    """The decode engine's pool as a transformers Cache: `update` appends the new token's K/V ([B, H, 1, d])."""
+
+    def __init__(self, engine: DecodeEngine, request_ids: list[str]) -> None:
+        super().__init__(layers=[])
+        self.engine = engine
+        self.request_ids = request_ids
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        for b, request_id in enumerate(self.request_ids):
+            self.engine.append(layer_idx, request_id, key_states[b, :, -1], value_states[b, :, -1])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are passed explicitly
+        return 0
+
+
+class _DecodeHandler:
+    def __init__(self, runner: "DecodeRunner", batch: DecodeBatch) -> None:
+        self.runner = runner
+        self.batch = batch
+        self.pending: dict[int, Future] = {}
+
+    def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
+        runner, batch = self.runner, self.batch
+        layer = module.layer_idx
+        runner.engine.begin_layer(layer, batch.request_ids)
+        future = self.pending.pop(layer, None)
+        if future is not None:
+            assembled = future.result()
+            if runner.side_stream is not None:
+                torch.cuda.current_stream().wait_stream(runner.side_stream)
+        else:
+            assembled = runner.assemble(layer, batch, query[:, :, -1], None)
+        batch_size, num_kv_heads, _, head_dim = key.shape
+        out = sparse_decode_attention(
+            query[:, :, -1], assembled.k.to(query.device), assembled.v.to(query.device), assembled.num_valid.to(query.device),
+            scaling, extra_key=key[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
+            extra_value=value[:, :, -1].reshape(batch_size * num_kv_heads, head_dim), softcap=softcap,
+        )
+        next_layer = layer + 1
+        if runner.selector.lookahead and next_layer < runner.num_layers:
+            hidden = runner.capture.get(layer)[:, -1]  # [B, D] this layer's attention input
+            self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, batch, hidden)
+        return out.unsqueeze(1), None  # [B, 1, Hq, d]
+
+
+class DecodeRunner:
+    """Runs decode steps of a batch over a DecodeEngine's pool."""
+
+    def __init__(self, model: PreTrainedModel, selector: Selector, engine: DecodeEngine, sampler: Sampler | None = None) -> None:
+        self.model = model
+        self.selector = selector
+        self.engine = engine
+        self.sampler = sampler or Sampler()
+        self.kinds = layer_kinds(model.config)
+        self.num_layers = model.config.num_hidden_layers
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.capture = HiddenCapture(model) if selector.lookahead else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
+        self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+        if self.capture is not None:
+            self.capture.remove()
+
+    def index(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The KV index [B·H, k] of one layer: prompt selection plus every earlier generated token."""
+        heads = self.num_kv_heads
+        window = self.kinds.windows[layer]
+        positions = batch.positions.tolist()
+        rows: list[torch.Tensor] = []
+        if window is not None:
+            for p in positions:  # the window holds the current token too, which attends from its own K/V
+                rows.append(torch.arange(max(0, p - window + 1), p).expand(heads, -1))
+            return pad_rows(rows)
+        dense = layer < DENSE_LAYERS or isinstance(self.selector, DenseSelector)
+        if dense:
+            prompt = [torch.arange(n).expand(heads, n) for n in batch.prompt_lengths]
+        else:
+            step = StepQuery(layer, query, hidden, batch.positions, batch.prompt_lengths)
+            picked = self.selector.select(step, [meta[layer] for meta in batch.metadata]).cpu()
+            prompt = [picked[b * heads : (b + 1) * heads] for b in range(len(batch.request_ids))]
+        for b, (n, p) in enumerate(zip(batch.prompt_lengths, positions)):
+            generated = torch.arange(n, p).expand(heads, -1)
+            rows.append(torch.cat([prompt[b], generated], dim=1))
+        return pad_rows(rows)
+
+    def assemble(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> Assembled:
+        index = self.index(layer, batch, query, hidden)
+        return self.engine.assemble(layer, batch.request_ids, index)
+
+    def assemble_ahead(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> Assembled:
+        if self.side_stream is not None:
+            with torch.cuda.stream(self.side_stream):
+                return self.assemble(layer, batch, None, hidden)
+        return self.assemble(layer, batch, None, hidden)
+
+    def step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds each request's last token; returns (next tokens [B], logits [B, V] float32)."""
+        handler = _DecodeHandler(self, batch)
+        cache = EngineCache(self.engine, batch.request_ids)
+        device = self.model.device
+        if self.capture is not None:
+            self.capture.start()
+        try:
+            with torch.no_grad(), use_handler(handler):
+                logits = self.model(
+                    input_ids=batch.last_tokens.view(-1, 1).to(device), position_ids=batch.positions.view(-1, 1).to(device),
+                    cache=cache, use_cache=True, logits_to_keep=1,
+                ).logits[:, -1].float()
+        finally:
+            for future in handler.pending.values():
+                future.cancel()
+            if self.capture is not None:
+                self.capture.stop()
+        return self.sampler(logits), logits

@@ -1,0 +1,175 @@
+"""A prefill node and a decode node in one process, joined by an in-process (optionally paced) link.
+
+The real engines and runners on both sides; only the transport is in-process and the
+selector metadata is handed over directly. Used by tests, `smartgen eval` and benchmarks;
+`smartgen serve` puts the same pieces in two processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from smartgen.decode_engine import DecodeEngine
+from smartgen.lanes.link import inproc_link
+from smartgen.layout import DEFAULT_NUM_BLOCKS
+from smartgen.metrics import RequestMetrics
+from smartgen.planning import Planner
+from smartgen.policy import Policy
+from smartgen.prefill_engine import PrefillEngine
+from smartgen.runtime.decode import DecodeBatch, DecodeRunner
+from smartgen.runtime.models import kv_layout, model_info
+from smartgen.runtime.prefill import PrefillRunner
+from smartgen.runtime.sampling import Sampler
+from smartgen.selectors import make_selector
+
+__all__ = ["GenerationResult", "InprocPipeline"]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    tokens: list[int]  # generated tokens, the first from prefill
+    metrics: RequestMetrics
+    logits: list[torch.Tensor] = field(default_factory=list)  # [V] per generated token, when kept
+
+
+class InprocPipeline:
+    """Generates with disaggregated prefill and decode in one process."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        policy: Policy,
+        selector: str = "dense",
+        selector_params: dict | None = None,
+        *,
+        importance: torch.Tensor | None = None,
+        prefill_seconds_per_token: float = 0.0,
+        transfer_seconds_per_token: float = 0.0,
+        gbps: float | None = None,
+        num_blocks: int = DEFAULT_NUM_BLOCKS,
+        max_batch: int = 8,
+        max_tokens: int = 8192,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        info = model_info(model)
+        self.selector = make_selector(selector, info, **(selector_params or {}))
+        self.layout = kv_layout(model, num_blocks=num_blocks)
+        planner = Planner(info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token)
+        self.prefill_engine = PrefillEngine(self.layout, planner)
+        self.decode_engine = DecodeEngine(self.layout, num_slots=max_batch, max_tokens=max_tokens)
+        prefill_end, decode_end = inproc_link(gbps)
+        self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
+        self.decode_engine.attach(decode_end)
+        self.prefill_runner = PrefillRunner(model, self.selector, sampler or Sampler())
+        self.decode_runner = DecodeRunner(model, self.selector, self.decode_engine, sampler or Sampler())
+        self._metadata: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+    def close(self) -> None:
+        self.decode_runner.close()
+        self.decode_engine.close()
+        self.prefill_engine.close()
+
+    def __enter__(self) -> "InprocPipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prefill_worker(self, prompts: dict[str, torch.Tensor], errors: list[BaseException]) -> None:
+        for _ in prompts:
+            request = self.prefill_engine.next_request(timeout=60)
+            if request is None:
+                return
+            rid = request.request_id
+            try:
+                output = self.prefill_runner.run(
+                    prompts[rid], on_layer=lambda layer, k, v, meta: self.prefill_engine.prefill_layer(rid, layer, k, v)
+                )
+                self._metadata[rid] = output.metadata  # in-process hand-over; serving ships it on the wire
+                self.prefill_engine.finish_prefill(rid, output.first_token)
+            except BaseException as exc:  # reported to the caller, never swallowed
+                errors.append(exc)
+                return
+
+    def generate(
+        self,
+        prompts: list[list[int] | torch.Tensor],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        keep_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        ids = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
+        lengths = [int(p.numel()) for p in ids]
+        request_ids = [self.decode_engine.open(n, self.policy, max_new_tokens=max_new_tokens) for n in lengths]
+        errors: list[BaseException] = []
+        worker = threading.Thread(target=self._prefill_worker, args=(dict(zip(request_ids, ids)), errors), daemon=True)
+        worker.start()
+        results = {rid: GenerationResult(rid, [], self.decode_engine.metrics(rid)) for rid in request_ids}
+        try:
+            first = []
+            for rid in request_ids:
+                try:
+                    first.append(self.decode_engine.wait_first_token(rid, timeout=600))
+                except Exception:
+                    worker.join(timeout=1)
+                    if errors:
+                        raise errors[0]
+                    raise
+                results[rid].tokens.append(first[-1])
+            if self.policy.wait_for_all:
+                for rid in request_ids:
+                    self.decode_engine.wait_all_local(rid, timeout=600)
+            batch = DecodeBatch(request_ids, lengths, [self._metadata[rid] for rid in request_ids], torch.tensor(first))
+            active = [rid for rid in request_ids if not (eos_token_id is not None and results[rid].tokens[-1] == eos_token_id)]
+            if len(active) < len(request_ids):
+                batch.drop([request_ids.index(r) for r in active])
+            for step in range(1, max_new_tokens):
+                if not batch.request_ids:
+                    break
+                tokens, logits = self.decode_runner.step(batch)
+                self.decode_engine.end_step(batch.request_ids)
+                keep = []
+                for b, rid in enumerate(batch.request_ids):
+                    results[rid].tokens.append(int(tokens[b]))
+                    if keep_logits:
+                        results[rid].logits.append(logits[b])
+                    if eos_token_id is None or int(tokens[b]) != eos_token_id:
+                        keep.append(b)
+                batch.advance(tokens)
+                if len(keep) < len(batch.request_ids):
+                    batch.drop(keep)
+                if on_token:
+                    on_token(step)
+        except BaseException:
+            for rid in request_ids:
+                self.decode_engine.abort(rid, "generation failed")
+            raise
+        finally:
+            worker.join(timeout=10)
+        for rid in request_ids:
+            if rid in self.decode_engine._requests:
+                self.decode_engine.finish(rid)
+            self._metadata.pop(rid, None)
+        return [results[rid] for rid in request_ids]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

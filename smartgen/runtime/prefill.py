@@ -1,0 +1,86 @@
+"""Prefill runner: runs a prompt through an HF causal LM and hands each layer's K/V and selector metadata off as soon as the layer is done.
+
+The hand-off happens inside the attention call of each layer (the K/V are final by then),
+so the engine can push a layer's planned blocks while later layers compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from smartgen.runtime.capture import HiddenCapture
+from smartgen.runtime.hooks import dense_attention, use_handler
+from smartgen.runtime.models import LayerKinds, layer_kinds
+from smartgen.runtime.sampling import Sampler
+from smartgen.selectors.base import PrefillLayer, Selector
+
+__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink"]
+
+DENSE_LAYERS = 2  # layers 0 and 1 attend densely on the decode node and need no metadata
+
+# on_layer(layer, k [n, H, d], v [n, H, d], metadata)
+LayerSink = Callable[[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    first_token: int
+    logits: torch.Tensor  # [V] float32 at the last prompt position
+    metadata: list[dict[str, torch.Tensor]]  # per layer; {} where the layer needs none
+
+
+class _PrefillHandler:
+    def __init__(self, selector: Selector | None, kinds: LayerKinds, on_layer: LayerSink, capture: HiddenCapture | None) -> None:
+        self.selector = selector
+        self.kinds = kinds
+        self.on_layer = on_layer
+        self.capture = capture
+        self.metadata: dict[int, dict[str, torch.Tensor]] = {}
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs: Any):
+        out = dense_attention(module, query, key, value, attention_mask, **kwargs)
+        layer = module.layer_idx
+        metadata: dict[str, torch.Tensor] = {}
+        if self.selector is not None and layer >= DENSE_LAYERS and self.kinds.is_full(layer):
+            hidden = self.capture.get(layer) if self.capture is not None else None
+            metadata = self.selector.build_metadata(
+                PrefillLayer(layer, query[0].detach(), key[0].detach(), None if hidden is None else hidden[0].detach())
+            )
+        self.metadata[layer] = metadata
+        # [1, H, n, d] -> [n, H, d]: the token-major layout of the engine's stores
+        self.on_layer(layer, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), metadata)
+        return out
+
+
+class PrefillRunner:
+    """Runs prefill one request at a time (batch 1, no padding) on the prefill node."""
+
+    def __init__(self, model: PreTrainedModel, selector: Selector | None, sampler: Sampler | None = None) -> None:
+        self.model = model
+        self.selector = selector
+        self.sampler = sampler or Sampler()
+        self.kinds = layer_kinds(model.config)
+        needs_hidden = selector is not None and getattr(selector, "needs_prefill_hidden", False)
+        self.capture = HiddenCapture(model) if needs_hidden else None
+
+    def run(self, input_ids: torch.Tensor | list[int], on_layer: LayerSink | None = None) -> PrefillOutput:
+        """Prefills one prompt; `on_layer` gets each layer's K/V as soon as it exists."""
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(self.model.device)
+        if ids.shape[1] == 0:
+            raise ValueError("the prompt is empty")
+        handler = _PrefillHandler(self.selector, self.kinds, on_layer or (lambda *_: None), self.capture)
+        if self.capture is not None:
+            self.capture.start()
+        try:
+            with torch.no_grad(), use_handler(handler):
+                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        finally:
+            if self.capture is not None:
+                self.capture.stop()
+        token = int(self.sampler(logits.unsqueeze(0))[0])
+        metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
+        return PrefillOutput(token, logits, metadata)

@@ -1,0 +1,26 @@
+"""KV selectors behind one interface, looked up by name: dense, topk, quest, infinigen."""
+
+from __future__ import annotations
+
+import importlib
+
+from smartgen.selectors.base import ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens
+
+__all__ = ["ModelInfo", "PrefillLayer", "Selector", "StepQuery", "budget_tokens", "SELECTORS", "make_selector"]
+
+SELECTORS = {
+    "dense": "smartgen.selectors.dense:DenseSelector",
+    "topk": "smartgen.selectors.topk:ExactTopKSelector",
+    "quest": "smartgen.selectors.quest:QuestSelector",
+    "infinigen": "smartgen.selectors.infinigen:InfiniGenSelector",
+}
+
+
+def make_selector(name: str, info: ModelInfo, **params: object) -> Selector:
+    """Builds a selector by name; `params` are its own (budget, page size, alpha, ...)."""
+    try:
+        module_name, class_name = SELECTORS[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}") from None
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(info, **params)

@@ -1,0 +1,209 @@
+"""InfiniGen: speculates layer l's KV selection from layer l-1's attention input with partial, skewed q/k.
+
+Following snu-comparch/InfiniGen (REFERENCE.md §1), for RoPE models:
+
+1. Offline (`compute_skewing`, one warm-up prompt): per layer and KV head, A = the right
+   singular vectors of the post-RoPE queries, columns ordered by σ_q·σ_k (largest first).
+   A is orthogonal, so (qA)·(kA) = q·k; it concentrates the query's energy in few columns.
+   RoPE makes A impossible to fold into W_q/W_k, so it is applied at runtime to post-RoPE
+   q and k, as InfiniGen's Llama code does.
+2. Prefill (`build_metadata`, layers >= 2): per KV head, the d' = max(1, int(d·partial_ratio))
+   columns with the largest Σ|QA| over this prompt's tokens; ships those columns of the
+   skewed keys (the partial K, [H, n, d']), the column index and A.
+3. Decode (`select` for layer l, lookahead): layer l's query is speculated from layer l-1's
+   attention input: layer l's q projection (+ bias, + q_norm where the model has one), RoPE
+   at the current position, skew, keep the d' columns. Partial scores q'·K'ᵀ·scale
+   (the attention's own scale, d^-0.5 for Llama) are thresholded as InfiniGen does: per
+   query head count the tokens above (row max - alpha); k = int(mean count) over all query
+   heads and the batch, one k for every row, capped per request by budget_tokens(budget, n).
+
+Choices of ours:
+- GQA (InfiniGen handles only MHA), as the HATA port does: one A per KV head from its G
+  query heads' queries stacked; columns by Σ|QA| over the G heads; the G heads' softmaxed
+  partial scores summed per KV head before top-k, so the row is shared by the group.
+- A is computed from the eigenvectors of QᵀQ in float64 rather than an SVD of Q: the same
+  right singular vectors, always a square d×d matrix even when the warm-up prompt has fewer
+  than d rows, and cheap for long prompts. The column order of A does not affect
+  selection (columns are then picked by Σ|QA|); the σ_q·σ_k order is kept for fidelity.
+- Columns are chosen from the queries only (the speedup code), not the simulation's union
+  with the keys' top columns, so d' is fixed per head.
+- skew=None means no skewing (A = I), InfiniGen's ablation; pass `compute_skewing`'s result.
+- If a step has no hidden state but carries this layer's query, that query is used instead
+  (selection without lookahead, for tests and comparisons).
+- Prompt tokens only: generated tokens are local on the decode node, so the partial K is
+  never appended to.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
+
+__all__ = ["InfiniGenSelector", "compute_skewing", "rope_from_model", "decoder_layers"]
+
+FIRST_SPARSE_LAYER = 2  # layers 0-1 are dense in InfiniGen and in SmartGen
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer list of a HF causal LM (text-only or a multimodal wrapper's language model)."""
+    for path in ("model.layers", "model.language_model.layers", "language_model.layers", "layers"):
+        module = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def rope_from_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """rope(x [B, heads, T, d], positions [B, T]) -> x rotated as the model's full-attention layers do.
+
+    Handles partial rotary (Phi-3: only the first cos.shape[-1] dims rotate) and rotary
+    modules keyed by layer type (Gemma 3: the "full_attention" one, the only kind selected).
+    """
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None) or getattr(getattr(inner, "language_model", None), "rotary_emb", None)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module")
+    by_layer_type = "layer_type" in rotary.forward.__code__.co_varnames
+
+    def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary(x, positions, "full_attention") if by_layer_type else rotary(x, positions)
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [B, 1, T, rot]
+        rot = cos.shape[-1]
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        half = x_rot.shape[-1] // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+    return rope
+
+
+def compute_skewing(
+    model_info: ModelInfo, layer_queries: Mapping[int, torch.Tensor], layer_keys: Mapping[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Skewing matrices from one warm-up prompt: {layer: A [H, d, d] float32}, A orthogonal.
+
+    layer_queries[l] [Hq, n, d] and layer_keys[l] [H, n, d] are layer l's post-RoPE q and k.
+    """
+    heads, group = model_info.num_kv_heads, model_info.group_size
+    skew = {}
+    for layer, queries in layer_queries.items():
+        keys = layer_keys[layer].double()  # [H, n, d]
+        dim = queries.shape[-1]
+        q = queries.double().reshape(heads, group * queries.shape[1], dim)  # [H, G·n, d]
+        # eigh of the Gram matrix: eigenvalues = σ², eigenvectors = right singular vectors;
+        # eigh returns ascending order, flipped so index i pairs the i-th largest σ_q and σ_k
+        q_eig, q_vec = torch.linalg.eigh(q.transpose(1, 2) @ q)  # [H, d], [H, d, d]
+        k_eig = torch.linalg.eigvalsh(keys.transpose(1, 2) @ keys)  # [H, d]
+        sigma_q = q_eig.flip(-1).clamp(min=0).sqrt()
+        sigma_k = k_eig.flip(-1).clamp(min=0).sqrt()
+        order = (sigma_q * sigma_k).argsort(dim=-1, descending=True)  # [H, d]
+        vectors = q_vec.flip(-1)  # [H, d, d] columns by descending σ_q
+        skew[layer] = vectors.gather(2, order[:, None, :].expand(-1, dim, -1)).float()
+    return skew
+
+
+class InfiniGenSelector(Selector):
+    """InfiniGen's speculative selection: layer l's index from layer l-1's attention input."""
+
+    name = "infinigen"
+    lookahead = True
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        budget: float = 0.2,
+        partial_ratio: float = 0.2,
+        alpha: float = 4.0,
+        skew: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(info)
+        budget_tokens(budget, 1)  # rejects a non-positive budget at construction
+        if not 0 < partial_ratio <= 1:
+            raise ValueError(f"partial_ratio must be in (0, 1], got {partial_ratio}")
+        self.budget = budget
+        self.alpha = alpha
+        self.num_columns = max(1, int(info.head_dim * partial_ratio))
+        self.skew = dict(skew) if skew is not None else {}
+        self._rope = info.rope if info.rope is not None else (rope_from_model(info.model) if info.model is not None else None)
+
+    def skew_matrix(self, layer: int) -> torch.Tensor:
+        """A [H, d, d] for `layer`; the identity when no skewing was computed for it."""
+        if layer in self.skew:
+            return self.skew[layer]
+        eye = torch.eye(self.info.head_dim)
+        return eye.expand(self.info.num_kv_heads, -1, -1).contiguous()
+
+    def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
+        if prefill.layer < FIRST_SPARSE_LAYER:
+            return {}  # dense layers never reach a selector
+        heads, group = self.info.num_kv_heads, self.info.group_size
+        _, n, dim = prefill.query.shape
+        skew = self.skew_matrix(prefill.layer).to(prefill.key.device, torch.float32)  # [H, d, d]
+        q = prefill.query.float().view(heads, group * n, dim) @ skew  # [H, G·n, d] skewed
+        columns = q.abs().sum(dim=1).topk(self.num_columns, dim=-1).indices.sort(dim=-1).values  # [H, d']
+        keys = prefill.key.float() @ skew  # [H, n, d] skewed
+        partial = keys.gather(2, columns[:, None, :].expand(-1, n, -1))  # [H, n, d']
+        return {"columns": columns, "partial_keys": partial.to(prefill.key.dtype), "skew": skew}
+
+    def _attention(self, layer: int) -> torch.nn.Module:
+        if self.info.model is None:
+            raise ValueError("InfiniGenSelector needs ModelInfo.model to speculate queries from hidden states")
+        return decoder_layers(self.info.model)[layer].self_attn
+
+    def query_from_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s post-RoPE query from an attention input: hidden [B, D], positions [B] -> [B, Hq, d]."""
+        attn = self._attention(layer)
+        hq, dim = self.info.num_q_heads, self.info.head_dim
+        proj = getattr(attn, "q_proj", None)
+        if proj is not None:
+            weight, bias = proj.weight, proj.bias
+        else:  # Phi-3's fused projection: the first Hq·d output rows are q
+            weight, bias = attn.qkv_proj.weight[: hq * dim], None
+            if attn.qkv_proj.bias is not None:
+                bias = attn.qkv_proj.bias[: hq * dim]
+        q = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).view(-1, hq, 1, dim)  # [B, Hq, 1, d]
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3 normalise q per head before RoPE
+            q = attn.q_norm(q)
+        if self._rope is None:
+            raise ValueError("InfiniGenSelector needs ModelInfo.rope (or a model with a rotary module)")
+        return self._rope(q, positions[:, None]).squeeze(2)
+
+    def _scale(self, layer: int) -> float:
+        # the model's own softmax scale, so alpha thresholds the same logits attention uses
+        model = self.info.model
+        attn = self._attention(layer) if model is not None else None
+        return float(getattr(attn, "scaling", self.info.head_dim**-0.5))
+
+    def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
+        if step.hidden is not None:
+            query = self.query_from_hidden(step.layer, step.hidden, step.positions)  # [B, Hq, d]
+        elif step.query is not None:
+            query = step.query
+        else:
+            raise ValueError("InfiniGenSelector needs StepQuery.hidden (layer l-1's attention input) or a query")
+        heads, group = self.info.num_kv_heads, self.info.group_size
+        scale = self._scale(step.layer)
+        scores, counts = [], []
+        for b, n in enumerate(step.prompt_lengths):
+            meta = metadata[b]
+            skew, columns = meta["skew"], meta["columns"]
+            q = query[b].float().view(heads, group, -1) @ skew.float()  # [H, G, d] skewed
+            q = q.gather(2, columns[:, None, :].expand(-1, group, -1))  # [H, G, d']
+            logits = torch.einsum("hgc,hnc->hgn", q, meta["partial_keys"][:, :n].float()) * scale  # [H, G, n]
+            counts.append((logits > logits.amax(dim=-1, keepdim=True) - self.alpha).sum(dim=-1).flatten())
+            scores.append(logits)
+        # InfiniGen's k: the mean above-threshold count over every query head of the batch
+        k = max(1, int(torch.cat(counts).float().mean().item()))
+        rows = []
+        for b, n in enumerate(step.prompt_lengths):
+            summed = scores[b].softmax(dim=-1).sum(dim=1)  # [H, n]
+            top = summed.topk(min(k, budget_tokens(self.budget, n)), dim=-1).indices
+            rows.append(top.sort(dim=-1).values)  # ascending positions, as the other selectors
+        return pad_rows(rows)  # [B·H, k]

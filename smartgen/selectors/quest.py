@@ -1,0 +1,101 @@
+"""Quest: page-level selection by an upper bound of q·k from each page's element-wise key min/max.
+
+Following mit-han-lab/Quest (see REFERENCE.md §2):
+
+1. Prefill: the prompt's post-RoPE keys are cut into P = ceil(n / page_size) pages (the last
+   may be partial); each page keeps its element-wise max and min, [H, P, d] each.
+2. Decode: a page's score is the bound sum_d max(q_d·max_d, q_d·min_d) >= max over the page
+   of q·k. page_budget = max(1, budget_tokens(budget, n) // page_size) pages include the
+   last page always (Quest's "real page budget including the last page"), so the top
+   page_budget - 1 of the other pages are picked. If P <= page_budget every token goes.
+
+Choices of ours:
+- GQA: Quest's simulation repeats KV so each query head selects on its own; our index has
+  one row per KV head, so a page's score for a KV head is the max of its G query heads'
+  bounds: a page that any head may need is kept, as the bound itself is a max.
+- Min/max are exact element picks, so they are computed in float32 and stored in the
+  keys' dtype without loss: half the bytes to ship for fp16/bf16 caches.
+- The bound is scored unscaled (no d^-0.5): a positive scale does not change the order.
+- A budget smaller than one page still yields the last page, so a row may hold up to
+  page_size tokens more than budget_tokens(budget, n) — as in Quest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
+
+__all__ = ["QuestSelector", "page_bounds", "page_upper_bounds"]
+
+
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise max and min of each page of keys [H, n, d] -> ([H, P, d], [H, P, d]) float32."""
+    heads, n, dim = keys.shape
+    pages = -(-n // page_size)
+    # pad the partial last page with ∓inf so it never wins a max/min it does not contain
+    padded = keys.float().new_full((heads, pages * page_size, dim), float("-inf"))
+    padded[:, :n] = keys.float()
+    page_max = padded.view(heads, pages, page_size, dim).amax(dim=2)
+    padded[:, n:] = float("inf")
+    page_min = padded.view(heads, pages, page_size, dim).amin(dim=2)
+    return page_max, page_min
+
+
+def page_upper_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor) -> torch.Tensor:
+    """Quest's bound per query head and page: query [Hq, d], page_max/min [H, P, d] -> [Hq, P] float32.
+
+    Query head j belongs to KV head j // G (the grouping of HF's repeat_kv).
+    """
+    heads, pages, dim = page_max.shape
+    q = query.float().view(heads, -1, 1, dim)  # [H, G, 1, d]
+    # picking max where q_d > 0 and min elsewhere is max(q_d·max_d, q_d·min_d) with one product
+    bound_keys = torch.where(q > 0, page_max.float()[:, None], page_min.float()[:, None])  # [H, G, P, d]
+    return (q * bound_keys).sum(dim=-1).view(-1, pages)
+
+
+class QuestSelector(Selector):
+    """Quest page selection over the prompt; the last prompt page is always included."""
+
+    name = "quest"
+
+    def __init__(self, info: ModelInfo, budget: float = 0.1, page_size: int = 16) -> None:
+        super().__init__(info)
+        budget_tokens(budget, 1)  # rejects a non-positive budget at construction
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        self.budget = budget
+        self.page_size = page_size
+
+    def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
+        page_max, page_min = page_bounds(prefill.key, self.page_size)
+        dtype = prefill.key.dtype
+        return {"page_max": page_max.to(dtype), "page_min": page_min.to(dtype)}  # [H, P, d] each
+
+    def page_budget(self, length: int) -> int:
+        """Pages a prompt of `length` tokens may select, the last page included."""
+        return max(1, budget_tokens(self.budget, length) // self.page_size)
+
+    def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
+        if step.query is None:
+            raise ValueError("QuestSelector needs this layer's query (StepQuery.query)")
+        heads = self.info.num_kv_heads
+        rows = []
+        for b, n in enumerate(step.prompt_lengths):
+            page_max, page_min = metadata[b]["page_max"], metadata[b]["page_min"]
+            num_pages, budget = page_max.shape[1], self.page_budget(n)
+            device = page_max.device
+            if num_pages <= budget:
+                rows.append(torch.arange(n, device=device).expand(heads, n))
+                continue
+            # score every page but the last, which is taken anyway
+            bounds = page_upper_bounds(step.query[b], page_max[:, :-1], page_min[:, :-1])  # [Hq, P-1]
+            bounds = bounds.view(heads, -1, num_pages - 1).amax(dim=1)  # [H, P-1]
+            top = bounds.topk(budget - 1, dim=-1).indices.sort(dim=-1).values  # [H, budget-1]
+            last = torch.full((heads, 1), num_pages - 1, dtype=top.dtype, device=device)
+            pages = torch.cat((top, last), dim=-1)  # [H, budget], ascending
+            tokens = pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=device)
+            # only the last page can run past n, and it is last in every row: trimming the
+            # tail drops exactly its missing tokens and leaves no -1 inside a request's row
+            rows.append(tokens.flatten(1)[:, : (budget - 1) * self.page_size + n - (num_pages - 1) * self.page_size])
+        return pad_rows(rows)  # [B·H, max k]
