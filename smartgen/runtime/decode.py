@@ -154,7 +154,22 @@ class DecodeRunner:
             rows.append(torch.cat([prompt[b], generated], dim=1))
         return pad_rows(rows)
 
+    def ranges(self, layer: int, batch: DecodeBatch) -> tuple[list[int], list[int]] | None:
+        """Token ranges [start, stop) per request when the layer reads a contiguous span (dense or window)."""
+        positions = batch.positions.tolist()
+        window = self.kinds.windows[layer]
+        if window is not None:
+            return [max(0, p - window + 1) for p in positions], positions
+        if layer < DENSE_LAYERS or isinstance(self.selector, DenseSelector):
+            return [0] * len(positions), positions
+        return None
+
     def assemble(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> Assembled:
+        spans = self.ranges(layer, batch)
+        if spans is not None:
+            assembled = self.engine.assemble_ranges(layer, batch.request_ids, *spans)
+            if assembled is not None:
+                return assembled
         index = self.index(layer, batch, query, hidden)
         return self.engine.assemble(layer, batch.request_ids, index)
 

@@ -100,15 +100,8 @@ class InprocPipeline:
                 errors.append(exc)
                 return
 
-    def generate(
-        self,
-        prompts: list[list[int] | torch.Tensor],
-        max_new_tokens: int,
-        eos_token_id: int | None = None,
-        keep_logits: bool = False,
-        on_token: Callable[[int], None] | None = None,
-    ) -> list[GenerationResult]:
-        """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch."""
+    def prepare(self, prompts: list[list[int] | torch.Tensor], max_new_tokens: int) -> tuple[DecodeBatch, list[int]]:
+        """Opens the requests, prefills them on the prefill side and returns the decode batch and first tokens."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         ids = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
@@ -117,7 +110,6 @@ class InprocPipeline:
         errors: list[BaseException] = []
         worker = threading.Thread(target=self._prefill_worker, args=(dict(zip(request_ids, ids)), errors), daemon=True)
         worker.start()
-        results = {rid: GenerationResult(rid, [], self.decode_engine.metrics(rid)) for rid in request_ids}
         try:
             first = []
             for rid in request_ids:
@@ -128,14 +120,39 @@ class InprocPipeline:
                     if errors:
                         raise errors[0]
                     raise
-                results[rid].tokens.append(first[-1])
             if self.policy.wait_for_all:
                 for rid in request_ids:
                     self.decode_engine.wait_all_local(rid, timeout=600)
-            batch = DecodeBatch(request_ids, lengths, [self._metadata[rid] for rid in request_ids], torch.tensor(first))
-            active = [rid for rid in request_ids if not (eos_token_id is not None and results[rid].tokens[-1] == eos_token_id)]
-            if len(active) < len(request_ids):
-                batch.drop([request_ids.index(r) for r in active])
+        except BaseException:
+            for rid in request_ids:
+                self.decode_engine.abort(rid, "prefill failed")
+            raise
+        finally:
+            worker.join(timeout=10)
+        batch = DecodeBatch(request_ids, lengths, [self._metadata.pop(rid) for rid in request_ids], torch.tensor(first))
+        return batch, first
+
+    def release(self, request_ids: list[str]) -> None:
+        """Frees finished requests on both sides."""
+        for rid in request_ids:
+            if rid in self.decode_engine._requests:
+                self.decode_engine.finish(rid)
+
+    def generate(
+        self,
+        prompts: list[list[int] | torch.Tensor],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        keep_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch."""
+        batch, first = self.prepare(prompts, max_new_tokens)
+        request_ids = list(batch.request_ids)
+        results = {rid: GenerationResult(rid, [tok], self.decode_engine.metrics(rid)) for rid, tok in zip(request_ids, first)}
+        try:
+            if eos_token_id is not None:
+                batch.drop([b for b, tok in enumerate(first) if tok != eos_token_id])
             for step in range(1, max_new_tokens):
                 if not batch.request_ids:
                     break
@@ -157,14 +174,8 @@ class InprocPipeline:
             for rid in request_ids:
                 self.decode_engine.abort(rid, "generation failed")
             raise
-        finally:
-            worker.join(timeout=10)
-        for rid in request_ids:
-            if rid in self.decode_engine._requests:
-                self.decode_engine.finish(rid)
-            self._metadata.pop(rid, None)
+        self.release(request_ids)
         return [results[rid] for rid in request_ids]
-
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout

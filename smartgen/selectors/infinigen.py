@@ -36,6 +36,7 @@ Choices of ours:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Mapping
 
 import torch
@@ -70,7 +71,8 @@ def rope_from_model(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Ten
     rotary = getattr(inner, "rotary_emb", None) or getattr(getattr(inner, "language_model", None), "rotary_emb", None)
     if rotary is None:
         raise ValueError(f"{type(model).__name__} has no rotary embedding module")
-    by_layer_type = "layer_type" in rotary.forward.__code__.co_varnames
+    # the signature, not __code__: HF wraps Llama's forward in a decorator that itself takes layer_type
+    by_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
     def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = rotary(x, positions, "full_attention") if by_layer_type else rotary(x, positions)
@@ -146,7 +148,7 @@ class InfiniGenSelector(Selector):
         heads, group = self.info.num_kv_heads, self.info.group_size
         _, n, dim = prefill.query.shape
         skew = self.skew_matrix(prefill.layer).to(prefill.key.device, torch.float32)  # [H, d, d]
-        q = prefill.query.float().view(heads, group * n, dim) @ skew  # [H, G·n, d] skewed
+        q = prefill.query.float().reshape(heads, group * n, dim) @ skew  # [H, G·n, d] skewed
         columns = q.abs().sum(dim=1).topk(self.num_columns, dim=-1).indices.sort(dim=-1).values  # [H, d']
         keys = prefill.key.float() @ skew  # [H, n, d] skewed
         partial = keys.gather(2, columns[:, None, :].expand(-1, n, -1))  # [H, n, d']
@@ -157,6 +159,7 @@ class InfiniGenSelector(Selector):
             raise ValueError("InfiniGenSelector needs ModelInfo.model to speculate queries from hidden states")
         return decoder_layers(self.info.model)[layer].self_attn
 
+    @torch.no_grad()  # selection never needs gradients through the model's weights
     def query_from_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s post-RoPE query from an attention input: hidden [B, D], positions [B] -> [B, Hq, d]."""
         attn = self._attention(layer)
@@ -194,7 +197,7 @@ class InfiniGenSelector(Selector):
         for b, n in enumerate(step.prompt_lengths):
             meta = metadata[b]
             skew, columns = meta["skew"], meta["columns"]
-            q = query[b].float().view(heads, group, -1) @ skew.float()  # [H, G, d] skewed
+            q = query[b].float().reshape(heads, group, -1) @ skew.float()  # [H, G, d] skewed
             q = q.gather(2, columns[:, None, :].expand(-1, group, -1))  # [H, G, d']
             logits = torch.einsum("hgc,hnc->hgn", q, meta["partial_keys"][:, :n].float()) * scale  # [H, G, n]
             counts.append((logits > logits.amax(dim=-1, keepdim=True) - self.alpha).sum(dim=-1).flatten())

@@ -5,9 +5,9 @@ Following mit-han-lab/Quest (see REFERENCE.md §2):
 1. Prefill: the prompt's post-RoPE keys are cut into P = ceil(n / page_size) pages (the last
    may be partial); each page keeps its element-wise max and min, [H, P, d] each.
 2. Decode: a page's score is the bound sum_d max(q_d·max_d, q_d·min_d) >= max over the page
-   of q·k. page_budget = max(1, budget_tokens(budget, n) // page_size) pages include the
-   last page always (Quest's "real page budget including the last page"), so the top
-   page_budget - 1 of the other pages are picked. If P <= page_budget every token goes.
+   of q·k. page_budget pages include the last page always (Quest's "real page budget
+   including the last page"), so the top page_budget - 1 of the other pages are picked.
+   If P <= page_budget every token goes.
 
 Choices of ours:
 - GQA: Quest's simulation repeats KV so each query head selects on its own; our index has
@@ -16,8 +16,12 @@ Choices of ours:
 - Min/max are exact element picks, so they are computed in float32 and stored in the
   keys' dtype without loss: half the bytes to ship for fp16/bf16 caches.
 - The bound is scored unscaled (no d^-0.5): a positive scale does not change the order.
-- A budget smaller than one page still yields the last page, so a row may hold up to
-  page_size tokens more than budget_tokens(budget, n) — as in Quest.
+- page_budget = max(1, 1 + (budget_tokens(budget, n) - last) // page_size), `last` being
+  the tokens of the last page: Quest's budget // page_size when that page is full, but a
+  partial last page is charged its real size, so rows never exceed the token budget and
+  budget 1.0 selects every token (plain // would drop a page whenever n % page_size != 0).
+- A budget smaller than the last page still yields the last page, so such a row may hold
+  more than budget_tokens(budget, n) — as in Quest.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def page_upper_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: tor
     Query head j belongs to KV head j // G (the grouping of HF's repeat_kv).
     """
     heads, pages, dim = page_max.shape
-    q = query.float().view(heads, -1, 1, dim)  # [H, G, 1, d]
+    q = query.float().reshape(heads, -1, 1, dim)  # [H, G, 1, d]
     # picking max where q_d > 0 and min elsewhere is max(q_d·max_d, q_d·min_d) with one product
     bound_keys = torch.where(q > 0, page_max.float()[:, None], page_min.float()[:, None])  # [H, G, P, d]
     return (q * bound_keys).sum(dim=-1).view(-1, pages)
@@ -73,8 +77,13 @@ class QuestSelector(Selector):
         return {"page_max": page_max.to(dtype), "page_min": page_min.to(dtype)}  # [H, P, d] each
 
     def page_budget(self, length: int) -> int:
-        """Pages a prompt of `length` tokens may select, the last page included."""
-        return max(1, budget_tokens(self.budget, length) // self.page_size)
+        """Pages a prompt of `length` tokens may select, the last page included.
+
+        Quest's token_budget // page_size when the last page is full; a partial last page
+        counts for its real tokens, so budget 1.0 is every token and no budget is exceeded.
+        """
+        last = length - (-(-length // self.page_size) - 1) * self.page_size  # tokens in the last page
+        return max(1, 1 + (budget_tokens(self.budget, length) - last) // self.page_size)
 
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
         if step.query is None:

@@ -26,7 +26,7 @@ def kv_head_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     heads, _, dim = keys.shape
     group = query.shape[0] // heads
-    q = query.float().view(heads, group, dim)  # [H, G, d]
+    q = query.float().reshape(heads, group, dim)  # [H, G, d]
     logits = torch.einsum("hgd,hnd->hgn", q, keys.float()) * dim**-0.5  # [H, G, n]
     return logits.softmax(dim=-1).amax(dim=1)
 

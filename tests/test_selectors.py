@@ -1,0 +1,318 @@
+"""Sparse selectors (exact top-k, Quest, InfiniGen): index contract, metadata, bounds, and InfiniGen's query path."""
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from smartgen.selectors import make_selector
+from smartgen.selectors.base import ModelInfo, PrefillLayer, StepQuery, budget_tokens
+from smartgen.selectors.infinigen import InfiniGenSelector, compute_skewing, rope_from_model
+from smartgen.selectors.quest import QuestSelector, page_bounds, page_upper_bounds
+from smartgen.selectors.topk import ExactTopKSelector
+
+HQ, H, D_HEAD, HIDDEN, LAYERS = 4, 2, 16, 64, 4
+INFO = ModelInfo(num_layers=LAYERS, num_q_heads=HQ, num_kv_heads=H, head_dim=D_HEAD, hidden_size=HIDDEN)
+
+
+# ---- a tiny real Llama, and its attention inputs / post-RoPE q, k captured by pre-hooks ----
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=HQ, num_key_value_heads=H, head_dim=D_HEAD,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    info = ModelInfo(LAYERS, HQ, H, D_HEAD, HIDDEN, model=model, rope=rope_from_model(model))
+    return model, info
+
+
+def run_captured(model, ids, cache=None):
+    """One forward pass; per layer the attention input [T, D] and HF's own post-RoPE q [Hq, T, d], k [H, T, d]."""
+    seen = {}
+
+    def hook(layer):
+        def fn(module, args, kwargs):
+            x = kwargs["hidden_states"]  # [1, T, D]
+            cos, sin = kwargs["position_embeddings"]
+            shape = (*x.shape[:-1], -1, D_HEAD)
+            q = module.q_proj(x).view(shape).transpose(1, 2)
+            k = module.k_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            seen[layer] = (x[0], q[0], k[0])
+
+        return fn
+
+    handles = [blk.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, blk in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out.cache
+
+
+def prompt(n, seed):
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- the index contract, shared by every selector ----
+
+
+def random_prefill(layer, n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return PrefillLayer(
+        layer=layer,
+        query=torch.randn(HQ, n, D_HEAD, generator=g).to(dtype),
+        key=torch.randn(H, n, D_HEAD, generator=g).to(dtype),
+        hidden=torch.randn(n, HIDDEN, generator=g).to(dtype),
+    )
+
+
+def random_step(layer, lengths, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed + 1000)
+    return StepQuery(
+        layer=layer,
+        query=torch.randn(len(lengths), HQ, D_HEAD, generator=g).to(dtype),
+        hidden=torch.randn(len(lengths), HIDDEN, generator=g),
+        positions=torch.tensor(lengths, dtype=torch.int64),
+        prompt_lengths=list(lengths),
+    )
+
+
+def max_tokens(selector, n):
+    if isinstance(selector, QuestSelector):  # the last page goes even when it alone exceeds the budget
+        return max(budget_tokens(selector.budget, n), n - (n - 1) // selector.page_size * selector.page_size)
+    return budget_tokens(selector.budget, n)
+
+
+def check_index(index, selector, lengths):
+    assert index.dtype == torch.int64 and index.dim() == 2
+    assert index.shape[0] == len(lengths) * H
+    for r in range(index.shape[0]):
+        row, n = index[r], lengths[r // H]
+        valid = row >= 0
+        # entries first, -1 padding only at the tail
+        assert not (valid[1:] & ~valid[:-1]).any()
+        entries = row[valid]
+        assert (row[~valid] == -1).all()
+        assert 1 <= entries.numel() <= max_tokens(selector, n)
+        assert entries.max() < n
+        assert entries.unique().numel() == entries.numel()
+
+
+def make(name, tiny, **params):
+    return make_selector(name, tiny[1] if name == "infinigen" else INFO, **params)
+
+
+SELECTOR_PARAMS = [("topk", {}), ("topk", {"budget": 7}), ("quest", {}), ("quest", {"budget": 0.3, "page_size": 8}),
+                   ("quest", {"budget": 3}), ("infinigen", {}), ("infinigen", {"budget": 0.5, "alpha": 1e9})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,params", SELECTOR_PARAMS)
+def test_index_contract_on_a_padded_batch(tiny, name, params, dtype):
+    selector = make(name, tiny, **params)
+    lengths = [37, 100]
+    metadata = [selector.build_metadata(random_prefill(2, n, seed=n, dtype=dtype)) for n in lengths]
+    index = selector.select(random_step(2, lengths, seed=5, dtype=dtype), metadata)
+    check_index(index, selector, lengths)
+
+
+@pytest.mark.parametrize("name,params", [p for p in SELECTOR_PARAMS if p[0] != "infinigen"])
+def test_a_request_selects_the_same_alone_or_batched(tiny, name, params):
+    # InfiniGen is excluded on purpose: its k is a mean over the whole batch, as in the paper
+    selector = make(name, tiny, **params)
+    lengths = [100, 37]
+    metadata = [selector.build_metadata(random_prefill(3, n, seed=n)) for n in lengths]
+    step = random_step(3, lengths, seed=9)
+    batched = selector.select(step, metadata)
+    alone = selector.select(StepQuery(3, step.query[1:], None, step.positions[1:], [37]), metadata[1:])
+    width = alone.shape[1]
+    assert torch.equal(batched[H:, :width], alone)
+    assert (batched[H:, width:] == -1).all()
+
+
+@pytest.mark.parametrize("name", ["topk", "quest", "infinigen"])
+def test_full_budget_returns_every_prompt_token(tiny, name):
+    params = {"alpha": float("inf")} if name == "infinigen" else {}
+    selector = make(name, tiny, budget=1.0, **params)
+    # InfiniGen's k is the batch mean of the counts, so equal lengths for it (by design)
+    lengths = [45, 45] if name == "infinigen" else [45, 19]
+    metadata = [selector.build_metadata(random_prefill(2, n, seed=n)) for n in lengths]
+    index = selector.select(random_step(2, lengths, seed=3), metadata)
+    for r in range(index.shape[0]):
+        n = lengths[r // H]
+        assert torch.equal(index[r, :n], torch.arange(n))
+
+
+def test_one_dominant_token_is_picked_by_every_selector():
+    n, hot = 100, 53
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(H, D_HEAD, generator=g)
+    query = (base.repeat_interleave(HQ // H, dim=0) + 0.05 * torch.randn(HQ, D_HEAD, generator=g))[None]  # [1, Hq, d]
+    keys = 0.1 * torch.randn(H, n, D_HEAD, generator=g)
+    keys[:, hot] = 4 * base  # logit ≈ 4·|base|²/4 ≈ 16 against ≈ 0 for every other token
+    prefill = PrefillLayer(2, torch.randn(HQ, n, D_HEAD, generator=g), keys, None)
+    step = StepQuery(2, query, None, torch.tensor([n]), [n])
+    for selector in (ExactTopKSelector(INFO, budget=5), QuestSelector(INFO, budget=48)):
+        index = selector.select(step, [selector.build_metadata(prefill)])
+        assert all(hot in row.tolist() for row in index)
+    # with no skew and every column kept, InfiniGen scores exactly; only `hot` is within alpha of the max
+    infinigen = InfiniGenSelector(INFO, budget=0.2, partial_ratio=1.0, alpha=4.0)
+    index = infinigen.select(step, [infinigen.build_metadata(prefill)])
+    assert index.tolist() == [[hot]] * H
+
+
+# ---- Quest ----
+
+
+def test_quest_metadata_matches_a_page_loop_over_the_full_cache():
+    keys = torch.randn(H, 70, D_HEAD, dtype=torch.float64).to(torch.bfloat16)
+    selector = QuestSelector(INFO, page_size=16)
+    meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 70, D_HEAD), keys, None))
+    assert meta["page_max"].shape == meta["page_min"].shape == (H, 5, D_HEAD)
+    assert meta["page_max"].dtype == torch.bfloat16
+    for p, start in enumerate(range(0, 70, 16)):
+        page = keys[:, start : start + 16]
+        assert torch.equal(meta["page_max"][:, p], page.amax(dim=1))
+        assert torch.equal(meta["page_min"][:, p], page.amin(dim=1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 90), page_size=st.integers(1, 20), scale=st.floats(0.01, 100), seed=st.integers(0, 2**16))
+def test_quest_bound_is_at_least_the_true_max_over_each_page(n, page_size, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = scale * torch.randn(H, n, D_HEAD, generator=g)
+    query = torch.randn(HQ, D_HEAD, generator=g)
+    bounds = page_upper_bounds(query, *page_bounds(keys, page_size))  # [Hq, P]
+    true = torch.einsum("hgd,hnd->hgn", query.view(H, -1, D_HEAD).double(), keys.double()).reshape(HQ, n)
+    for p, start in enumerate(range(0, n, page_size)):
+        page_true = true[:, start : start + page_size].amax(dim=1)
+        assert (bounds[:, p].double() >= page_true - 1e-5 * (1 + page_true.abs())).all()
+
+
+def test_quest_always_takes_the_last_partial_page():
+    selector = QuestSelector(INFO, budget=32, page_size=16)  # 2 pages: the last and one more
+    meta = selector.build_metadata(random_prefill(2, 100, seed=1))
+    index = selector.select(random_step(2, [100], seed=2), [meta])
+    assert index.shape == (H, 16 + 4)
+    assert (index[:, 16:] == torch.arange(96, 100)).all()
+
+
+# ---- exact top-k ----
+
+
+def test_topk_matches_a_brute_force_oracle():
+    selector = ExactTopKSelector(INFO, budget=10)
+    prefill = random_prefill(2, 60, seed=4)
+    step = random_step(2, [60], seed=4)
+    index = selector.select(step, [selector.build_metadata(prefill)])
+    for h in range(H):
+        probs = [((step.query[0, j] @ prefill.key[h].T) / D_HEAD**0.5).softmax(-1) for j in range(h * 2, h * 2 + 2)]
+        expect = torch.maximum(*probs).topk(10).indices.sort().values
+        assert torch.equal(index[h], expect)
+
+
+# ---- InfiniGen ----
+
+
+@pytest.fixture(scope="module")
+def warmup(tiny):
+    model, info = tiny
+    seen, _ = run_captured(model, prompt(64, seed=7))
+    skew = compute_skewing(info, {l: q for l, (_, q, _) in seen.items()}, {l: k for l, (_, _, k) in seen.items()})
+    return seen, skew
+
+
+def test_skewing_is_orthogonal_and_keeps_q_dot_k(tiny, warmup):
+    seen, skew = warmup
+    for layer, (_, q, k) in seen.items():
+        a = skew[layer]
+        assert a.shape == (H, D_HEAD, D_HEAD)
+        torch.testing.assert_close(a @ a.transpose(1, 2), torch.eye(D_HEAD).expand(H, -1, -1), atol=1e-5, rtol=0)
+        q = q.reshape(H, HQ // H, -1, D_HEAD)
+        plain = q @ k[:, None].transpose(-1, -2)
+        skewed = (q @ a[:, None]) @ (k @ a)[:, None].transpose(-1, -2)
+        torch.testing.assert_close(skewed, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_skewing_concentrates_query_energy_in_few_columns(tiny, warmup):
+    seen, skew = warmup
+    _, q, _ = seen[2]
+    energy = (q.reshape(H, -1, D_HEAD) @ skew[2]).pow(2).sum(dim=1)  # [H, d]
+    # eigenvectors of QᵀQ: the top d/4 columns hold at least their fair share of the energy
+    top = energy.sort(dim=-1, descending=True).values[:, : D_HEAD // 4].sum(-1)
+    assert (top >= energy.sum(-1) / 4).all()
+
+
+def test_infinigen_metadata_equals_a_gather_of_the_skewed_full_cache(tiny, warmup):
+    model, info = tiny
+    _, skew = warmup
+    selector = InfiniGenSelector(info, skew=skew)
+    seen, cache = run_captured(model, prompt(50, seed=1))
+    for layer in range(2, LAYERS):
+        hidden, q, k = seen[layer]
+        meta = selector.build_metadata(PrefillLayer(layer, q, k, hidden))
+        d_part = max(1, int(D_HEAD * 0.2))
+        assert meta["columns"].shape == (H, d_part) and meta["columns"].dtype == torch.int64
+        full = cache.layers[layer].keys[0] @ skew[layer]  # [H, n, d] from the model's own KV cache
+        expect = torch.stack([full[h][:, meta["columns"][h]] for h in range(H)])
+        torch.testing.assert_close(meta["partial_keys"], expect, atol=1e-5, rtol=1e-5)
+        energy = (q.reshape(H, -1, D_HEAD) @ skew[layer]).abs().sum(dim=1)
+        assert torch.equal(meta["columns"], energy.topk(d_part).indices.sort().values)
+    assert selector.build_metadata(PrefillLayer(1, seen[1][1], seen[1][2], None)) == {}
+
+
+def test_speculated_query_equals_the_real_query_on_the_same_hidden_state(tiny):
+    model, info = tiny
+    seen, _ = run_captured(model, prompt(24, seed=3))
+    for use_model_rope in (True, False):
+        selector = InfiniGenSelector(info if use_model_rope else ModelInfo(LAYERS, HQ, H, D_HEAD, HIDDEN, model=model))
+        for layer in range(LAYERS):
+            hidden, q, _ = seen[layer]
+            with torch.no_grad():
+                spec = selector.query_from_hidden(layer, hidden, torch.arange(24))  # [T, Hq, d]
+            torch.testing.assert_close(spec, q.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_lookahead_decode_step_on_the_real_model(tiny, warmup):
+    model, info = tiny
+    _, skew = warmup
+    lengths = [40, 29]
+    # full columns and an unbounded alpha: speculating from a layer's *own* input must then
+    # give the exact top-k of the summed per-head probabilities
+    exact = InfiniGenSelector(info, budget=0.25, partial_ratio=1.0, alpha=float("inf"), skew=skew)
+    lookahead = InfiniGenSelector(info, skew=skew)
+    metas = {s: {l: [] for l in range(2, LAYERS)} for s in (exact, lookahead)}
+    decode = []
+    for b, n in enumerate(lengths):
+        ids = prompt(n + 1, seed=20 + b)
+        seen, cache = run_captured(model, ids[:, :n])
+        for layer in range(2, LAYERS):
+            for s in metas:
+                metas[s][layer].append(s.build_metadata(PrefillLayer(layer, seen[layer][1], seen[layer][2], seen[layer][0])))
+        step_seen, cache = run_captured(model, ids[:, n:], cache=cache)
+        decode.append((step_seen, cache))
+    positions = torch.tensor(lengths)
+    for layer in range(2, LAYERS):
+        prev_hidden = torch.stack([s[layer - 1][0][0] for s, _ in decode])  # [B, D] layer l-1's input
+        step = StepQuery(layer, None, prev_hidden, positions, lengths)
+        with torch.no_grad():
+            check_index(lookahead.select(step, metas[lookahead][layer]), lookahead, lengths)
+            own_hidden = torch.stack([s[layer][0][0] for s, _ in decode])
+            index = exact.select(StepQuery(layer, None, own_hidden, positions, lengths), metas[exact][layer])
+        for b, (step_seen, cache) in enumerate(decode):
+            q = step_seen[layer][1][:, 0]  # [Hq, d] real decode query
+            keys = cache.layers[layer].keys[0][:, : lengths[b]]  # prompt keys [H, n, d]
+            probs = (torch.einsum("hgd,hnd->hgn", q.view(H, -1, D_HEAD), keys) * D_HEAD**-0.5).softmax(-1).sum(1)
+            expect = probs.topk(budget_tokens(0.25, lengths[b])).indices.sort().values
+            got = index[b * H : (b + 1) * H]
+            assert torch.equal(got[:, : expect.shape[1]], expect)
+            assert (got[:, expect.shape[1] :] == -1).all()
