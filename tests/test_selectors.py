@@ -48,7 +48,8 @@ def run_captured(model, ids, cache=None):
 
         return fn
 
-    handles = [blk.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, blk in enumerate(model.model.layers)]
+    attns = [blk.self_attn for blk in model.model.layers]
+    handles = [a.register_forward_pre_hook(hook(i), with_kwargs=True) for i, a in enumerate(attns)]
     try:
         with torch.no_grad():
             out = model(ids, cache=cache, use_cache=True)
@@ -125,15 +126,17 @@ def test_index_contract_on_a_padded_batch(tiny, name, params, dtype):
     check_index(index, selector, lengths)
 
 
-@pytest.mark.parametrize("name,params", [p for p in SELECTOR_PARAMS if p[0] != "infinigen"])
+@pytest.mark.parametrize("name,params", SELECTOR_PARAMS)
 def test_a_request_selects_the_same_alone_or_batched(tiny, name, params):
-    # InfiniGen is excluded on purpose: its k is a mean over the whole batch, as in the paper
     selector = make(name, tiny, **params)
     lengths = [100, 37]
     metadata = [selector.build_metadata(random_prefill(3, n, seed=n)) for n in lengths]
     step = random_step(3, lengths, seed=9)
     batched = selector.select(step, metadata)
-    alone = selector.select(StepQuery(3, step.query[1:], None, step.positions[1:], [37]), metadata[1:])
+    alone_step = StepQuery(
+        3, None if step.query is None else step.query[1:], None if step.hidden is None else step.hidden[1:], step.positions[1:], [37]
+    )
+    alone = selector.select(alone_step, metadata[1:])
     width = alone.shape[1]
     assert torch.equal(batched[H:, :width], alone)
     assert (batched[H:, width:] == -1).all()
@@ -143,8 +146,7 @@ def test_a_request_selects_the_same_alone_or_batched(tiny, name, params):
 def test_full_budget_returns_every_prompt_token(tiny, name):
     params = {"alpha": float("inf")} if name == "infinigen" else {}
     selector = make(name, tiny, budget=1.0, **params)
-    # InfiniGen's k is the batch mean of the counts, so equal lengths for it (by design)
-    lengths = [45, 45] if name == "infinigen" else [45, 19]
+    lengths = [45, 19]
     metadata = [selector.build_metadata(random_prefill(2, n, seed=n)) for n in lengths]
     index = selector.select(random_step(2, lengths, seed=3), metadata)
     for r in range(index.shape[0]):
@@ -193,9 +195,11 @@ def test_quest_bound_is_at_least_the_true_max_over_each_page(n, page_size, scale
     query = torch.randn(HQ, D_HEAD, generator=g)
     bounds = page_upper_bounds(query, *page_bounds(keys, page_size))  # [Hq, P]
     true = torch.einsum("hgd,hnd->hgn", query.view(H, -1, D_HEAD).double(), keys.double()).reshape(HQ, n)
+    # float32 rounding of the bound is relative to Σ|q_d·k_d|, not to the (possibly cancelling) sum
+    slack = 1e-5 * query.abs().sum(-1).double() * keys.abs().max().double()  # [Hq]
     for p, start in enumerate(range(0, n, page_size)):
         page_true = true[:, start : start + page_size].amax(dim=1)
-        assert (bounds[:, p].double() >= page_true - 1e-5 * (1 + page_true.abs())).all()
+        assert (bounds[:, p].double() >= page_true - slack).all()
 
 
 def test_quest_always_takes_the_last_partial_page():
@@ -245,11 +249,12 @@ def test_skewing_is_orthogonal_and_keeps_q_dot_k(tiny, warmup):
 
 def test_skewing_concentrates_query_energy_in_few_columns(tiny, warmup):
     seen, skew = warmup
-    _, q, _ = seen[2]
-    energy = (q.reshape(H, -1, D_HEAD) @ skew[2]).pow(2).sum(dim=1)  # [H, d]
-    # eigenvectors of QᵀQ: the top d/4 columns hold at least their fair share of the energy
-    top = energy.sort(dim=-1, descending=True).values[:, : D_HEAD // 4].sum(-1)
-    assert (top >= energy.sum(-1) / 4).all()
+    for layer in range(2, LAYERS):
+        q = seen[layer][1].reshape(H, -1, D_HEAD)  # [H, G·n, d]
+        # Ky Fan: the top eigenvectors of QᵀQ hold the most energy any d' orthonormal columns can,
+        # so the skewed query's best d' columns beat the plain query's best d' columns
+        top = lambda x: x.pow(2).sum(dim=1).sort(dim=-1, descending=True).values[:, : D_HEAD // 4].sum(-1)
+        assert (top(q @ skew[layer]) >= top(q) * (1 - 1e-5)).all()
 
 
 def test_infinigen_metadata_equals_a_gather_of_the_skewed_full_cache(tiny, warmup):
@@ -296,8 +301,9 @@ def test_lookahead_decode_step_on_the_real_model(tiny, warmup):
         ids = prompt(n + 1, seed=20 + b)
         seen, cache = run_captured(model, ids[:, :n])
         for layer in range(2, LAYERS):
+            hidden, q, k = seen[layer]
             for s in metas:
-                metas[s][layer].append(s.build_metadata(PrefillLayer(layer, seen[layer][1], seen[layer][2], seen[layer][0])))
+                metas[s][layer].append(s.build_metadata(PrefillLayer(layer, q, k, hidden)))
         step_seen, cache = run_captured(model, ids[:, n:], cache=cache)
         decode.append((step_seen, cache))
     positions = torch.tensor(lengths)

@@ -104,18 +104,9 @@ def model_info(model: PreTrainedModel) -> ModelInfo:
 
 def rope_function(model: PreTrainedModel) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """rope(x [B, heads, T, d], positions [B, T]) -> x rotated like the model's full-attention layers."""
-    rotary = model.model.rotary_emb
+    from smartgen.selectors.infinigen import rope_from_model
 
-    def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary(x, positions) if "layer_type" not in rotary.forward.__code__.co_varnames else rotary(x, positions, layer_type="full_attention")
-        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-        rotary_dim = cos.shape[-1]
-        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        half = rotary_dim // 2
-        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-    return rope
+    return rope_from_model(model)
 
 
 def kv_layout(model: PreTrainedModel, dtype: torch.dtype | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS) -> KVLayout:

@@ -18,7 +18,7 @@ from smartgen.runtime.models import LayerKinds, layer_kinds
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import PrefillLayer, Selector
 
-__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink"]
+__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing"]
 
 DENSE_LAYERS = 2  # layers 0 and 1 attend densely on the decode node and need no metadata
 
@@ -84,3 +84,34 @@ class PrefillRunner:
         token = int(self.sampler(logits.unsqueeze(0))[0])
         metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
         return PrefillOutput(token, logits, metadata)
+
+
+class _CaptureQK:
+    def __init__(self) -> None:
+        self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs: Any):
+        self.queries[module.layer_idx] = query[0].detach().float()  # [Hq, n, d]
+        self.keys[module.layer_idx] = key[0].detach().float()  # [H, n, d]
+        return dense_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def capture_qk(model: PreTrainedModel, input_ids: torch.Tensor | list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Post-RoPE queries [Hq, n, d] and keys [H, n, d] of every layer for one prompt (offline calibration)."""
+    ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(model.device)
+    handler = _CaptureQK()
+    with torch.no_grad(), use_handler(handler):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return handler.queries, handler.keys
+
+
+def infinigen_skewing(model: PreTrainedModel, input_ids: torch.Tensor | list[int]) -> dict[int, torch.Tensor]:
+    """InfiniGen's offline skewing matrices from one warm-up prompt, for every sparse full-attention layer."""
+    from smartgen.runtime.models import model_info
+    from smartgen.selectors.infinigen import compute_skewing
+
+    queries, keys = capture_qk(model, input_ids)
+    kinds = layer_kinds(model.config)
+    sparse = [layer for layer in queries if layer >= DENSE_LAYERS and kinds.is_full(layer)]
+    return compute_skewing(model_info(model), {l: queries[l] for l in sparse}, {l: keys[l] for l in sparse})

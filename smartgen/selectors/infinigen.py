@@ -14,8 +14,9 @@ Following snu-comparch/InfiniGen (REFERENCE.md §1), for RoPE models:
    attention input: layer l's q projection (+ bias, + q_norm where the model has one), RoPE
    at the current position, skew, keep the d' columns. Partial scores q'·K'ᵀ·scale
    (the attention's own scale, d^-0.5 for Llama) are thresholded as InfiniGen does: per
-   query head count the tokens above (row max - alpha); k = int(mean count) over all query
-   heads and the batch, one k for every row, capped per request by budget_tokens(budget, n).
+   query head count the tokens above (row max - alpha); k = int(mean count) over the query
+   heads of the request (InfiniGen averages over the whole batch; per request, a request's
+   selection does not depend on its batch-mates), capped by budget_tokens(budget, n).
 
 Choices of ours:
 - GQA (InfiniGen handles only MHA), as the HATA port does: one A per KV head from its G
@@ -133,7 +134,9 @@ class InfiniGenSelector(Selector):
         self.alpha = alpha
         self.num_columns = max(1, int(info.head_dim * partial_ratio))
         self.skew = dict(skew) if skew is not None else {}
-        self._rope = info.rope if info.rope is not None else (rope_from_model(info.model) if info.model is not None else None)
+        self._rope = info.rope
+        if self._rope is None and info.model is not None:
+            self._rope = rope_from_model(info.model)
 
     def skew_matrix(self, layer: int) -> torch.Tensor:
         """A [H, d, d] for `layer`; the identity when no skewing was computed for it."""
@@ -202,10 +205,11 @@ class InfiniGenSelector(Selector):
             logits = torch.einsum("hgc,hnc->hgn", q, meta["partial_keys"][:, :n].float()) * scale  # [H, G, n]
             counts.append((logits > logits.amax(dim=-1, keepdim=True) - self.alpha).sum(dim=-1).flatten())
             scores.append(logits)
-        # InfiniGen's k: the mean above-threshold count over every query head of the batch
-        k = max(1, int(torch.cat(counts).float().mean().item()))
         rows = []
         for b, n in enumerate(step.prompt_lengths):
+            # InfiniGen's k: the mean above-threshold count over the query heads — per request,
+            # so a request's selection never depends on what else is in its batch
+            k = max(1, int(counts[b].float().mean().item()))
             summed = scores[b].softmax(dim=-1).sum(dim=1)  # [H, n]
             top = summed.topk(min(k, budget_tokens(self.budget, n)), dim=-1).indices
             rows.append(top.sort(dim=-1).values)  # ascending positions, as the other selectors
