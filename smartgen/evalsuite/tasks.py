@@ -157,7 +157,9 @@ def _kv(rng, templates, depth, variant):
                 yield f'"{other}": "{_number(pair_rng, 7)}"'
 
     head = _pick(rng, t["intro"])
-    tail = _pick(rng, t["question"]).format(key=key)
+    # a JSON intro ("...{") needs a question that closes the object ("}...")
+    questions = tuple(q for q in t["question"] if q.startswith("}}") == head.endswith("{"))
+    tail = _pick(rng, questions).format(key=key)
     return head, [Insert(depth, f'"{key}": "{value}"', True, joins_as_item=True)], tail, sep, pairs(), [value], value
 
 
@@ -173,7 +175,7 @@ def _vt(rng, templates, depth, variant):
         if name not in names:
             names.append(name)
     value = str(rng.randint(10000, 99999))  # RULER: randint(10000, 99999)
-    lines = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    lines = [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:])]
     later = sorted(depth + (1.0 - depth) * rng.random() for _ in lines[1:])
     inserts = [Insert(d, "\n" + line + "\n", True) for d, line in zip([depth, *later], lines)]
     items, sep = _filler(rng, variant)

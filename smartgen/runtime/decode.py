@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from smartgen.attention import sparse_decode_attention
+from smartgen.attention import span_decode_attention, sparse_decode_attention
 from smartgen.decode_engine import Assembled, DecodeEngine
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import use_handler
@@ -93,6 +93,12 @@ class _DecodeHandler:
         layer = module.layer_idx
         runner.engine.begin_layer(layer, batch.request_ids)
         future = self.pending.pop(layer, None)
+        spans = runner.spans(layer, batch) if future is None else None
+        if spans is not None:
+            # EngineCache.update has already appended this token, so the span ends with it
+            out = span_decode_attention(query[:, :, -1], spans, scaling, softcap)
+            self._look_ahead(layer)
+            return out.unsqueeze(1), None
         if future is not None:
             assembled = future.result()
             if runner.side_stream is not None:
@@ -105,11 +111,16 @@ class _DecodeHandler:
             scaling, extra_key=key[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
             extra_value=value[:, :, -1].reshape(batch_size * num_kv_heads, head_dim), softcap=softcap,
         )
-        next_layer = layer + 1
-        if runner.selector.lookahead and next_layer < runner.num_layers:
-            hidden = runner.capture.get(layer)[:, -1]  # [B, D] this layer's attention input
-            self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, batch, hidden)
+        self._look_ahead(layer)
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
+
+    def _look_ahead(self, layer: int) -> None:
+        """With a lookahead selector, start layer l+1's selection and fetch now, under layer l's FFN."""
+        runner = self.runner
+        next_layer = layer + 1
+        if runner.selector.lookahead and next_layer < runner.num_layers and runner.ranges(next_layer, self.batch) is None:
+            hidden = runner.capture.get(layer)[:, -1]  # [B, D] this layer's attention input
+            self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, self.batch, hidden)
 
 
 class DecodeRunner:
@@ -164,12 +175,15 @@ class DecodeRunner:
             return [0] * len(positions), positions
         return None
 
+    def spans(self, layer: int, batch: DecodeBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Pool views for a dense or window layer whose tokens (the current one included) are all local."""
+        ranges = self.ranges(layer, batch)
+        if ranges is None:
+            return None
+        starts, stops = ranges
+        return self.engine.local_spans(layer, batch.request_ids, starts, [stop + 1 for stop in stops])
+
     def assemble(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> Assembled:
-        spans = self.ranges(layer, batch)
-        if spans is not None:
-            assembled = self.engine.assemble_ranges(layer, batch.request_ids, *spans)
-            if assembled is not None:
-                return assembled
         index = self.index(layer, batch, query, hidden)
         return self.engine.assemble(layer, batch.request_ids, index)
 
