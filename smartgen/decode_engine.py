@@ -234,7 +234,7 @@ class DecodeEngine:
         requests = [self._require(rid) for rid in request_ids]
         mask = self.pool.masks.values[layer]
         for request, start, stop in zip(requests, starts, stops):
-            if stop > start and int(mask[request.slot, start:stop].min()) != LOCAL:
+            if stop > start and bool((mask[request.slot, start:stop] != LOCAL).any()):
                 return None
         spans = []
         heads = self.layout.num_kv_heads

@@ -270,3 +270,16 @@ def test_generated_tokens_are_local_at_once():
         assert decode.pool.append(layer, slot, torch.ones(2, 8), torch.ones(2, 8)) == 10
     assert bool((decode.pool.masks.values[:, slot, 10] == LOCAL).all())
     assert decode.pool.masks.summary(0, slot) == (32 - 11, 1, 10)
+
+
+def test_local_spans_only_when_every_token_is_local():
+    decode = DecodeEngine(LAYOUT, num_slots=1, max_tokens=32)
+    decode._links.append(inproc_link()[1])  # open() needs a prefill node to address
+    rid = decode.open(10, POLICIES["partial"])
+    slot = decode.slot_of(rid)
+    decode.pool.masks.set_local(2, slot, 0, 9)  # one token still remote
+    assert decode.local_spans(2, [rid], [0], [10]) is None
+    assert decode.local_spans(2, [rid], [0], [9]) is not None
+    decode.pool.masks.set_local(2, slot, 9, 10)
+    [(k, v)] = decode.local_spans(2, [rid], [0], [10])
+    assert k.shape == (10, 2, 8) and k.data_ptr() == decode.pool.k[2, slot].data_ptr()  # a view, no copy
