@@ -185,7 +185,7 @@ class DecodeRunner:
 
     def assemble(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> Assembled:
         index = self.index(layer, batch, query, hidden)
-        return self.engine.assemble(layer, batch.request_ids, index)
+        return self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
 
     def assemble_ahead(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> Assembled:
         if self.side_stream is not None:

@@ -65,7 +65,8 @@ class InprocPipeline:
         self.layout = kv_layout(model, num_blocks=num_blocks)
         planner = Planner(info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token)
         self.prefill_engine = PrefillEngine(self.layout, planner)
-        self.decode_engine = DecodeEngine(self.layout, num_slots=max_batch, max_tokens=max_tokens)
+        # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
+        self.decode_engine = DecodeEngine(self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device))
         prefill_end, decode_end = inproc_link(gbps)
         self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
         self.decode_engine.attach(decode_end)
