@@ -43,6 +43,7 @@ class SimulationConfig:
     calibration_prompts: int = 4
     calibration_steps: int = 4
     drain_speculation: bool = True  # after the last step, stay idle until speculation is done
+    transport: str = "inproc"  # "inproc" (queues and threads) or "tcp" (real sockets over 127.0.0.1)
 
 
 @dataclass(slots=True)
@@ -111,7 +112,14 @@ def simulate(
     if config.verify:
         decode.pool.k.fill_(float("nan"))  # a read of anything not yet landed shows up as a mismatch
         decode.pool.v.fill_(float("nan"))
-    prefill_end, decode_end = inproc_link(config.gbps, config.delay_s)
+    if config.transport == "tcp":
+        from smartgen.lanes.tcp_link import loopback_tcp_link
+
+        prefill_end, decode_end = loopback_tcp_link(config.gbps, config.delay_s)
+    elif config.transport == "inproc":
+        prefill_end, decode_end = inproc_link(config.gbps, config.delay_s)
+    else:
+        raise ValueError(f"unknown transport {config.transport!r}; choose inproc or tcp")
     prefill.attach(prefill_end, decode.pool.geometry)
     decode.attach(decode_end)
 

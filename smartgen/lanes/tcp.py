@@ -1,0 +1,280 @@
+"""A lane over one TCP connection: one-sided writes land in place in registered regions, messages in order.
+
+Two threads per endpoint: the transmit thread takes posted batches and messages in order,
+books the node's pacer a chunk at a time (so a link can be capped at a given Gbit/s, and
+bulk lanes yield to urgent ones between chunks) and writes them to the socket straight from
+the source tensors; the receive thread reads frames and writes each WRITE's payload straight
+into the destination region (`recv_into`, no intermediate buffer), acknowledges it, and
+queues messages. A one-way delay is emulated from the sender's timestamp (same-host clocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, MessageKind, WriteOp, coalesce
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.wire import ConnectionClosed, FrameType, recv_header, recv_into_exact, send_frame, send_header
+
+__all__ = ["TcpLane"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 256 * 1024
+_STOP = object()
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a CPU tensor's memory (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())
+
+
+@dataclass(slots=True)
+class _Batch:
+    seq: int
+    request_id: str
+    sources: Mapping[str, torch.Tensor]
+    ops: list[WriteOp]
+    num_bytes: int
+
+
+class TcpLane(Lane):
+    """One endpoint of a connected socket (both peers wrap their socket in a TcpLane)."""
+
+    def __init__(self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> None:
+        self.name = name
+        self.counters = LaneCounters()
+        self.bulk = bulk
+        self._sock = sock
+        self._pacer = pacer or Pacer(None)
+        self._send_lock = threading.Lock()
+        self._regions: dict[str, torch.Tensor] = {}
+        self._accepted: set[str] = set()
+        self._apply_lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._seq = 0
+        self._acked = 0
+        self._pending: dict[int, Completion] = {}
+        self._pending_lock = threading.Condition()
+        self._closed = threading.Event()
+        self.error: str | None = None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._threads = [
+            threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
+            threading.Thread(target=self._receive_loop, name=f"{name}-rx", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- receiving side -------------------------------------------------------------
+    def register_region(self, name: str, buffer: torch.Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("a region must be a flat, contiguous uint8 tensor")
+        self._regions[name] = buffer
+
+    def accept(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.add(request_id)
+
+    def revoke(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.discard(request_id)
+
+    # -- sending side ---------------------------------------------------------------
+    def post_writes(
+        self, request_id: str, sources: Mapping[str, torch.Tensor], ops: Sequence[WriteOp], *, tag: str
+    ) -> Completion:
+        merged = coalesce(ops)
+        completion = Completion()
+        if self._closed.is_set():
+            completion.set(False)
+            return completion
+        num_bytes = sum(op.length for op in merged)
+        self.counters.add_batch(tag, num_bytes, len(merged))
+        with self._pending_lock:
+            self._seq += 1
+            seq = self._seq
+            self._pending[seq] = completion
+        self._outbox.put(_Batch(seq, request_id, sources, merged, num_bytes))
+        return completion
+
+    def send(self, message: Message, *, tag: str = "control") -> None:
+        if self._closed.is_set():
+            return
+        self.counters.add_message(tag, message.payload_bytes)
+        if not self.bulk:
+            self._pacer.urgent_enqueued()
+        self._outbox.put(message)
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is _STOP:
+            self._inbox.put(_STOP)
+            return None
+        return item
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._pending_lock:
+            target = self._seq
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._pending_lock:
+            while self._acked < target and not self._closed.is_set():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._pending_lock.wait(remaining)
+            return self._acked >= target
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._outbox.put(_STOP)
+        try:
+            with self._send_lock:
+                send_frame(self._sock, FrameType.BYE)
+        except OSError:
+            pass
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._fail_pending()
+        self._inbox.put(_STOP)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _fail_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+            self._pending_lock.notify_all()
+        for completion in pending.values():
+            completion.set(False)
+
+    # -- threads ----------------------------------------------------------------------
+    def _paced_send(self, parts: list[memoryview]) -> None:
+        """Sends payload parts a chunk at a time, booking the pacer before each chunk."""
+        for part in parts:
+            for start in range(0, part.nbytes, CHUNK_BYTES):
+                chunk = part[start : start + CHUNK_BYTES]
+                if self.bulk:
+                    self._pacer.wait_no_urgent(timeout=1.0)
+                due = self._pacer.reserve(chunk.nbytes)
+                remaining = due - time.monotonic()
+                if remaining > 0:
+                    self._closed.wait(remaining)
+                self._sock.sendall(chunk)
+
+    def _transmit_loop(self) -> None:
+        try:
+            while True:
+                item = self._outbox.get()
+                if item is _STOP:
+                    return
+                started = time.monotonic()
+                stamp = {"t": time.time()} if self._pacer.delay_s else {}
+                if isinstance(item, _Batch):
+                    views = {name: _bytes_view(t) for name, t in item.sources.items()}
+                    parts = [views[op.src][op.src_offset : op.src_offset + op.length] for op in item.ops]
+                    meta = {"seq": item.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in item.ops], **stamp}
+                    # The send lock covers the whole frame: ACKs from the receive thread share the socket.
+                    with self._send_lock:
+                        send_header(self._sock, FrameType.WRITE, item.request_id, meta, item.num_bytes)
+                        self._paced_send(parts)
+                elif isinstance(item, Message):
+                    self._send_message(item, stamp)
+                self.counters.add_busy(time.monotonic() - started)
+        except (OSError, ConnectionError) as exc:
+            self._on_broken(f"send failed: {exc}")
+
+    def _send_message(self, message: Message, stamp: dict) -> None:
+        names = list(message.payload)
+        tensors = [message.payload[n].detach().contiguous().cpu() for n in names]
+        spec = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in zip(names, tensors)]
+        meta = {"kind": int(message.kind), "meta": message.meta, "payload": spec, **stamp}
+        urgent = not self.bulk
+        try:
+            with self._send_lock:
+                send_frame(self._sock, FrameType.MESSAGE, message.request_id, meta, [_bytes_view(t) for t in tensors])
+        finally:
+            if urgent:
+                self._pacer.urgent_booked()
+
+    def _receive_loop(self) -> None:
+        try:
+            while not self._closed.is_set():
+                frame = recv_header(self._sock)
+                if "t" in frame.meta:
+                    delay = frame.meta["t"] + self._pacer_delay() - time.time()
+                    if delay > 0:
+                        time.sleep(delay)
+                if frame.type == FrameType.WRITE:
+                    self._receive_write(frame)
+                elif frame.type == FrameType.MESSAGE:
+                    self._receive_message(frame)
+                elif frame.type == FrameType.ACK:
+                    self._on_ack(int(frame.meta["seq"]), bool(frame.meta.get("applied", True)))
+                elif frame.type == FrameType.BYE:
+                    raise ConnectionClosed("peer said goodbye")
+                else:
+                    raise ConnectionError(f"unexpected {frame.type.name} frame")
+        except (OSError, ConnectionError, ValueError) as exc:
+            self._on_broken(f"connection lost: {exc}")
+
+    def _pacer_delay(self) -> float:
+        return self._pacer.delay_s
+
+    def _receive_write(self, frame) -> None:
+        with self._apply_lock:
+            land = frame.request_id in self._accepted
+            for dst, offset, length in frame.meta["ops"]:
+                region = self._regions.get(dst) if land else None
+                if region is not None and region.device.type == "cpu":
+                    recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])
+                else:
+                    staging = bytearray(length)
+                    recv_into_exact(self._sock, memoryview(staging))
+                    if region is not None:  # device memory: land through a host buffer
+                        region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
+        with self._send_lock:
+            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": land})
+
+    def _receive_message(self, frame) -> None:
+        payload = {}
+        for name, dtype, shape in frame.meta["payload"]:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            if tensor.numel():
+                recv_into_exact(self._sock, _bytes_view(tensor))
+            payload[name] = tensor
+        self._inbox.put(Message(MessageKind(frame.meta["kind"]), frame.request_id, frame.meta["meta"], payload))
+
+    def _on_ack(self, seq: int, applied: bool) -> None:
+        # ACKs come in order, one per WRITE, so `applied` belongs to `seq` alone
+        with self._pending_lock:
+            self._acked = max(self._acked, seq)
+            completion = self._pending.pop(seq, None)
+            self._pending_lock.notify_all()
+        if completion is not None:
+            completion.set(applied)
+
+    def _on_broken(self, reason: str) -> None:
+        if not self._closed.is_set():
+            self.error = reason
+            log.info("%s: %s", self.name, reason)
+            self.close()

@@ -1,0 +1,145 @@
+"""TCP links: the prefill node listens, each decode node connects twice (push lane + control/fetch lane).
+
+Both connections of one decode node carry the same session id in their HELLO, so the
+listener can pair them into one LinkEnd. Every connection is authenticated and checked
+(protocol version, shared secret, model fingerprint, KV layout) before any data moves.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from typing import Any
+
+from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.tcp import TcpLane
+from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError, client_handshake, server_handshake
+
+__all__ = ["TcpListener", "tcp_connect", "parse_address"]
+
+CHANNELS = ("push", "control")
+
+
+def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """'HOST:PORT' or ':PORT' or 'PORT' -> (host, port), with a clear error."""
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"bad address {text!r}: expected HOST:PORT") from None
+    if not 0 <= number < 65536:
+        raise ValueError(f"bad port in {text!r}")
+    return host or default_host, number
+
+
+class TcpListener:
+    """The prefill node's side: accepts decode nodes; `accept()` returns one paired LinkEnd at a time."""
+
+    def __init__(self, host: str, port: int, secret: str, identity: dict[str, Any], pacer: Pacer | None = None) -> None:
+        self.secret = secret
+        self.identity = identity
+        self.pacer = pacer or Pacer(None)
+        self._server = socket.create_server((host, port), reuse_port=False)
+        self._server.settimeout(0.2)
+        self.address = self._server.getsockname()[:2]
+        self._half: dict[str, dict[str, TcpLane]] = {}
+        self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self.rejections: list[str] = []
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-listen", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.settimeout(10)
+        try:
+            hello = server_handshake(sock, self.secret, self.identity)
+        except (HandshakeError, OSError, ConnectionError, ValueError) as exc:
+            with self._cond:
+                self.rejections.append(str(exc))
+            sock.close()
+            return
+        sock.settimeout(None)
+        channel = hello.get("channel")
+        session = str(hello.get("session"))
+        if channel not in CHANNELS:
+            sock.close()
+            return
+        lane = TcpLane(sock, f"prefill.{channel}.{session[:8]}", self.pacer, bulk=channel == "push")
+        with self._cond:
+            half = self._half.setdefault(session, {})
+            half[channel] = lane
+            if len(half) == len(CHANNELS):
+                del self._half[session]
+                self._ready.append((LinkEnd(half["push"], half["control"], self.pacer), hello))
+                self._cond.notify_all()
+
+    def accept(self, timeout: float | None = None) -> tuple[LinkEnd, dict[str, Any]] | None:
+        """The next connected decode node (its LinkEnd and HELLO), or None after `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._closed.is_set(), timeout):
+                return None
+            if not self._ready:
+                return None
+            return self._ready.pop(0)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.close()
+        with self._cond:
+            self._cond.notify_all()
+            halves = [lane for half in self._half.values() for lane in half.values()]
+        for lane in halves:
+            lane.close()
+
+
+def tcp_connect(
+    host: str, port: int, secret: str, hello: dict[str, Any], gbps: float | None = None, delay_s: float = 0.0,
+    timeout: float = 10.0, version: int = PROTOCOL_VERSION,
+) -> LinkEnd:
+    """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
+    session = uuid.uuid4().hex
+    pacer = Pacer(gbps, delay_s)
+    lanes = {}
+    try:
+        for channel in CHANNELS:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            try:
+                client_handshake(sock, secret, {**hello, "channel": channel, "session": session}, version=version)
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)
+            lanes[channel] = TcpLane(sock, f"decode.{channel}.{session[:8]}", pacer, bulk=False)
+    except BaseException:
+        for lane in lanes.values():
+            lane.close()
+        raise
+    return LinkEnd(lanes["push"], lanes["control"], pacer)
+
+
+def loopback_tcp_link(gbps: float | None = None, delay_s: float = 0.0, secret: str = "loopback") -> tuple[LinkEnd, LinkEnd]:
+    """A real TCP link over 127.0.0.1 inside one process; returns (prefill end, decode end)."""
+    identity = {"fingerprint": "loopback", "model": "loopback", "layout": None}
+    listener = TcpListener("127.0.0.1", 0, secret, identity, Pacer(gbps, delay_s))
+    try:
+        decode_end = tcp_connect(*listener.address, secret, identity, gbps=gbps, delay_s=delay_s)
+        accepted = listener.accept(timeout=10)
+        if accepted is None:
+            decode_end.close()
+            raise ConnectionError("loopback TCP link did not come up: " + "; ".join(listener.rejections))
+        return accepted[0], decode_end
+    finally:
+        listener.close()
