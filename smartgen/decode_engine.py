@@ -34,6 +34,7 @@ from smartgen.mask import LOCAL, REMOTE
 from smartgen.metrics import PathCounters, RequestMetrics, RequestState
 from smartgen.policy import Policy
 from smartgen.pool import DecodePool
+from smartgen.prefill_engine import unpack_metadata
 
 __all__ = ["DecodeEngine", "Assembled", "RequestFailed"]
 
@@ -61,6 +62,7 @@ class _Request:
     metrics: RequestMetrics
     first_token: Future = field(default_factory=Future)
     fetch_counts: torch.Tensor | None = None  # [L, n] int32: how often each token was fetched
+    metadata: list[dict[str, torch.Tensor]] | None = None  # selector metadata, from FIRST_TOKEN
     released: bool = False
 
 
@@ -110,6 +112,7 @@ class DecodeEngine:
             elif message.kind == MessageKind.FIRST_TOKEN:
                 request = self._requests.get(message.request_id)
                 if request is not None and not request.first_token.done():
+                    request.metadata = unpack_metadata(message.payload, self.layout.num_layers)
                     request.first_token.set_result(int(message.meta["token"]))
             elif message.kind in (MessageKind.ERROR, MessageKind.ABORT):
                 self._fail_request(message.request_id, str(message.meta.get("reason", "prefill node failed")))
@@ -142,8 +145,14 @@ class DecodeEngine:
         return min(self._links, key=lambda link: load[id(link)])
 
     # -- request life -----------------------------------------------------------------
-    def open(self, length: int, policy: Policy, *, max_new_tokens: int = 0, request_id: str | None = None) -> str:
-        """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id."""
+    def open(
+        self, length: int, policy: Policy, *, max_new_tokens: int = 0, request_id: str | None = None,
+        prompt_ids: torch.Tensor | None = None,
+    ) -> str:
+        """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
+
+        `prompt_ids` travel with OPEN when the prefill node runs a model (serving).
+        """
         request_id = request_id or uuid.uuid4().hex
         slot = self.pool.allocate(length, max_new_tokens)
         link = self._pick_link()
@@ -156,7 +165,8 @@ class DecodeEngine:
         link.push.accept(request_id)
         meta = {"slot": slot, "length": length, "policy": policy.name.split("[")[0], "strategy": policy.strategy,
                 "speculative_ratio": policy.speculative_ratio}
-        link.control.send(Message(MessageKind.OPEN, request_id, meta))
+        payload = {} if prompt_ids is None else {"input_ids": prompt_ids.to(torch.int64).cpu()}
+        link.control.send(Message(MessageKind.OPEN, request_id, meta, payload))
         request.metrics.state = RequestState.PREFILLING
         return request_id
 
@@ -169,6 +179,26 @@ class DecodeEngine:
         request.metrics.token_times.append(time.monotonic())
         request.metrics.state = RequestState.DECODING
         return token
+
+    def first_token_ready(self, request_id: str) -> bool:
+        """Non-blocking: has FIRST_TOKEN (or a failure) arrived?"""
+        return self._require_any(request_id).first_token.done()
+
+    def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
+        return self._require(request_id).metadata or [{} for _ in range(self.layout.num_layers)]
+
+    def is_all_local(self, request_id: str) -> bool:
+        request = self._require(request_id)
+        return self.pool.masks.all_local(request.slot, request.length)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def _require_any(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return request
 
     def wait_all_local(self, request_id: str, timeout: float | None = None, poll: float = 0.0005) -> None:
         """Blocks until every prompt block of the request is in the pool (full transfer)."""

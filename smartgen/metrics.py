@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
 
-PATHS = ("proactive", "on_demand", "speculative", "local")
+PATHS = ("proactive", "on_demand", "speculative", "local", "metadata")
 
 
 class RequestState(str, Enum):

@@ -29,7 +29,20 @@ from smartgen.planning import Planner, TransferPlan, speculative_slice_size
 from smartgen.policy import Policy, get_policy
 from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
 
-__all__ = ["PrefillEngine", "OpenedRequest"]
+__all__ = ["PrefillEngine", "OpenedRequest", "pack_metadata", "unpack_metadata"]
+
+
+def pack_metadata(metadata: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-layer selector metadata as flat message payload: {"<layer>/<name>": tensor}."""
+    return {f"{layer}/{name}": tensor.contiguous() for layer, entry in enumerate(metadata) for name, tensor in entry.items()}
+
+
+def unpack_metadata(payload: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    metadata: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+    for key, tensor in payload.items():
+        layer, _, name = key.partition("/")
+        metadata[int(layer)][name] = tensor
+    return metadata
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +60,7 @@ class OpenedRequest:
     geometry: PoolGeometry
     kv: RequestKV
     ones: torch.Tensor
+    prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
     spec_cursor: int = 0
     spec_in_flight: Completion | None = None
     completions: list[Completion] = field(default_factory=list)
@@ -59,8 +73,9 @@ class OpenedRequest:
 class PrefillEngine:
     """Serves the decode nodes attached to it; `prefill_layer` is called by the model runtime."""
 
-    def __init__(self, layout: KVLayout, planner: Planner) -> None:
+    def __init__(self, layout: KVLayout, planner: Planner, max_queue: int = 64) -> None:
         self.layout = layout
+        self.max_queue = max_queue
         self.planner = planner
         self.store = PrefillStore(layout)
         self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
@@ -121,6 +136,8 @@ class PrefillEngine:
 
     # -- request life -----------------------------------------------------------------
     def _open(self, link: LinkEnd, geometry: PoolGeometry, message: Message) -> None:
+        if self._opened.qsize() >= self.max_queue:
+            raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
         meta = message.meta
         policy = get_policy(meta["policy"], meta.get("strategy"), meta.get("speculative_ratio"))
         length = int(meta["length"])
@@ -128,7 +145,7 @@ class PrefillEngine:
         kv = self.store.open(message.request_id, length)
         request = OpenedRequest(
             message.request_id, int(meta["slot"]), length, policy, plan, link, geometry, kv,
-            ones=torch.ones(length, dtype=torch.uint8),
+            ones=torch.ones(length, dtype=torch.uint8), prompt=message.payload.get("input_ids"),
         )
         with self._lock:
             self._requests[message.request_id] = request
@@ -153,11 +170,24 @@ class PrefillEngine:
         self.store.put_layer(request_id, layer, k, v)
         return self._push(request, [(layer, request.plan.proactive_blocks(layer))], tag="proactive")
 
-    def finish_prefill(self, request_id: str, first_token: int) -> None:
+    def finish_prefill(
+        self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None
+    ) -> None:
+        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step."""
         request = self._get(request_id)
         if request is None:
             raise KeyError(f"request {request_id!r} is not open on this prefill node")
-        request.link.control.send(Message(MessageKind.FIRST_TOKEN, request_id, {"token": int(first_token)}))
+        payload = pack_metadata(metadata or [])
+        message = Message(MessageKind.FIRST_TOKEN, request_id, {"token": int(first_token)}, payload)
+        request.link.control.send(message, tag="metadata")
+        self.counters.add("metadata", message.payload_bytes)
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """Prefill of a request failed here: tell its decode node why, and free it."""
+        request = self._get(request_id)
+        if request is not None:
+            request.link.control.send(Message(MessageKind.ERROR, request_id, {"reason": reason}))
+        self.release(request_id)
 
     def push_speculative(self, request: OpenedRequest) -> int:
         """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight."""

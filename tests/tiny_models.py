@@ -38,3 +38,32 @@ def tiny_config(family: str):
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+
+
+def save_tiny_model(folder, family: str = "llama", seed: int = 0):
+    """A tiny model with a locally trained byte-level BPE tokenizer, saved like a real checkpoint."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from smartgen.runtime.models import model_from_config
+
+    folder = Path(folder)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=COMMON["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"], show_progress=False)
+    text = ["the quick brown fox jumps over the lazy dog", "the pass key is 12345. remember it.", "hello world"] * 20
+    tokenizer.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    config = tiny_config(family)
+    config.vocab_size = len(fast)
+    config.eos_token_id = fast.eos_token_id
+    config.bos_token_id = fast.bos_token_id
+    config.pad_token_id = fast.pad_token_id
+    model = model_from_config(config, seed=seed)
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

@@ -72,7 +72,6 @@ class InprocPipeline:
         self.decode_engine.attach(decode_end)
         self.prefill_runner = PrefillRunner(model, self.selector, sampler or Sampler())
         self.decode_runner = DecodeRunner(model, self.selector, self.decode_engine, sampler or Sampler())
-        self._metadata: dict[str, list[dict[str, torch.Tensor]]] = {}
 
     def close(self) -> None:
         self.decode_runner.close()
@@ -95,8 +94,8 @@ class InprocPipeline:
                 output = self.prefill_runner.run(
                     prompts[rid], on_layer=lambda layer, k, v, meta: self.prefill_engine.prefill_layer(rid, layer, k, v)
                 )
-                self._metadata[rid] = output.metadata  # in-process hand-over; serving ships it on the wire
-                self.prefill_engine.finish_prefill(rid, output.first_token)
+                # the metadata travels with FIRST_TOKEN, as it does between processes
+                self.prefill_engine.finish_prefill(rid, output.first_token, output.metadata)
             except BaseException as exc:  # reported to the caller, never swallowed
                 errors.append(exc)
                 return
@@ -130,7 +129,8 @@ class InprocPipeline:
             raise
         finally:
             worker.join(timeout=10)
-        batch = DecodeBatch(request_ids, lengths, [self._metadata.pop(rid) for rid in request_ids], torch.tensor(first))
+        metadata = [self.decode_engine.request_metadata(rid) for rid in request_ids]
+        batch = DecodeBatch(request_ids, lengths, metadata, torch.tensor(first))
         return batch, first
 
     def release(self, request_ids: list[str]) -> None:

@@ -1,0 +1,106 @@
+"""Builds a prefill node or a decode node from command-line settings (what `smartgen serve` calls)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from smartgen.fingerprint import model_fingerprint
+from smartgen.policy import get_policy
+from smartgen.roles.decode_node import DecodeNode
+from smartgen.roles.planner import NodePlanner, ProfileMatch
+from smartgen.roles.prefill_node import PrefillNode
+from smartgen.runtime.models import kv_layout, load_model, model_info
+from smartgen.selectors import make_selector
+
+__all__ = ["NodeSettings", "build_prefill_node", "build_decode_node", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class NodeSettings:
+    model: Path
+    dtype: str = "float32"
+    device: str = "cpu"
+    selector: str = "quest"
+    budget: float = 0.1
+    blocks: int = 1024
+    secret: str = ""
+    link_gbps: float | None = None
+    delay_ms: float = 0.0
+
+    def selector_params(self) -> dict:
+        return {} if self.selector == "dense" else {"budget": self.budget}
+
+
+def _load(settings: NodeSettings):
+    model = load_model(settings.model, DTYPES[settings.dtype], settings.device)
+    layout = kv_layout(model, num_blocks=settings.blocks)
+    selector = make_selector(settings.selector, model_info(model), **settings.selector_params())
+    return model, layout, selector
+
+
+def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
+    """A length -> ProfileMatch function over the store, or None (with the reason logged) when none exists."""
+    from smartgen.store import NoProfileError, ProfileStore, StoreError
+
+    if db is not None and not Path(db).exists():
+        log.warning("profile database %s does not exist: no profile, using the fallback strategy", db)
+        return None, "no profile database"
+    fingerprint = model_fingerprint(model)
+    try:
+        store = ProfileStore(db, create=False)
+        store.best(fingerprint, settings.selector, settings.blocks, 1)
+    except NoProfileError as exc:
+        log.warning("%s; using the fallback strategy", exc)
+        return None, "none for this model"
+    except (StoreError, OSError) as exc:
+        log.warning("profile store unusable (%s); using the fallback strategy", exc)
+        return None, f"store unusable: {exc}"
+
+    def lookup(length: int) -> ProfileMatch:
+        match = store.best(fingerprint, settings.selector, settings.blocks, length)
+        profile = match.profile
+        transfer = (
+            profile.kv_bytes_per_token * 8 / (settings.link_gbps * 1e9) if settings.link_gbps else profile.transfer_seconds_per_token
+        )
+        return ProfileMatch(profile.importance, profile.prefill_seconds_per_token, transfer, profile.id, match.nearest)
+
+    return lookup, f"{len(store.list(fingerprint=fingerprint, selector=settings.selector))} profile(s)"
+
+
+def build_prefill_node(settings: NodeSettings, host: str, port: int, db: Path | None, fallback_strategy: str, model_name: str, max_queue: int) -> tuple[PrefillNode, str]:
+    model, layout, selector = _load(settings)
+    lookup, profile_note = _profile_lookup(db, model, settings, layout)
+    planner = NodePlanner(layout, lookup, fallback_strategy, settings.link_gbps)
+    node = PrefillNode(
+        model, selector, layout, planner, host=host, port=port, secret=settings.secret, model_name=model_name,
+        link_gbps=settings.link_gbps, delay_s=settings.delay_ms / 1e3, max_queue=max_queue,
+    )
+    return node, profile_note
+
+
+def build_decode_node(
+    settings: NodeSettings, prefill: list[tuple[str, int]], scheme: str, speculative_ratio: float,
+    model_name: str, max_batch: int, max_tokens: int, max_waiting: int,
+) -> DecodeNode:
+    from transformers import AutoTokenizer
+
+    model, layout, selector = _load(settings)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(settings.model, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer from {settings.model}: {exc}") from exc
+    # budgeted schemes ask for the "profile" strategy; a prefill node without a profile falls back to its own
+    policy = get_policy(scheme, speculative_ratio=speculative_ratio)
+    return DecodeNode(
+        model, tokenizer, selector, layout, policy, prefill, secret=settings.secret, model_name=model_name,
+        max_batch=max_batch, max_tokens=max_tokens, link_gbps=settings.link_gbps, delay_s=settings.delay_ms / 1e3,
+        max_waiting=max_waiting,
+    )

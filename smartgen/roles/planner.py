@@ -1,0 +1,77 @@
+"""The prefill node's planner: a stored profile when one matches, else the fallback strategy, with live timings.
+
+T_p comes from the profile, or is measured on this node (a running mean of prefill seconds
+per token); T_t from the profile, or from the configured link rate. With neither a link rate
+nor a profile the link is treated as unlimited (every block goes proactively).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from smartgen.layout import KVLayout
+from smartgen.planning import Planner, TransferPlan
+
+__all__ = ["ProfileMatch", "NodePlanner"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileMatch:
+    importance: torch.Tensor  # [L, M]
+    prefill_seconds_per_token: float
+    transfer_seconds_per_token: float
+    profile_id: int | None = None
+    nearest: bool = False  # the request's length is outside the profile's range
+
+
+class NodePlanner:
+    """Duck-types `Planner.plan`: picks the profile for each request's length, then plans."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        lookup: Callable[[int], ProfileMatch | None] | None,
+        fallback_strategy: str,
+        link_gbps: float | None,
+    ) -> None:
+        self.layout = layout
+        self.lookup = lookup
+        self.fallback_strategy = fallback_strategy
+        self.link_seconds_per_token = 0.0 if not link_gbps else layout.kv_bytes(1) * 8 / (link_gbps * 1e9)
+        self._prefill_seconds_per_token = 0.0
+        self._lock = threading.Lock()
+        self._warned = False
+        self.last_match: ProfileMatch | None = None
+
+    def record_prefill(self, length: int, seconds: float) -> None:
+        """A running mean of this node's prefill time per token (for K_r without a profile)."""
+        with self._lock:
+            sample = seconds / max(length, 1)
+            old = self._prefill_seconds_per_token
+            self._prefill_seconds_per_token = sample if old == 0 else 0.8 * old + 0.2 * sample
+
+    def plan(self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None) -> TransferPlan:
+        match = self.lookup(length) if (self.lookup is not None and mode == "budget") else None
+        self.last_match = match
+        if match is not None:
+            planner = Planner(
+                self.layout.num_layers, self.layout.num_blocks, match.importance,
+                match.prefill_seconds_per_token, match.transfer_seconds_per_token,
+            )
+            return planner.plan(length, mode, strategy, request_counts)
+        if strategy == "profile":
+            if not self._warned and mode == "budget":
+                log.warning("no profile for this model: planning with the %r strategy (run `smartgen profile`)", self.fallback_strategy)
+                self._warned = True
+            strategy = self.fallback_strategy
+        with self._lock:
+            prefill = self._prefill_seconds_per_token
+        planner = Planner(self.layout.num_layers, self.layout.num_blocks, None, prefill, self.link_seconds_per_token)
+        return planner.plan(length, mode, strategy, request_counts)

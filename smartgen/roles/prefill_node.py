@@ -1,0 +1,150 @@
+"""The prefill node: a long-running process that prefills requests for decode nodes and moves their KV.
+
+A request's life on a prefill node:
+1. A decode node connects (two TCP connections: push, control) and is authenticated:
+   protocol version, shared secret, model fingerprint, KV layout.
+2. OPEN arrives with the prompt ids and the decode node's pool slot; it is queued (bounded:
+   a full queue answers ERROR) and its transfer plan is made from the matching profile, or
+   the fallback strategy when none exists.
+3. Prefill runs layer by layer; after each layer its KV goes to the request's store and the
+   layer's planned blocks are pushed (data, then mask).
+4. FIRST_TOKEN goes out with the selector metadata.
+5. FETCH requests are answered and each idle notice pushes the next speculative slice
+   (the engine's serve thread, per decode node).
+6. RELEASE, ABORT, or the decode node's connection lost: the store is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from smartgen.fingerprint import model_fingerprint
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.tcp_link import TcpListener
+from smartgen.layout import KVLayout
+from smartgen.pool import PoolGeometry
+from smartgen.prefill_engine import PrefillEngine
+from smartgen.roles.planner import NodePlanner
+from smartgen.runtime.prefill import PrefillRunner
+from smartgen.selectors.base import Selector
+
+__all__ = ["PrefillNode", "node_identity"]
+
+log = logging.getLogger(__name__)
+
+
+def node_identity(model: PreTrainedModel, layout: KVLayout, model_name: str) -> dict[str, Any]:
+    """What both sides must agree on before any KV moves."""
+    return {
+        "fingerprint": model_fingerprint(model),
+        "model": model_name,
+        "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."), layout.num_blocks],
+    }
+
+
+class PrefillNode:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        selector: Selector,
+        layout: KVLayout,
+        planner: NodePlanner,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 7100,
+        secret: str = "",
+        model_name: str = "model",
+        link_gbps: float | None = None,
+        delay_s: float = 0.0,
+        max_queue: int = 64,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.planner = planner
+        self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
+        self.runner = PrefillRunner(model, selector)
+        self.identity = node_identity(model, layout, model_name)
+        self.listener = TcpListener(host, port, secret, self.identity, Pacer(link_gbps, delay_s))
+        self.address = self.listener.address
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True),
+            threading.Thread(target=self._work_loop, name="prefill-work", daemon=True),
+        ]
+        self.num_prefilled = 0
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Live state for the monitor: requests held, bytes per path, link counters."""
+        return {
+            "role": "prefill",
+            "model": self.identity["model"],
+            "requests_held": self.engine.store.num_requests,
+            "bytes_held": self.engine.store.bytes_held,
+            "requests_open": self.engine.num_open,
+            "prefilled": self.num_prefilled,
+            "paths": self.engine.counters.snapshot(),
+            "links": [
+                {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
+                for link in self.engine._links
+            ],
+        }
+
+    def stop(self) -> None:
+        """Stops accepting and prefilling; connected decode nodes see their links close."""
+        self._stop.set()
+        self.listener.close()
+        self.engine.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            accepted = self.listener.accept(timeout=0.2)
+            if accepted is None:
+                continue
+            link, hello = accepted
+            pool = hello.get("pool") or {}
+            try:
+                geometry = PoolGeometry(self.layout, int(pool["slots"]), int(pool["max_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                log.warning("decode node sent no pool geometry; closing its link")
+                link.close()
+                continue
+            log.info("decode node %s connected (%d slots of %d tokens)", hello.get("node", "?"), geometry.num_slots, geometry.max_tokens)
+            self.engine.attach(link, geometry)
+
+    def _work_loop(self) -> None:
+        while not self._stop.is_set():
+            request = self.engine.next_request(timeout=0.2)
+            if request is None:
+                continue
+            rid = request.request_id
+            if request.prompt is None:
+                self.engine.fail(rid, "OPEN carried no prompt ids")
+                continue
+            started = time.monotonic()
+            try:
+                output = self.runner.run(
+                    request.prompt, on_layer=lambda layer, k, v, meta: self.engine.prefill_layer(rid, layer, k, v)
+                )
+            except KeyError:
+                continue  # released or aborted while prefilling (the decode node gave up on it)
+            except Exception as exc:  # a failed prefill fails its request, not the node
+                log.exception("prefill of %s failed", rid)
+                self.engine.fail(rid, f"prefill failed: {exc}")
+                continue
+            self.planner.record_prefill(request.length, time.monotonic() - started)
+            try:
+                self.engine.finish_prefill(rid, output.first_token, output.metadata)
+            except KeyError:
+                continue
+            self.num_prefilled += 1
