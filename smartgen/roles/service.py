@@ -61,6 +61,7 @@ class RequestHandle:
         self.created = time.monotonic()
         self._events: queue.Queue[Event] = queue.Queue()
         self.cancelled = False
+        self.cancel_reason = ""
         self.finished = False
 
     # -- producer side (the scheduler) --
