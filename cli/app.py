@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 import smartgen
-from smartgen.cli import info, simulate
+from smartgen.cli import demo, info, serve, simulate
+from smartgen.cli import profile, profiles
+from smartgen.cli import generate
 
 app = typer.Typer(
     name="smartgen",
@@ -46,6 +48,11 @@ def root(
 # Commands live in their own modules; register each here (sub-apps per noun via app.add_typer).
 app.command("info", rich_help_panel="Inspect")(info.info)
 app.command("simulate", rich_help_panel="Benchmark")(simulate.simulate)
+app.command("profile", rich_help_panel="Profile")(profile.profile)
+app.add_typer(profiles.app, name="profiles", rich_help_panel="Profile")
+app.command("serve", rich_help_panel="Serve")(serve.serve)
+app.command("demo", rich_help_panel="Serve")(demo.demo)
+app.command("generate", rich_help_panel="Serve")(generate.generate)
 
 
 def main() -> None:

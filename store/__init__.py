@@ -1,1 +1,13 @@
 """smartgen.store package."""
+
+from smartgen.store.compare import Overlap, compare, top_blocks
+from smartgen.store.database import DEFAULT_TIMEOUT_S, Match, ProfileStore, default_timeout
+from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
+from smartgen.store.migrations import MIGRATIONS, migrate, schema
+from smartgen.store.profile import Profile
+
+__all__ = [
+    "ProfileStore", "Match", "Profile", "Overlap", "compare", "top_blocks", "MIGRATIONS", "migrate", "schema",
+    "StoreError", "NewerSchemaError", "StoreLockedError", "ProfileNotFoundError", "NoProfileError",
+    "DEFAULT_TIMEOUT_S", "default_timeout",
+]

@@ -1,0 +1,203 @@
+"""`smartgen profile`: profiles a model over a calibration set and stores one profile per length range; renders profiles."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from smartgen.cli.errors import fail
+from smartgen.cli.profiles import DbOption, open_store
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from smartgen.store import Profile
+
+PANEL_INPUT = "Model and calibration"
+PANEL_SELECT = "Selection"
+PANEL_LINK = "Link"
+PANEL_OUTPUT = "Output"
+LINK_RATES = (10.0, 15.0, 25.0, 32.0)  # Gbit/s: the paper's cloud links
+SHADES = " ░▒▓█"
+PALETTE = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # viridis, low to high
+SAMPLES_CALIBRATION = Path(__file__).resolve().parent.parent / "samples" / "calibration.jsonl"
+
+
+class SelectorName(str, Enum):
+    quest = "quest"
+    infinigen = "infinigen"
+    topk = "topk"
+
+
+def _default_calibration() -> Path:
+    """samples/calibration.jsonl of the working directory, else of the SmartGen checkout."""
+    local = Path("samples/calibration.jsonl")
+    return local if local.exists() or not SAMPLES_CALIBRATION.exists() else SAMPLES_CALIBRATION
+
+
+def profile(
+    model: Annotated[Path, typer.Option("--model", help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).", rich_help_panel=PANEL_INPUT)],
+    calibration: Annotated[
+        Optional[Path], typer.Option(help="JSONL calibration set, one {\"prompt\": ...} per line (default: samples/calibration.jsonl).", rich_help_panel=PANEL_INPUT)
+    ] = None,
+    ranges: Annotated[str, typer.Option(help="Prompt-length ranges [LO, HI) in tokens, one profile each, e.g. 1024-2048,2K-4K.", rich_help_panel=PANEL_INPUT)] = "1024-2048,2048-4096",
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Use at most this many prompts per length range.", rich_help_panel=PANEL_INPUT)] = None,
+    selector: Annotated[SelectorName, typer.Option(help="The decoder's KV selector whose picks are counted.", rich_help_panel=PANEL_SELECT)] = SelectorName.quest,
+    budget: Annotated[float, typer.Option(help="Selector budget: a share of the prompt (<= 1) or a token count (> 1).", rich_help_panel=PANEL_SELECT)] = 0.1,
+    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.", rich_help_panel=PANEL_SELECT)] = 1024,
+    decode_tokens: Annotated[int, typer.Option(min=1, help="Decode steps per prompt (selector calls per layer).", rich_help_panel=PANEL_SELECT)] = 16,
+    link_gbps: Annotated[float, typer.Option(help="Link rate in Gbit/s: T_t = full KV bytes / rate.", rich_help_panel=PANEL_LINK)] = 15.0,
+    measure_link: Annotated[bool, typer.Option("--measure-link", help="Time a real full-KV transfer over an in-process lane paced at --link-gbps instead.", rich_help_panel=PANEL_LINK)] = False,
+    db: DbOption = None,
+    png: Annotated[Optional[Path], typer.Option(help="Also write each profile's heat map to this PNG (one file per range: NAME-LO-HI.png when several).", rich_help_panel=PANEL_OUTPUT)] = None,
+) -> None:
+    """Profile a model over a calibration set: which KV blocks the selector picks, and T_p / T_t for K_r.
+
+    Decodes every prompt with all KV local, counts each KV entry's selections per layer, and
+    stores one profile per length range in the profile database; ends with the heat map and
+    K_r at a few link rates.
+    """
+    from rich.console import Console
+
+    from smartgen.profiling import parse_ranges, write_heatmap_png
+
+    try:
+        length_ranges = parse_ranges(ranges)
+    except ValueError as exc:
+        fail(str(exc))
+    if budget <= 0:
+        fail(f"--budget must be positive, got {budget:g}")
+    if link_gbps <= 0:
+        fail(f"--link-gbps must be positive, got {link_gbps:g}")
+    if png is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("--png needs matplotlib: pip install 'smartgen[plot]' (or pip install matplotlib)")
+        if not png.parent.is_dir():
+            fail(f"cannot write {png}: directory {png.parent} does not exist")
+    store = open_store(db, create=True)  # before the long run: a bad database fails now, not after it
+    with store:
+        profiles = _run(store, model, calibration, length_ranges, selector.value, budget, blocks, decode_tokens, link_gbps, measure_link, limit)
+        console = Console()
+        for item in profiles:
+            item = item.with_id(_add(store, item))
+            render_profile(console, item)
+            if png is not None:
+                target = png if len(profiles) == 1 else png.with_name(f"{png.stem}-{item.length_lo}-{item.length_hi}{png.suffix}")
+                write_heatmap_png(item, target)
+                console.print(f"heat map written to {target}")
+    covered = {(p.length_lo, p.length_hi) for p in profiles}
+    for lo, hi in length_ranges:
+        if (lo, hi) not in covered:
+            console.print(f"[yellow]no calibration prompt has {lo}-{hi} tokens: no profile for that range[/]")
+    console.print(f"stored {len(profiles)} profile(s) in {store.path}")
+
+
+def _run(store, model: Path, calibration: Path | None, length_ranges, selector: str, budget: float, blocks: int,
+         decode_tokens: int, link_gbps: float, measure_link: bool, limit: int | None) -> list:
+    """Loads the calibration set, model and tokenizer and profiles with a progress bar; fails in one line."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from smartgen.profiling import CalibrationError, LinkSpec, load_calibration
+    from smartgen.profiling import profile as run_profile
+    from smartgen.runtime.models import ModelLoadError, load_model
+
+    try:
+        calibration_set = load_calibration(calibration or _default_calibration())
+    except CalibrationError as exc:
+        fail(str(exc))
+    try:
+        hf_model = load_model(model)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    tokenizer = _load_tokenizer(model)
+    console = Console()
+    link = LinkSpec("inproc" if measure_link else "rate", link_gbps)
+    console.print(
+        f"[bold]smartgen profile[/]: {model} · {selector} budget={budget:g} · M={blocks} · {calibration_set.name} "
+        f"({len(calibration_set.prompts)} prompts) · ranges {', '.join(f'{lo}-{hi}' for lo, hi in length_ranges)} · "
+        f"link {link.label} · database {store.path}"
+    )
+    columns = (TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("profiling", total=None)
+            return run_profile(
+                hf_model, tokenizer, calibration_set, selector, {"budget": budget}, num_blocks=blocks,
+                length_ranges=length_ranges, decode_tokens=decode_tokens, link=link, limit=limit, model_name=str(model),
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    except (CalibrationError, ValueError) as exc:
+        fail(str(exc))
+
+
+def _add(store, item) -> int:
+    from smartgen.store import StoreError
+
+    try:
+        return store.add(item)
+    except StoreError as exc:
+        fail(str(exc))
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"cannot load a tokenizer from {folder}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
+
+def duration(seconds: float) -> str:
+    """3 significant digits in s, ms or µs."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if seconds >= scale or unit == "µs":
+            return f"{seconds / scale:.3g} {unit}"
+    raise AssertionError
+
+
+def heatmap(importance, width: int):
+    """A rich Text: one row per layer, one cell per group of blocks (shade and colour by importance)."""
+    from rich.text import Text
+
+    from smartgen.profiling import downsample_blocks
+
+    cells = downsample_blocks(importance, max(8, width - 6))
+    top = float(cells[2:].max()) if cells.shape[0] > 2 else float(cells.max())
+    text = Text()
+    for layer in range(cells.shape[0]):
+        text.append(f"{layer:>4}  ", style="dim")
+        for value in cells[layer].tolist():
+            level = 0 if top <= 0 else min(len(SHADES) - 1, int(value / top * (len(SHADES) - 1) + 0.5))
+            text.append(SHADES[level], style=PALETTE[max(0, level - 1)] if level else "")
+        text.append("\n")
+    return text
+
+
+def render_profile(console: "Console", item: "Profile") -> None:
+    """A profile's heat map (layers × blocks) and K_r at a few link rates."""
+    from rich.table import Table
+
+    params = " ".join(f"{k}={v}" for k, v in item.selector_params.items())
+    console.print(
+        f"[bold]profile #{item.id}[/]: {item.model} · {item.selector} {params} · prompts [{item.length_lo}, {item.length_hi}) · "
+        f"{item.num_prompts} prompt(s), mean {item.mean_length:.0f} tokens · T_p {duration(item.prefill_seconds)} · "
+        f"T_t {duration(item.transfer_seconds)} ({item.link})"
+    )
+    console.print(f"importance, layers (rows) × relative blocks (M = {item.num_blocks}); layers 0-1 are always sent whole:")
+    console.print(heatmap(item.importance, console.width), end="")
+    table = Table(title="proactive budget K_r (blocks pushed during prefill)", title_justify="left")
+    for column in ("link", "T_t", "K_r", "share of blocks"):
+        table.add_column(column, justify="right")
+    total = item.num_layers * item.num_blocks
+    table.add_row(f"{item.link} (stored)", duration(item.transfer_seconds), str(item.k_r()), f"{item.k_r() / total:.1%}")
+    for gbps in LINK_RATES:
+        k_r = item.k_r(gbps)
+        table.add_row(f"{gbps:g} Gbit/s", duration(item.transfer_seconds_at(gbps)), str(k_r), f"{k_r / total:.1%}")
+    console.print(table)

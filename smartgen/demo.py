@@ -1,0 +1,194 @@
+"""The one-command demo: a prefill node and a decode node as separate processes over a paced loopback link.
+
+1. Profiles the model when the store has no profile for it (calibration set under samples/).
+2. Picks a link rate at which a full KV transfer of the demo prompts takes `transfer_ratio`
+   times their prefill, as on the paper's testbed (4.7x at 25-32 Gbit/s).
+3. Starts `smartgen serve --role prefill` and `--role decode` as two processes on 127.0.0.1.
+4. Sends the same long-context prompts (passkey, needle retrieval) under each scheme and
+   scores the answers.
+5. Stops both nodes (SIGINT) and returns the side-by-side results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["DemoConfig", "SchemeResult", "run_demo"]
+
+
+@dataclass(slots=True)
+class DemoConfig:
+    model: Path
+    db: Path | None = None
+    calibration: Path | None = None
+    schemes: tuple[str, ...] = ("full", "smartgen")
+    tasks: tuple[str, ...] = ("passkey", "niah_single")
+    length: int = 2048
+    per_task: int = 3
+    selector: str = "quest"
+    budget: float = 0.2
+    blocks: int = 1024
+    transfer_ratio: float = 5.0
+    profile_prompts: int = 8
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class SchemeResult:
+    scheme: str
+    ttft: list[float] = field(default_factory=list)
+    ttst: list[float] = field(default_factory=list)
+    tbt: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def mean(self, name: str) -> float | None:
+        values = [v for v in getattr(self, name) if v is not None]
+        return statistics.mean(values) if values else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def _post_json(url: str, body: dict, timeout: float = 600) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_for(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the {what} exited early: {process.stderr.read().strip().splitlines()[-1:]}")
+        try:
+            _get_json(url)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"the {what} did not come up within {timeout:.0f} s")
+
+
+def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
+    """The store's profile for this model, selector and M; profiles the model first when there is none."""
+    from transformers import AutoTokenizer
+
+    from smartgen.fingerprint import model_fingerprint
+    from smartgen.profiling import LinkSpec, load_calibration, profile
+    from smartgen.runtime.models import load_model
+    from smartgen.store import NoProfileError, ProfileStore
+
+    model = load_model(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    store = ProfileStore(config.db)
+    fingerprint = model_fingerprint(model)
+    try:
+        return store.best(fingerprint, config.selector, config.blocks, config.length).profile, model, tokenizer
+    except NoProfileError:
+        pass
+    calibration = config.calibration or Path(__file__).resolve().parent.parent / "samples" / "calibration.jsonl"
+    say(f"no profile for {config.model.name} yet: profiling {config.profile_prompts} calibration prompts ({calibration.name})")
+    low, high = max(1, config.length // 2), config.length * 2
+    profiles = profile(
+        model, tokenizer, load_calibration(calibration), config.selector, {"budget": config.budget},
+        num_blocks=config.blocks, length_ranges=[(low, high)], decode_tokens=8, link=LinkSpec("rate", 15.0),
+        limit=config.profile_prompts, model_name=config.model.name,
+    )
+    if not profiles:
+        raise RuntimeError(f"no calibration prompt of {calibration} falls in {low}-{high} tokens")
+    store.add(profiles[0])
+    return profiles[0], model, tokenizer
+
+
+def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[list[SchemeResult], dict]:
+    """Runs the whole demo; returns per-scheme results and a description of the setup."""
+    from smartgen.evalsuite import generate_task, score_sample
+    from smartgen.runtime.models import kv_layout
+
+    stored, model, tokenizer = ensure_profile(config, say)
+    samples = [
+        generate_task(task, config.length, config.seed + i, tokenizer, "eval", depth=(i + 0.5) / config.per_task)
+        for task in config.tasks
+        for i in range(config.per_task)
+    ]
+    mean_tokens = statistics.mean(len(tokenizer(s.prompt).input_ids) for s in samples)
+    prefill_seconds = stored.prefill_seconds_per_token * mean_tokens
+    kv_bytes = kv_layout(model, num_blocks=config.blocks).kv_bytes(int(mean_tokens))
+    gbps = kv_bytes * 8 / (config.transfer_ratio * prefill_seconds) / 1e9
+    setup = {
+        "model": config.model.name, "prompt_tokens": round(mean_tokens), "prefill_s": prefill_seconds,
+        "kv_mib": kv_bytes / 2**20, "link_gbps": gbps, "transfer_s": kv_bytes * 8 / (gbps * 1e9),
+        "selector": f"{config.selector} {config.budget:g}", "profile": stored.id,
+    }
+    say(f"link paced at {gbps * 1000:.1f} Mbit/s: a full transfer of {setup['kv_mib']:.1f} MiB takes "
+        f"{setup['transfer_s']:.2f} s vs {prefill_seconds:.2f} s of prefill ({config.transfer_ratio:g}x)")
+    del model
+    prefill_port, status_port, http_port = _free_port(), _free_port(), _free_port()
+    common = ["--model", str(config.model), "--blocks", str(config.blocks), "--link-gbps", f"{gbps:.6f}",
+              "--selector", config.selector, "--budget", str(config.budget)]
+    env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET", "smartgen-demo")}
+    if config.db is not None:
+        env["SMARTGEN_DB"] = str(config.db)
+    launch = [sys.executable, "-m", "smartgen", "serve"]
+    processes = []
+    try:
+        prefill = subprocess.Popen(
+            [*launch, "--role", "prefill", "--listen", f"127.0.0.1:{prefill_port}", "--status", f"127.0.0.1:{status_port}", *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        processes.append(prefill)
+        _wait_for(f"http://127.0.0.1:{status_port}/status", prefill, 120, "prefill node")
+        decode = subprocess.Popen(
+            [*launch, "--role", "decode", "--prefill", f"127.0.0.1:{prefill_port}", "--http", f"127.0.0.1:{http_port}",
+             "--max-tokens", str(config.length * 2 + 64), *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        processes.append(decode)
+        _wait_for(f"http://127.0.0.1:{http_port}/health", decode, 120, "decode node")
+        say(f"prefill node on 127.0.0.1:{prefill_port}, decode node on http://127.0.0.1:{http_port}/v1")
+        results = []
+        for scheme in config.schemes:
+            result = SchemeResult(scheme)
+            for sample in samples:
+                body = {"prompt": sample.prompt, "max_tokens": sample.max_new_tokens, "temperature": 0, "scheme": scheme}
+                try:
+                    answer = _post_json(f"http://127.0.0.1:{http_port}/v1/completions", body)
+                except OSError as exc:
+                    result.errors.append(str(exc))
+                    continue
+                usage = answer["usage"]
+                result.ttft.append(usage["ttft"])
+                result.ttst.append(usage["ttst"])
+                result.tbt.append(usage["tbt"])
+                result.scores.append(score_sample(sample, answer["choices"][0]["text"]))
+            say(f"{scheme}: {len(result.scores)} requests done")
+            results.append(result)
+        return results, setup
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in processes:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
