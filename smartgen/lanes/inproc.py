@@ -22,7 +22,6 @@ from smartgen.lanes.pacer import Pacer
 __all__ = ["InprocLane"]
 
 _STOP = object()
-CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -156,16 +155,17 @@ class InprocLane(Lane):
             # Book the link a chunk at a time, so the node's other lanes interleave with a
             # bulk push the way a NIC arbitrates between queue pairs, instead of waiting it out.
             remaining = num_bytes
+            chunk = self._pacer.chunk_bytes()
             urgent = isinstance(item, Message) and not self.bulk
             while True:
                 if self.bulk:
                     self._pacer.wait_no_urgent(timeout=1.0)
-                sent_at = self._pacer.reserve(min(remaining, CHUNK_BYTES))
+                sent_at = self._pacer.reserve(min(remaining, chunk))
                 if urgent:
                     self._pacer.urgent_booked()
                     urgent = False
                 self._sleep_until(sent_at)  # the link is busy until the bytes are out
-                remaining -= CHUNK_BYTES
+                remaining -= chunk
                 if remaining <= 0:
                     break
             self.counters.add_busy(time.monotonic() - started)

@@ -2,7 +2,7 @@
 
 All lanes of a node share one pacer, as they would share a NIC. The pacer is a virtual
 clock of when the link is next free: reserving n bytes pushes it n·8/rate seconds on.
-Bulk lanes book the link a chunk at a time and hold back while an urgent (on-demand)
+Bulk lanes book the link a chunk (about 2 ms of it) at a time and hold back while an urgent (on-demand)
 transfer is queued, so a decode step's fetch waits for at most one bulk chunk, never for
 a whole speculative slice.
 """
@@ -17,6 +17,9 @@ __all__ = ["Pacer"]
 # Sleeping is coarse (tens of µs); letting the virtual clock lag real time by this much
 # lets a sender catch up after an oversleep instead of losing link time for good.
 CATCH_UP_SECONDS = 0.002
+CHUNK_SECONDS = 0.002
+MIN_CHUNK_BYTES = 16 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024
 
 
 class Pacer:
@@ -53,6 +56,17 @@ class Pacer:
     @property
     def bytes_per_second(self) -> float | None:
         return None if self.gbps is None else self.gbps * 1e9 / 8
+
+    def chunk_bytes(self) -> int:
+        """How much a bulk lane books at a time: about 2 ms of link time (16 KiB to 1 MiB).
+
+        An urgent transfer waits for at most one booked chunk, so chunks follow the link rate:
+        256 KiB would hold a fetch back 100 ms on a 20 Mbit/s link, but only 0.1 ms at 20 Gbit/s.
+        """
+        rate = self.bytes_per_second
+        if rate is None:
+            return MAX_CHUNK_BYTES
+        return int(min(max(rate * CHUNK_SECONDS, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES))
 
     def transfer_seconds(self, num_bytes: int) -> float:
         """How long num_bytes take on this link (0 when unpaced)."""

@@ -28,7 +28,6 @@ __all__ = ["TcpLane"]
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 256 * 1024
 _STOP = object()
 
 
@@ -155,6 +154,9 @@ class TcpLane(Lane):
         self._sock.close()
         self._fail_pending()
         self._inbox.put(_STOP)
+        for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
 
     @property
     def closed(self) -> bool:
@@ -170,9 +172,10 @@ class TcpLane(Lane):
     # -- threads ----------------------------------------------------------------------
     def _paced_send(self, parts: list[memoryview]) -> None:
         """Sends payload parts a chunk at a time, booking the pacer before each chunk."""
+        size = self._pacer.chunk_bytes()
         for part in parts:
-            for start in range(0, part.nbytes, CHUNK_BYTES):
-                chunk = part[start : start + CHUNK_BYTES]
+            for start in range(0, part.nbytes, size):
+                chunk = part[start : start + size]
                 if self.bulk:
                     self._pacer.wait_no_urgent(timeout=1.0)
                 due = self._pacer.reserve(chunk.nbytes)

@@ -57,6 +57,7 @@ def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
     try:
         store = ProfileStore(db, create=False)
         store.best(fingerprint, settings.selector, settings.blocks, 1)
+        count = len(store.list(fingerprint=fingerprint, selector=settings.selector))
     except NoProfileError as exc:
         log.warning("%s; using the fallback strategy", exc)
         return None, "none for this model"
@@ -64,15 +65,19 @@ def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
         log.warning("profile store unusable (%s); using the fallback strategy", exc)
         return None, f"store unusable: {exc}"
 
+    store.close()
+
     def lookup(length: int) -> ProfileMatch:
-        match = store.best(fingerprint, settings.selector, settings.blocks, length)
+        # the engine plans on its serve threads; a SQLite connection belongs to one thread, so open per lookup
+        with ProfileStore(db, create=False) as per_thread:
+            match = per_thread.best(fingerprint, settings.selector, settings.blocks, length)
         profile = match.profile
         transfer = (
             profile.kv_bytes_per_token * 8 / (settings.link_gbps * 1e9) if settings.link_gbps else profile.transfer_seconds_per_token
         )
         return ProfileMatch(profile.importance, profile.prefill_seconds_per_token, transfer, profile.id, match.nearest)
 
-    return lookup, f"{len(store.list(fingerprint=fingerprint, selector=settings.selector))} profile(s)"
+    return lookup, f"{count} profile(s) for this model and selector"
 
 
 def build_prefill_node(settings: NodeSettings, host: str, port: int, db: Path | None, fallback_strategy: str, model_name: str, max_queue: int) -> tuple[PrefillNode, str]:
