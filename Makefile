@@ -33,7 +33,9 @@ demo: venv
 	$(VENV)/bin/smartgen simulate
 
 bench: venv
-	$(PY) bench/engine_ops.py
+	$(PY) bench/engine_ops.py --quick
+	$(PY) bench/decode_step.py --lengths 1024,8192
+	$(PY) bench/tcp_lane.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
