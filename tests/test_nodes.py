@@ -36,7 +36,7 @@ def cluster():
         prefills.append(node)
     decode = DecodeNode(model, _Tokenizer(), make_selector("quest", info, budget=0.3, page_size=4), layout,
                         get_policy("smartgen"), [p.address for p in prefills], secret="s", max_batch=4,
-                        max_tokens=256, max_waiting=2)
+                        max_tokens=256, max_waiting=16)
     decode.start()
     yield prefills, decode
     decode.stop()
@@ -93,3 +93,12 @@ def test_refusals_are_clear(cluster):
         decode.scheduler.submit(_prompt(1, 20), GenerationParams(scheme="fastest"))
     with pytest.raises(ServiceError, match="empty"):
         decode.scheduler.submit([], GenerationParams())
+    # a scheduler whose loop is not running: its bounded queue fills and then refuses with 429
+    from smartgen.roles.scheduler import DecodeScheduler
+
+    idle = DecodeScheduler(decode.runner, _Tokenizer(), get_policy("smartgen"), "tiny", max_waiting=2)
+    for _ in range(2):
+        idle.submit(_prompt(2, 20), GenerationParams())
+    with pytest.raises(ServiceError) as refused:
+        idle.submit(_prompt(2, 20), GenerationParams())
+    assert refused.value.status == 429
