@@ -1,4 +1,5 @@
-"""Times split + reorder + gather per decode step next to the sparse attention it feeds, as a ratio.
+"""Times split + reorder + gather per decode step next to the sparse attention it feeds, as a ratio
+(and, for context, both together next to dense attention over every token).
 
     .venv/bin/python bench/engine_ops.py            # the issue's grid (B 1..6, H 8, d 128, N 4K..16K, k 10-20%)
     .venv/bin/python bench/engine_ops.py --quick    # a smaller grid
@@ -57,8 +58,16 @@ def run_case(batch: int, heads: int, group: int, head_dim: int, n: int, ratio: f
     def attention() -> None:
         sparse_decode_attention(query, k_out, v_out, valid)
 
-    t_ops, t_attn = _time(ops, repeat), _time(attention, repeat)
-    return {"B": batch, "N": n, "k": k, "ops_ms": t_ops * 1e3, "attn_ms": t_attn * 1e3, "ratio": t_ops / t_attn}
+    dense_k = k_pool.permute(0, 2, 1, 3).reshape(batch * heads, n, head_dim).contiguous()
+    dense_v = v_pool.permute(0, 2, 1, 3).reshape(batch * heads, n, head_dim).contiguous()
+    all_valid = torch.full((batch * heads,), n, device=device)
+
+    def dense() -> None:
+        sparse_decode_attention(query, dense_k, dense_v, all_valid)
+
+    t_ops, t_attn, t_dense = _time(ops, repeat), _time(attention, repeat), _time(dense, repeat)
+    return {"B": batch, "N": n, "k": k, "ops_ms": t_ops * 1e3, "attn_ms": t_attn * 1e3, "ratio": t_ops / t_attn,
+            "dense_ms": t_dense * 1e3, "vs_dense": (t_ops + t_attn) / t_dense}
 
 
 def main() -> None:
@@ -72,12 +81,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     batches, lengths, ratios = ((1, 4), (4096, 8192), (0.1,)) if args.quick else ((1, 2, 4, 6), (4096, 8192, 16384), (0.1, 0.2))
     print(f"device {device}, dtype {args.dtype}, H=8 KV heads x {args.group} query heads each, d=128, median of {args.repeat}")
-    print(f"{'B':>3} {'N':>6} {'k':>5} {'split+reorder+gather ms':>24} {'attention ms':>13} {'ratio':>7}")
+    print(f"{'B':>3} {'N':>6} {'k':>5} {'split+reorder+gather ms':>24} {'attention ms':>13} {'ratio':>7} "
+          f"{'dense attn ms':>14} {'(ops+attn)/dense':>17}")
     for ratio in ratios:
         for n in lengths:
             for batch in batches:
                 row = run_case(batch, 8, args.group, 128, n, ratio, dtype, device, args.repeat)
-                print(f"{row['B']:>3} {row['N']:>6} {row['k']:>5} {row['ops_ms']:>24.2f} {row['attn_ms']:>13.2f} {row['ratio']:>7.2f}")
+                print(f"{row['B']:>3} {row['N']:>6} {row['k']:>5} {row['ops_ms']:>24.2f} {row['attn_ms']:>13.2f} {row['ratio']:>7.2f} "
+                      f"{row['dense_ms']:>14.2f} {row['vs_dense']:>17.2f}")
 
 
 if __name__ == "__main__":
