@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import signal
 import threading
 from pathlib import Path

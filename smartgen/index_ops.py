@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from smartgen.mask import LOCAL, PAD, REMOTE
+from smartgen.mask import LOCAL, REMOTE
 
 __all__ = [
     "IndexSplit",

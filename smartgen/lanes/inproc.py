@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
+from smartgen.lanes.base import Completion, Message, WriteOp, coalesce
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.queued import STOP, QueuedLane
 
 __all__ = ["InprocLane"]
 
-_STOP = object()
 
 
 @dataclass(slots=True)
@@ -38,22 +38,13 @@ class _Marker:
     completion: Completion
 
 
-class InprocLane(Lane):
+class InprocLane(QueuedLane):
     """One endpoint; make connected pairs with `InprocLane.pair()`."""
 
     def __init__(self, name: str, pacer: Pacer | None, bulk: bool = False) -> None:
-        self.name = name
-        self.bulk = bulk  # bulk lanes yield the link to urgent ones between chunks
-        self.counters = LaneCounters()
-        self._pacer = pacer or Pacer(None)
+        super().__init__(name, pacer, bulk)
         self._peer: InprocLane | None = None
-        self._regions: dict[str, torch.Tensor] = {}
-        self._accepted: set[str] = set()
-        self._apply_lock = threading.Lock()
-        self._inbox: queue.Queue[Message | object] = queue.Queue()
-        self._outbox: queue.Queue[object] = queue.Queue()
         self._in_flight: queue.Queue[tuple[float, object]] = queue.Queue()
-        self._closed = threading.Event()
         self._threads = [
             threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
             threading.Thread(target=self._deliver_loop, name=f"{name}-rx", daemon=True),
@@ -71,19 +62,6 @@ class InprocLane(Lane):
         return a, b
 
     # -- receiving side -------------------------------------------------------------
-    def register_region(self, name: str, buffer: torch.Tensor) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError("a region must be a flat, contiguous uint8 tensor")
-        self._regions[name] = buffer
-
-    def accept(self, request_id: str) -> None:
-        with self._apply_lock:
-            self._accepted.add(request_id)
-
-    def revoke(self, request_id: str) -> None:
-        with self._apply_lock:
-            self._accepted.discard(request_id)
-
     def _apply(self, batch: _WriteBatch) -> bool:
         with self._apply_lock:
             if batch.request_id not in self._accepted:
@@ -108,24 +86,6 @@ class InprocLane(Lane):
         self._outbox.put(_WriteBatch(request_id, sources, merged, completion, num_bytes))
         return completion
 
-    def send(self, message: Message, *, tag: str = "control") -> None:
-        if self._closed.is_set():
-            return
-        self.counters.add_message(tag, message.payload_bytes)
-        if not self.bulk:
-            self._pacer.urgent_enqueued()
-        self._outbox.put(message)
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is _STOP:
-            self._inbox.put(_STOP)  # let every other receiver see it too
-            return None
-        return item  # type: ignore[return-value]
-
     def flush(self, timeout: float | None = None) -> bool:
         marker = _Marker(Completion())
         self._outbox.put(marker)
@@ -135,17 +95,17 @@ class InprocLane(Lane):
         if self._closed.is_set():
             return
         self._closed.set()
-        self._outbox.put(_STOP)
-        self._inbox.put(_STOP)
+        self._outbox.put(STOP)
+        self._inbox.put(STOP)
         if self._peer is not None:
-            self._peer._inbox.put(_STOP)
+            self._peer._inbox.put(STOP)
 
     # -- threads ----------------------------------------------------------------------
     def _transmit_loop(self) -> None:
         while True:
             item = self._outbox.get()
-            if item is _STOP:
-                self._in_flight.put((0.0, _STOP))
+            if item is STOP:
+                self._in_flight.put((0.0, STOP))
                 return
             num_bytes = item.num_bytes if isinstance(item, _WriteBatch) else (
                 item.payload_bytes if isinstance(item, Message) else 0
@@ -175,7 +135,7 @@ class InprocLane(Lane):
         peer = self._peer
         while True:
             arrival, item = self._in_flight.get()
-            if item is _STOP:
+            if item is STOP:
                 self._drain()
                 return
             self._sleep_until(arrival)

@@ -11,7 +11,6 @@ queues messages. A one-way delay is emulated from the sender's timestamp (same-h
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -20,15 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, MessageKind, WriteOp, coalesce
+from smartgen.lanes.base import Completion, Message, MessageKind, WriteOp, coalesce
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.wire import ConnectionClosed, FrameType, recv_header, recv_into_exact, send_frame, send_header
 
 __all__ = ["TcpLane"]
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -46,26 +45,17 @@ class _Batch:
     num_bytes: int
 
 
-class TcpLane(Lane):
+class TcpLane(QueuedLane):
     """One endpoint of a connected socket (both peers wrap their socket in a TcpLane)."""
 
     def __init__(self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> None:
-        self.name = name
-        self.counters = LaneCounters()
-        self.bulk = bulk
+        super().__init__(name, pacer, bulk)
         self._sock = sock
-        self._pacer = pacer or Pacer(None)
-        self._send_lock = threading.Lock()
-        self._regions: dict[str, torch.Tensor] = {}
-        self._accepted: set[str] = set()
-        self._apply_lock = threading.Lock()
-        self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
+        self._send_lock = threading.Lock()  # ACKs from the receive thread share the socket
         self._seq = 0
         self._acked = 0
         self._pending: dict[int, Completion] = {}
         self._pending_lock = threading.Condition()
-        self._closed = threading.Event()
         self.error: str | None = None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._threads = [
@@ -76,19 +66,6 @@ class TcpLane(Lane):
             thread.start()
 
     # -- receiving side -------------------------------------------------------------
-    def register_region(self, name: str, buffer: torch.Tensor) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ValueError("a region must be a flat, contiguous uint8 tensor")
-        self._regions[name] = buffer
-
-    def accept(self, request_id: str) -> None:
-        with self._apply_lock:
-            self._accepted.add(request_id)
-
-    def revoke(self, request_id: str) -> None:
-        with self._apply_lock:
-            self._accepted.discard(request_id)
-
     # -- sending side ---------------------------------------------------------------
     def post_writes(
         self, request_id: str, sources: Mapping[str, torch.Tensor], ops: Sequence[WriteOp], *, tag: str
@@ -107,24 +84,6 @@ class TcpLane(Lane):
         self._outbox.put(_Batch(seq, request_id, sources, merged, num_bytes))
         return completion
 
-    def send(self, message: Message, *, tag: str = "control") -> None:
-        if self._closed.is_set():
-            return
-        self.counters.add_message(tag, message.payload_bytes)
-        if not self.bulk:
-            self._pacer.urgent_enqueued()
-        self._outbox.put(message)
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is _STOP:
-            self._inbox.put(_STOP)
-            return None
-        return item
-
     def flush(self, timeout: float | None = None) -> bool:
         with self._pending_lock:
             target = self._seq
@@ -141,7 +100,7 @@ class TcpLane(Lane):
         if self._closed.is_set():
             return
         self._closed.set()
-        self._outbox.put(_STOP)
+        self._outbox.put(STOP)
         try:
             with self._send_lock:
                 send_frame(self._sock, FrameType.BYE)
@@ -153,14 +112,11 @@ class TcpLane(Lane):
             pass
         self._sock.close()
         self._fail_pending()
-        self._inbox.put(_STOP)
+        self._inbox.put(STOP)
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
 
     def _fail_pending(self) -> None:
         with self._pending_lock:
@@ -188,7 +144,7 @@ class TcpLane(Lane):
         try:
             while True:
                 item = self._outbox.get()
-                if item is _STOP:
+                if item is STOP:
                     return
                 started = time.monotonic()
                 stamp = {"t": time.time()} if self._pacer.delay_s else {}

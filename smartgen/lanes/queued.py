@@ -1,0 +1,71 @@
+"""What every queue-driven lane endpoint shares: registered regions, accepted requests, the inbox and outbox.
+
+Backends subclass `QueuedLane` and supply the threads that move the outbox to the peer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from smartgen.lanes.base import Lane, LaneCounters, Message
+from smartgen.lanes.pacer import Pacer
+
+__all__ = ["QueuedLane", "STOP"]
+
+STOP = object()  # queued to wake every waiter when the endpoint closes
+
+
+class QueuedLane(Lane):
+    """Regions, acceptance and the two queues; `send`/`recv` done once for every backend."""
+
+    def __init__(self, name: str, pacer: Pacer | None, bulk: bool) -> None:
+        self.name = name
+        self.bulk = bulk  # bulk lanes yield the link to urgent ones between chunks
+        self.counters = LaneCounters()
+        self._pacer = pacer or Pacer(None)
+        self._regions: dict[str, torch.Tensor] = {}
+        self._accepted: set[str] = set()
+        self._apply_lock = threading.Lock()  # held while a batch lands, so revoke() waits for it
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+
+    # -- receiving side -------------------------------------------------------------
+    def register_region(self, name: str, buffer: torch.Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("a region must be a flat, contiguous uint8 tensor")
+        self._regions[name] = buffer
+
+    def accept(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.add(request_id)
+
+    def revoke(self, request_id: str) -> None:
+        with self._apply_lock:
+            self._accepted.discard(request_id)
+
+    # -- two-sided messages -----------------------------------------------------------
+    def send(self, message: Message, *, tag: str = "control") -> None:
+        if self._closed.is_set():
+            return
+        self.counters.add_message(tag, message.payload_bytes)
+        if not self.bulk:
+            self._pacer.urgent_enqueued()
+        self._outbox.put(message)
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is STOP:
+            self._inbox.put(STOP)  # let every other receiver see it too
+            return None
+        return item
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
