@@ -11,6 +11,7 @@ import smartgen
 from smartgen.cli import demo, info, serve, simulate
 from smartgen.cli import profile, profiles
 from smartgen.cli import generate
+from smartgen.cli.eval import eval_command
 
 app = typer.Typer(
     name="smartgen",
@@ -53,6 +54,7 @@ app.add_typer(profiles.app, name="profiles", rich_help_panel="Profile")
 app.command("serve", rich_help_panel="Serve")(serve.serve)
 app.command("demo", rich_help_panel="Serve")(demo.demo)
 app.command("generate", rich_help_panel="Serve")(generate.generate)
+app.command("eval", rich_help_panel="Benchmark")(eval_command)
 
 
 def main() -> None:

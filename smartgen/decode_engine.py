@@ -8,7 +8,8 @@ A request on the decode node:
 3. Decoding, per step and layer: `begin_layer()` sends the idle notice (speculative
    policies); `assemble()` splits the selector's index by the mask, gathers local entries
    while the remote ones are fetched, lands fetched tokens in the pool (mask 1, so they are
-   never fetched twice) and returns the selected KV; `append()` adds the new token's K/V.
+   never fetched twice) and returns the selected KV (a drop_remote policy, proactive-only,
+   fetches nothing: remote entries count as padding); `append()` adds the new token's K/V.
 4. Fully local: `end_step()` sends RELEASE once every block is local.
 5. `finish()` / `abort()`: the lane stops accepting writes for the request, its slot is
    freed, and RELEASE / ABORT goes to the prefill node if it was not sent yet.
@@ -52,6 +53,15 @@ class Assembled(NamedTuple):
     split: IndexSplit
 
 
+def _drop_remote(split: IndexSplit) -> IndexSplit:
+    """Proactive-only: remote entries turn into padding (rows local-first), so they are never fetched or attended."""
+    status = torch.where(split.status == REMOTE, torch.zeros_like(split.status), split.status)
+    order = torch.sort(status.to(torch.int16), dim=1, descending=True, stable=True).indices
+    return IndexSplit(
+        torch.gather(split.index, 1, order), torch.gather(status, 1, order), torch.zeros_like(split.num_remote), split.num_local
+    )
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -62,7 +72,7 @@ class _Request:
     metrics: RequestMetrics
     first_token: Future = field(default_factory=Future)
     fetch_counts: torch.Tensor | None = None  # [L, n] int32: how often each token was fetched
-    metadata: list[dict[str, torch.Tensor]] | None = None  # selector metadata, from FIRST_TOKEN
+    metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
 
 
@@ -109,10 +119,15 @@ class DecodeEngine:
                     future = self._fetches.pop(int(message.meta["fetch_id"]), None)
                 if future is not None:
                     future.set_result(message)
+            elif message.kind == MessageKind.METADATA:
+                request = self._requests.get(message.request_id)
+                if request is not None:
+                    request.metadata[int(message.meta["layer"])] = message.payload
             elif message.kind == MessageKind.FIRST_TOKEN:
                 request = self._requests.get(message.request_id)
                 if request is not None and not request.first_token.done():
-                    request.metadata = unpack_metadata(message.payload, self.layout.num_layers)
+                    for layer, entry in enumerate(unpack_metadata(message.payload, self.layout.num_layers)):
+                        request.metadata[layer].update(entry)
                     request.first_token.set_result(int(message.meta["token"]))
             elif message.kind in (MessageKind.ERROR, MessageKind.ABORT):
                 self._fail_request(message.request_id, str(message.meta.get("reason", "prefill node failed")))
@@ -159,6 +174,7 @@ class DecodeEngine:
         request = _Request(
             request_id, slot, length, link, policy, RequestMetrics(request_id, length, RequestState.DISPATCHED),
             fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
+            metadata=[{} for _ in range(self.layout.num_layers)],
         )
         with self._lock:
             self._requests[request_id] = request
@@ -185,7 +201,7 @@ class DecodeEngine:
         return self._require_any(request_id).first_token.done()
 
     def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
-        return self._require(request_id).metadata or [{} for _ in range(self.layout.num_layers)]
+        return self._require(request_id).metadata
 
     def is_all_local(self, request_id: str) -> bool:
         request = self._require(request_id)
@@ -224,6 +240,8 @@ class DecodeEngine:
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        if requests and requests[0].policy.drop_remote:
+            split = _drop_remote(split)
         num_rows, k = index.shape
         k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
         v_out = torch.zeros_like(k_out)

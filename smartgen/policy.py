@@ -20,6 +20,7 @@ class Policy:
     parallel: fetch remote entries while gathering local ones (else remote, then local).
     speculative: push the next slice of unsent blocks on every idle notice.
     wait_for_all: decoding starts only when every block is local (full transfer).
+    drop_remote: entries not sent proactively are never fetched and never attended (proactive-only).
     """
 
     name: str
@@ -29,6 +30,7 @@ class Policy:
     speculative: bool = True
     speculative_ratio: float = 0.1
     wait_for_all: bool = False
+    drop_remote: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -37,6 +39,8 @@ class Policy:
             raise ValueError(f"unknown proactive strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if not 0 < self.speculative_ratio <= 1:
             raise ValueError(f"speculative ratio must be in (0, 1], got {self.speculative_ratio}")
+        if self.drop_remote and self.speculative:
+            raise ValueError("a policy that drops remote entries cannot also push them speculatively")
 
     def with_strategy(self, strategy: str) -> "Policy":
         """The same policy with another proactive-set strategy (random, sequential, streaming, ...)."""
@@ -51,6 +55,7 @@ POLICIES: dict[str, Policy] = {
         Policy("partial+profile", proactive="budget", parallel=False, speculative=False),
         Policy("partial+profile+parallel", proactive="budget", parallel=True, speculative=False),
         Policy("smartgen", proactive="budget", parallel=True, speculative=True),
+        Policy("proactive-only", proactive="budget", parallel=True, speculative=False, drop_remote=True),
     )
 }
 

@@ -4,7 +4,8 @@ A request on a prefill node:
 1. OPEN arrives from a decode node: the request's KV store is allocated, its transfer plan
    made (policy + profile + link timings), and it is queued for `next_request()`.
 2. Prefill runs layer by layer; `prefill_layer()` stores each layer's K/V and at once
-   pushes that layer's planned blocks (data, then mask) on the push lane.
+   pushes that layer's planned blocks (data, then mask) on the push lane, and
+   `send_metadata()` sends the layer's selector metadata on the control lane.
 3. `finish_prefill()` sends FIRST_TOKEN on the control lane (not behind bulk pushes).
 4. FETCH requests are answered with the K/V of the asked tokens; each IDLE notice pushes the
    next speculative slice, in importance order, unless the previous slice is still in flight.
@@ -169,6 +170,19 @@ class PrefillEngine:
             raise KeyError(f"request {request_id!r} is not open on this prefill node")
         self.store.put_layer(request_id, layer, k, v)
         return self._push(request, [(layer, request.plan.proactive_blocks(layer))], tag="proactive")
+
+    def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> None:
+        """One layer's selector metadata, sent the moment the layer is prefilled.
+
+        It goes on the control lane, ahead of bulk pushes and before FIRST_TOKEN, so the
+        decode node has it for its first step without it adding to the time to first token.
+        """
+        request = self._get(request_id)
+        if request is None or not metadata:
+            return
+        message = Message(MessageKind.METADATA, request_id, {"layer": int(layer)}, {k: v.contiguous() for k, v in metadata.items()})
+        request.link.control.send(message, tag="metadata")
+        self.counters.add("metadata", message.payload_bytes)
 
     def finish_prefill(
         self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None

@@ -74,6 +74,7 @@ class MessageKind(IntEnum):
     RELEASE = 6  # decode -> prefill: every block is local (or the request ended): free it
     ABORT = 7  # either way: the request failed; free everything
     ERROR = 8  # prefill -> decode: a request-level failure with a reason
+    METADATA = 9  # prefill -> decode: one layer's selector metadata, as soon as that layer is prefilled
 
 
 @dataclass(slots=True)

@@ -106,6 +106,10 @@ class PrefillNode:
         for thread in self._threads:
             thread.join(timeout=5)
 
+    def _hand_off(self, request_id: str, layer: int, k, v, metadata: dict) -> None:
+        self.engine.prefill_layer(request_id, layer, k, v)
+        self.engine.send_metadata(request_id, layer, metadata)
+
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             accepted = self.listener.accept(timeout=0.2)
@@ -134,7 +138,7 @@ class PrefillNode:
             started = time.monotonic()
             try:
                 output = self.runner.run(
-                    request.prompt, on_layer=lambda layer, k, v, meta: self.engine.prefill_layer(rid, layer, k, v)
+                    request.prompt, on_layer=lambda layer, k, v, meta: self._hand_off(rid, layer, k, v, meta)
                 )
             except KeyError:
                 continue  # released or aborted while prefilling (the decode node gave up on it)
@@ -144,7 +148,7 @@ class PrefillNode:
                 continue
             self.planner.record_prefill(request.length, time.monotonic() - started)
             try:
-                self.engine.finish_prefill(rid, output.first_token, output.metadata)
+                self.engine.finish_prefill(rid, output.first_token)
             except KeyError:
                 continue
             self.num_prefilled += 1

@@ -28,7 +28,10 @@ from smartgen.runtime.prefill import PrefillRunner
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors import make_selector
 
-__all__ = ["GenerationResult", "InprocPipeline"]
+__all__ = ["GenerationResult", "InprocPipeline", "KVTransform"]
+
+# kv_transform(layer, k [n, H, d], v [n, H, d]) -> (k, v): applied at the prefill hand-off
+KVTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -57,8 +60,12 @@ class InprocPipeline:
         max_batch: int = 8,
         max_tokens: int = 8192,
         sampler: Sampler | None = None,
+        kv_transform: KVTransform | None = None,
     ) -> None:
+        """`kv_transform(layer, k, v)` -> (k, v), [n, H, d] each, rewrites every layer's K/V at the
+        prefill hand-off before it is stored and sent (the quantized-KV scheme)."""
         self.model = model
+        self.kv_transform = kv_transform
         self.policy = policy
         info = model_info(model)
         self.selector = make_selector(selector, info, **(selector_params or {}))
@@ -68,6 +75,7 @@ class InprocPipeline:
         # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
         self.decode_engine = DecodeEngine(self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device))
         prefill_end, decode_end = inproc_link(gbps)
+        self._prefill_link = prefill_end
         self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
         self.decode_engine.attach(decode_end)
         self.prefill_runner = PrefillRunner(model, self.selector, sampler or Sampler())
@@ -91,14 +99,21 @@ class InprocPipeline:
                 return
             rid = request.request_id
             try:
-                output = self.prefill_runner.run(
-                    prompts[rid], on_layer=lambda layer, k, v, meta: self.prefill_engine.prefill_layer(rid, layer, k, v)
-                )
-                # the metadata travels with FIRST_TOKEN, as it does between processes
-                self.prefill_engine.finish_prefill(rid, output.first_token, output.metadata)
+                output = self.prefill_runner.run(prompts[rid], on_layer=lambda layer, k, v, meta: self._hand_off(rid, layer, k, v, meta))
+                if self.policy.drop_remote:  # what is dropped must not depend on thread timing: the proactive set lands first
+                    self._prefill_link.push.flush(timeout=600)
+                self.prefill_engine.finish_prefill(rid, output.first_token)
             except BaseException as exc:  # reported to the caller, never swallowed
                 errors.append(exc)
                 return
+
+    def _hand_off(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: dict) -> int:
+        """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
+        if self.kv_transform is not None:
+            k, v = self.kv_transform(layer, k, v)
+        pushed = self.prefill_engine.prefill_layer(request_id, layer, k, v)
+        self.prefill_engine.send_metadata(request_id, layer, metadata)
+        return pushed
 
     def prepare(self, prompts: list[list[int] | torch.Tensor], max_new_tokens: int) -> tuple[DecodeBatch, list[int]]:
         """Opens the requests, prefills them on the prefill side and returns the decode batch and first tokens."""

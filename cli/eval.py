@@ -1,0 +1,206 @@
+"""`smartgen eval`: runs the long-context suite under several transfer schemes and prints accuracy per task and length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from smartgen.cli.errors import fail
+from smartgen.cli.profiles import DbOption
+
+if TYPE_CHECKING:
+    from smartgen.evaluation import EvalReport
+
+PANEL_SUITE = "Suite"
+PANEL_SCHEMES = "Schemes"
+PANEL_QUANT = "Quantized KV (quant2)"
+PANEL_OUTPUT = "Output"
+SELECTORS = ("quest", "infinigen", "topk")
+ROW_HEADER_WIDTH = 27  # task + length columns and the table's margins
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _length(text: str) -> int:
+    """A prompt length in tokens: 1024, or 1K / 1.5k (x 1024)."""
+    try:
+        value = int(float(text[:-1]) * 1024) if text[-1] in "kK" else int(text)
+    except ValueError:
+        raise ValueError(f"--lengths needs token counts such as 1024 or 2K, got {text!r}") from None
+    if value < 16:
+        raise ValueError(f"--lengths: {text!r} is too short (at least 16 tokens)")
+    return value
+
+
+def eval_command(
+    model: Annotated[Path, typer.Option("--model", help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).", rich_help_panel=PANEL_SUITE)],
+    schemes: Annotated[str, typer.Option(help="Comma-separated schemes: full-cache, smartgen, proactive-only, streamingllm, quant2.", rich_help_panel=PANEL_SCHEMES)] = "full-cache,smartgen,proactive-only,streamingllm,quant2",
+    selector: Annotated[str, typer.Option(help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, topk.", rich_help_panel=PANEL_SCHEMES)] = "quest",
+    budget: Annotated[str, typer.Option(help="Selection budget(s), comma-separated: a share of the prompt (<= 1) or a token count; also StreamingLLM's window.", rich_help_panel=PANEL_SCHEMES)] = "0.1",
+    transfer_ratio: Annotated[Optional[float], typer.Option(min=0.01, help="T_t / T_p for K_r (default: the profile's timings, else 5).", rich_help_panel=PANEL_SCHEMES)] = None,
+    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer (a profile must have the same M).", rich_help_panel=PANEL_SCHEMES)] = 1024,
+    db: DbOption = None,
+    tasks: Annotated[str, typer.Option(help="Comma-separated tasks: passkey, niah_single, niah_multikey, kv_retrieval, vt.", rich_help_panel=PANEL_SUITE)] = "passkey,niah_single,niah_multikey,kv_retrieval,vt",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens (1K = 1024).", rich_help_panel=PANEL_SUITE)] = "1024,2048",
+    num: Annotated[int, typer.Option(min=1, help="Prompts per task and length (needles at spread depths).", rich_help_panel=PANEL_SUITE)] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the suite (sample i of a cell gets seed + i).", rich_help_panel=PANEL_SUITE)] = 0,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.", rich_help_panel=PANEL_SUITE)] = 4,
+    quant_bits: Annotated[int, typer.Option(min=1, max=8, help="Bits per quantized K/V element.", rich_help_panel=PANEL_QUANT)] = 2,
+    quant_group: Annotated[int, typer.Option(min=1, help="Group size G: tokens per key group, channels per value group.", rich_help_panel=PANEL_QUANT)] = 32,
+    quant_residual: Annotated[int, typer.Option(min=0, help="Residual window R: the last R tokens stay full precision.", rich_help_panel=PANEL_QUANT)] = 128,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report (every sample's answer and score) to this JSON file.", rich_help_panel=PANEL_OUTPUT)] = None,
+) -> None:
+    """Evaluate accuracy under transfer schemes: the RULER/passkey suite, one column per scheme.
+
+    Every prompt runs through a prefill and a decode engine in one process (greedy decoding);
+    the table shows accuracy (%) per task and length, over all prompts, and relative to the
+    full cache. docs/eval.md explains the schemes.
+    """
+    from smartgen.evalsuite import TASKS
+    from smartgen.evaluation import SCHEMES, Condition
+    from smartgen.quantization import KVQuantConfig
+
+    names = _split(schemes)
+    if not names or any(name not in SCHEMES for name in names):
+        fail(f"--schemes must name some of {', '.join(SCHEMES)}, got {schemes!r}")
+    selectors = _split(selector)
+    if not selectors or any(name not in SELECTORS for name in selectors):
+        fail(f"--selector must name some of {', '.join(SELECTORS)}, got {selector!r}")
+    task_names = _split(tasks)
+    if not task_names or any(name not in TASKS for name in task_names):
+        fail(f"--tasks must name some of {', '.join(TASKS)}, got {tasks!r}")
+    try:
+        budgets = [float(b) for b in _split(budget)]
+        prompt_lengths = [_length(x) for x in _split(lengths)]
+        quant = KVQuantConfig(quant_bits, quant_group, quant_residual)
+    except ValueError as exc:
+        fail(str(exc))
+    if not budgets or min(budgets) <= 0:
+        fail(f"--budget needs positive numbers, got {budget!r}")
+    if not prompt_lengths:
+        fail("--lengths is empty")
+    if json_out is not None and not json_out.parent.is_dir():
+        fail(f"cannot write {json_out}: directory {json_out.parent} does not exist")
+    conditions: list[Condition] = []
+    for name in names:
+        if name in ("smartgen", "proactive-only"):
+            conditions += [Condition(name, s, b) for s in selectors for b in budgets]
+        elif name == "streamingllm":
+            conditions += [Condition(name, budget=b) for b in budgets]
+        else:
+            conditions.append(Condition(name))
+    report = _run(model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size)
+    render(report)
+    if json_out is not None:
+        data = report.to_json() | {"settings": {"model": str(model), "tasks": task_names, "lengths": prompt_lengths, "num": num,
+                                                "seed": seed, "blocks": blocks, "transfer_ratio": transfer_ratio,
+                                                "quant": {"bits": quant_bits, "group": quant_group, "residual": quant_residual}}}  # fmt: skip
+        json_out.write_text(json.dumps(data, indent=1) + "\n")
+        typer.echo(f"report written to {json_out}")
+
+
+def _run(model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size) -> "EvalReport":
+    """Loads the model, tokenizer and profiles, makes the suite and runs it with a progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from transformers import AutoTokenizer
+
+    from smartgen.evalsuite import generate_suite
+    from smartgen.evaluation import StoreProfiles, evaluate_conditions
+    from smartgen.runtime.models import ModelLoadError, load_model
+    from smartgen.store import StoreError
+    from smartgen.sysinfo import default_db_path
+
+    try:
+        hf_model = load_model(model_path)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    console = Console()
+    profiles = None
+    if any(c.scheme in ("smartgen", "proactive-only") for c in conditions) and (db is not None or default_db_path().exists()):
+        try:
+            profiles = StoreProfiles(db, hf_model, blocks)
+        except StoreError as exc:
+            fail(str(exc))
+    samples = generate_suite(tasks, lengths, num, seed, tokenizer, variant="eval")
+    console.print(
+        f"[bold]smartgen eval[/]: {model_path} · {len(samples)} prompts ({', '.join(tasks)} at {', '.join(map(str, lengths))} tokens) "
+        f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as progress:
+            bar = progress.add_task("starting", total=len(samples) * len(conditions))
+            return evaluate_conditions(
+                hf_model, tokenizer, samples, conditions, profiles=profiles, num_blocks=blocks, transfer_ratio=transfer_ratio,
+                quant=quant, batch_size=batch_size,
+                on_progress=lambda done, total, label: progress.update(bar, completed=done, total=total, description=label),
+            )  # fmt: skip
+    except ValueError as exc:
+        fail(str(exc))
+    finally:
+        if profiles is not None:
+            profiles.close()
+
+
+def render(report: "EvalReport") -> None:
+    """The accuracy table (%): rows per task and length, then all prompts and relative to the full cache.
+
+    Columns that do not fit the terminal go to a second table (and so on), each with the row headers.
+    """
+    from rich.console import Console
+
+    console = Console()
+    labels = list(report.runs)
+    chunk: list[str] = []
+    width = ROW_HEADER_WIDTH
+    for label in labels:
+        need = max(6, *(len(word) for word in _header(label).split("\n"))) + 3
+        if chunk and width + need > console.width:
+            console.print(_table(report, chunk))
+            chunk, width = [], ROW_HEADER_WIDTH
+        chunk.append(label)
+        width += need
+    console.print(_table(report, chunk))
+    for label, run in report.runs.items():
+        if run.proactive_share is not None:
+            source = f"profile {', '.join(f'#{i}' for i in run.profile_ids)}" if run.profile_ids else f"the {run.strategy} strategy (no profile)"
+            console.print(f"{label}: K_r = {run.proactive_share:.0%} of the blocks, proactive set from {source}")
+        if run.kv_byte_ratio is not None:
+            console.print(f"{label}: a quantized transfer moves {run.kv_byte_ratio:.1%} of the fp16 KV bytes")
+
+
+def _header(label: str) -> str:
+    return label.replace("-", "-\n").replace(" ", "\n")
+
+
+def _table(report: "EvalReport", labels: list[str]):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="accuracy (%) per task and length", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("task", no_wrap=True)
+    table.add_column("length", justify="right", no_wrap=True)
+    for label in labels:
+        table.add_column(_header(label), justify="right", no_wrap=True)
+    accuracy = {label: report.runs[label].accuracy() for label in labels}
+    for cell in report.cells():
+        table.add_row(cell[0], str(cell[1]), *(_pct(accuracy[label].get(cell)) for label in labels))
+    table.add_section()
+    table.add_row("all", "", *(_pct(report.runs[label].overall()) for label in labels), style="bold")
+    if report.reference is not None:
+        table.add_row("vs full-cache", "", *(_pct(report.relative_overall(label)) for label in labels))
+    return table
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
