@@ -41,7 +41,7 @@ def serve(
     max_queue: Annotated[int, typer.Option(min=1, help="Prefill node: OPEN requests queued before new ones are refused.", rich_help_panel=PANEL_PREFILL)] = 64,
     prefill: Annotated[str, typer.Option(help="Decode node: prefill nodes, HOST:PORT[,HOST:PORT...]; each request goes to the least loaded.", rich_help_panel=PANEL_DECODE)] = "127.0.0.1:7100",
     http: Annotated[str, typer.Option(help="Decode node: HOST:PORT of the OpenAI-compatible HTTP API.", rich_help_panel=PANEL_DECODE)] = "127.0.0.1:8000",
-    scheme: Annotated[str, typer.Option(help="Decode node: default transfer scheme: smartgen, full, partial, partial+profile, partial+profile+parallel (a request may ask for another).", rich_help_panel=PANEL_DECODE)] = "smartgen",
+    scheme: Annotated[str, typer.Option(help="Decode node: default transfer scheme: smartgen, full, partial, partial+profile, partial+profile+parallel, proactive-only (a request may ask for another).", rich_help_panel=PANEL_DECODE)] = "smartgen",
     speculative_ratio: Annotated[float, typer.Option(min=0.001, max=1.0, help="Decode node: share of all blocks pushed per idle notice.", rich_help_panel=PANEL_DECODE)] = 0.1,
     max_batch: Annotated[int, typer.Option(min=1, help="Decode node: requests decoding at once (pool slots).", rich_help_panel=PANEL_DECODE)] = 8,
     max_tokens: Annotated[int, typer.Option(min=16, help="Decode node: tokens per pool slot (prompt + output).", rich_help_panel=PANEL_DECODE)] = 8192,
