@@ -72,6 +72,8 @@ def serve(
             _run_decode(node, host, port, prefill, scheme)
     except (ModelLoadError, ValueError) as exc:
         fail(str(exc))
+    except ConnectionError as exc:
+        fail(str(exc))
     except OSError as exc:
         fail(f"network error: {exc}")
     except Exception as exc:  # a handshake refusal and the like: one line, no traceback

@@ -50,7 +50,10 @@ def simulate(
     from smartgen.simulate import SimulationConfig, compare, link_rate_for
 
     try:
-        prompt_lengths = tuple(int(x) for x in lengths.split(",") if x.strip())
+        try:
+            prompt_lengths = tuple(int(x) for x in lengths.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--lengths needs comma-separated token counts, e.g. 4096,3000; got {lengths!r}") from None
         if not prompt_lengths or min(prompt_lengths) < 1:
             raise ValueError("--lengths needs positive integers, e.g. 4096,3000")
         chosen = [get_policy(name.strip(), strategy=strategy, speculative_ratio=speculative_ratio) for name in policies.split(",") if name.strip()]
