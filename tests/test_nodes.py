@@ -102,3 +102,13 @@ def test_refusals_are_clear(cluster):
     with pytest.raises(ServiceError) as refused:
         idle.submit(_prompt(2, 20), GenerationParams())
     assert refused.value.status == 429
+
+
+def test_status_shows_paths_lanes_and_recent_requests(cluster):
+    _, decode = cluster
+    _run(decode, _prompt(11, 60))
+    status = decode.scheduler.status()
+    assert status["role"] == "decode" and status["health"]["ready"]
+    assert status["paths"]["selected_entries"] > 0
+    assert len(status["links"]) == 2
+    assert status["recent"][-1]["completion_tokens"] == 6 and status["recent"][-1]["ttst"] is not None

@@ -90,6 +90,14 @@ def create_app(service: DecodeService) -> FastAPI:
             return JSONResponse({"ready": False, "error": str(exc)}, status_code=503)
         return JSONResponse(report, status_code=503 if report.get("ready") is False else 200)
 
+    @app.get("/status")
+    async def status() -> JSONResponse:
+        """Live engine state for the monitor: bytes and time per path, lanes, requests and their masks."""
+        snapshot = getattr(service, "status", None)
+        if snapshot is None:
+            return JSONResponse({"error": {"message": "this service has no status", "type": "not_found", "code": 404}}, 404)
+        return JSONResponse(snapshot())
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "smartgen"}

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,7 @@ class DecodeScheduler:
         self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
         self.ready = False
         self.stop_reason = "decode node is shutting down"
+        self._recent: deque[dict[str, Any]] = deque(maxlen=100)  # the last finished requests' usage, for /status
 
     # -- the service ---------------------------------------------------------------------
     def start(self) -> None:
@@ -123,6 +125,31 @@ class DecodeScheduler:
             "prefilling": len(self._prefilling),
             "waiting": self._waiting.qsize(),
             "free_slots": self.engine.pool.num_free,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """Engine counters, lane counters, and per request: state, timings and per-layer mask summary."""
+        engine = self.engine
+        requests = []
+        for active in list(self._prefilling) + list(self._running):
+            rid = active.handle.request_id
+            if not engine.has_request(rid):
+                continue
+            entry = engine.metrics(rid).snapshot()
+            try:
+                entry["masks"] = [{"pad": p, "local": l, "remote": r} for p, l, r in engine.mask_summary(rid)]
+            except Exception:  # a request failing right now has no masks to show
+                entry["masks"] = []
+            entry["scheme"] = active.policy.name
+            requests.append(entry)
+        return {
+            "role": "decode",
+            "model": self.model_name,
+            "health": self.health(),
+            "paths": engine.counters.snapshot(),
+            "links": [{"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()} for link in engine._links],
+            "requests": requests,
+            "recent": list(self._recent),
         }
 
     def stop(self, reason: str = "decode node is shutting down", timeout: float = 10.0) -> None:
@@ -296,6 +323,7 @@ class DecodeScheduler:
             "tbt": (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None,
             "scheme": active.policy.name,
         }
+        self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
         active.handle.put(FinishEvent(reason, error, usage))
 
     def _reap_cancelled(self) -> None:
