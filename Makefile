@@ -30,7 +30,7 @@ test-slow: venv
 	$(PY) -m pytest -q -m slow
 
 demo: venv
-	$(VENV)/bin/smartgen simulate
+	$(VENV)/bin/smartgen demo
 
 bench: venv
 	$(PY) bench/engine_ops.py --quick
