@@ -151,3 +151,18 @@ def test_keywords_are_single_tokens(tokenizer):
     assert all(len(tokenizer.encode(w, add_special_tokens=False)) == 1 for w in TASK_KEYWORDS)
     digits = tokenizer.convert_ids_to_tokens(tokenizer.encode("is 2048", add_special_tokens=False))
     assert digits[-4:] == ["2", "0", "4", "8"]
+
+
+def test_committed_calibration_set_is_apart_from_the_eval_set(tokenizer):
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "samples" / "calibration.jsonl"
+    if not path.exists():
+        pytest.skip("samples/calibration.jsonl not generated (python samples/make_calibration.py)")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) >= 50 and {r["task"] for r in rows} == set(TASKS) and {r["length"] for r in rows} == {1024, 2048}
+    assert all({"prompt", "task", "length"} <= set(r) for r in rows)
+    evaluation = {s.prompt for s in generate_suite(TASKS, [1024, 2048], 10, 0, tokenizer, variant="eval")}
+    assert not evaluation & {r["prompt"] for r in rows}
+    assert not any(sentence in r["prompt"] for r in rows for sentence in filler_sentences("eval"))
