@@ -16,9 +16,9 @@ position, pairs 6-15 turn by < 0.3 rad over 8K tokens and carry content, so matc
 Layer 2, KV group 0 (query heads 0-3): q/k weights zero, biases that peak after RoPE at offsets 1, 1, 2, 3
 (frozen); V reads a_t. Layer 3, KV group 0, query head 0: q = a of the current token, k = a of the
 previous token (the static RoPE pairs only), V/O copy the attended token's code into dims 0..31, so the
-tied output embedding predicts it: "after x comes what came after x before". Layer 3, KV group 1, query
-head 4 does the same on 3-grams (the current token and the two before it), which tells apart needles that
-end alike ("... for {key} is:") but carry different keys.
+tied output embedding predicts it: "after x comes what came after x before". Optionally (trigram=True,
+not used by the committed model) layer 3, KV group 1, query head 4 does the same on 3-grams, which tells
+apart needles that end alike ("... for {key} is:") but carry different keys.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ ID_DIMS, MATCH_DIMS = 32, 20
 PREV_SLOTS = {0: 32, 2: 52, 3: 72}  # positional query head -> first residual dim it writes a_t to
 STATIC_FREQ = 1e-4  # RoPE pairs turning slower than this are "static": content, not position
 INDUCTION_LOGIT = 25.0  # attention logit of an exact match
-COPY_GAIN = 2.0  # 1-gram head: copied code vs the current token's own code in the output
-TRIGRAM_COPY_GAIN = 6.0  # 3-gram head: outweighs the 1-gram head where they disagree
+COPY_GAIN = 4.0  # 1-gram head alone: copied code vs the current token's own code in the output
+COPY_GAIN_WITH_TRIGRAM = 2.0  # 1-gram head next to the 3-gram head, which outweighs it where they disagree
+TRIGRAM_COPY_GAIN = 6.0
 
 
 @torch.enable_grad()
@@ -70,8 +71,11 @@ def positional_sharpness(inv_freq, used, offset: int, target: float = 0.98, cont
 
 
 @torch.no_grad()
-def install(model, seed: int = 0) -> list:
-    """Initialise the circuits in place; returns the gradient hooks that keep the positional q/k frozen."""
+def install(model, seed: int = 0, trigram: bool = False) -> list:
+    """Initialise the circuits in place; returns the gradient hooks that keep the positional q/k frozen.
+
+    trigram=False is the committed model's recipe; trigram=True adds the 3-gram induction head (copy
+    accuracy at init 0.93 at 2K and 0.89 at 4K instead of 0.39 and 0.14, but no trained model yet)."""
     cfg = model.config
     d, hidden = cfg.head_dim, cfg.hidden_size
     group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -127,12 +131,29 @@ def install(model, seed: int = 0) -> list:
     attn.k_proj.weight[static_dims, range(prev, prev + MATCH_DIMS)] = 1.0
     attn.q_proj.weight[static_dims, range(MATCH_DIMS)] = gain
     attn.v_proj.weight[range(ID_DIMS), range(ID_DIMS)] = 1.0 / residual_norm  # v = c_t
-    attn.o_proj.weight[range(ID_DIMS), range(ID_DIMS)] = COPY_GAIN
+    attn.o_proj.weight[range(ID_DIMS), range(ID_DIMS)] = COPY_GAIN_WITH_TRIGRAM if trigram else COPY_GAIN
+    if trigram:
+        _install_trigram_head(attn, residual_norm, static_dims, d, group, seed)
 
-    # layer 3, KV group 1, query head `group`: a 3-gram induction head. q sums the codes of the current
-    # token and the two before it, k those of the three tokens before the key position, each offset
-    # through its own rotation (so offsets do not match each other); a full 3-token match scores
-    # INDUCTION_LOGIT, a 2-of-3 match (a distractor needle with another key) a third less.
+    layer2 = layers[POSITIONAL_LAYER].self_attn
+    q_mask = torch.ones(layer2.q_proj.out_features, 1)
+    q_mask[: group * d] = 0
+    k_mask = torch.ones(layer2.k_proj.out_features, 1)
+    k_mask[:d] = 0
+    return [
+        layer2.q_proj.weight.register_hook(lambda g: g * q_mask),
+        layer2.q_proj.bias.register_hook(lambda g: g * q_mask[:, 0]),
+        layer2.k_proj.weight.register_hook(lambda g: g * k_mask),
+        layer2.k_proj.bias.register_hook(lambda g: g * k_mask[:, 0]),
+    ]
+
+
+@torch.no_grad()
+def _install_trigram_head(attn, residual_norm: float, static_dims: list[int], d: int, group: int, seed: int) -> None:
+    """Layer 3, KV group 1, query head `group`: a 3-gram induction head. q sums the codes of the current
+    token and the two before it, k those of the three tokens before the key position, each offset through
+    its own rotation (so offsets do not match each other); a full 3-token match scores INDUCTION_LOGIT,
+    a 2-of-3 match (a distractor needle with another key) a third less."""
     rot = [torch.linalg.qr(torch.randn(MATCH_DIMS, MATCH_DIMS, generator=torch.Generator().manual_seed(seed + 10 + m)))[0]
            for m in range(3)]  # fmt: skip
     kv, qh = slice(d, 2 * d), slice(group * d, (group + 1) * d)
@@ -149,18 +170,6 @@ def install(model, seed: int = 0) -> list:
         attn.k_proj.weight[k_static, k_src : k_src + MATCH_DIMS] = r
     attn.v_proj.weight[range(d, d + ID_DIMS), range(ID_DIMS)] = 1.0 / residual_norm
     attn.o_proj.weight[range(ID_DIMS), range(group * d, group * d + ID_DIMS)] = TRIGRAM_COPY_GAIN
-
-    layer2 = layers[POSITIONAL_LAYER].self_attn
-    q_mask = torch.ones(layer2.q_proj.out_features, 1)
-    q_mask[: group * d] = 0
-    k_mask = torch.ones(layer2.k_proj.out_features, 1)
-    k_mask[:d] = 0
-    return [
-        layer2.q_proj.weight.register_hook(lambda g: g * q_mask),
-        layer2.q_proj.bias.register_hook(lambda g: g * q_mask[:, 0]),
-        layer2.k_proj.weight.register_hook(lambda g: g * k_mask),
-        layer2.k_proj.bias.register_hook(lambda g: g * k_mask[:, 0]),
-    ]
 
 
 @torch.no_grad()
@@ -182,7 +191,8 @@ def copy_accuracy(model, length: int = 1024, span: int = 100, seed: int = 0) -> 
     """Next-token accuracy on the second copy of `span` random tokens placed `length` tokens back."""
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(3, model.config.vocab_size, (span,), generator=g)
-    filler = torch.randint(3, model.config.vocab_size, (length - 2 * span,), generator=g)
-    ids = torch.cat([seq, filler, seq]).unsqueeze(0)
+    filler = torch.randint(3, model.config.vocab_size, (length - 2 * span - 1,), generator=g)
+    bos = torch.tensor([model.config.bos_token_id])  # a trained model parks idle attention on <s>
+    ids = torch.cat([bos, seq, filler, seq]).unsqueeze(0)
     pred = model(input_ids=ids).logits[0, -span:-1].argmax(-1)
     return float((pred == ids[0, -span + 1 :]).float().mean())

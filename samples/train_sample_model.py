@@ -7,8 +7,8 @@ Recipe (see /work/shared/SAMPLE-MODEL.md for why):
 1. Tokenizer: smartgen.evalsuite.tokenizer.train_tokenizer (vocab 1024, digits one per token).
 2. Model: LlamaForCausalLM, 6 layers, hidden 256 (MLP 512), 8 query / 2 KV heads of dim 32, RoPE (theta
    1e12), RMSNorm, tied embeddings, started from hand-made circuits (sample_circuits.py): a frozen
-   previous-token head at layer 2 and two induction heads (1-gram and 3-gram) at layer 3, every other
-   output projection zero. Retrieval therefore lives in layers >= 2, above the layers SmartGen always
+   previous-token head at layer 2 and an induction head at layer 3 (--trigram-head adds a 3-gram one),
+   every other output projection zero. Retrieval therefore lives in layers >= 2, above the layers SmartGen always
    sends whole.
 3. Phases, each time-boxed to a share of --minutes: copy sequences at 512 tokens, then the task mix
    (evalsuite variant "train", copy and word-salad text) at 1K, 2K, and 1K/2K/4K mixed.
@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--rope-theta", type=float, default=1e12, help="large: most RoPE pairs barely turn over 8K tokens")
+    p.add_argument("--trigram-head", action="store_true", help="also hand-initialise a 3-gram induction head (untested in training)")
     p.add_argument("--phase-steps", type=str, default=None, help="comma-separated steps per phase (replaces the clock)")
     p.add_argument("--log-every", type=int, default=20)
     return p.parse_args(argv)
@@ -210,7 +211,7 @@ def main(argv=None) -> None:
     t_start = time.time()
     tokenizer = train_tokenizer(vocab_size=1024, seed=args.seed)
     model = build_model(tokenizer, args)
-    sample_circuits.install(model, seed=args.seed)
+    sample_circuits.install(model, seed=args.seed, trigram=args.trigram_head)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; positional heads' weight on their offset "
           f"{sample_circuits.positional_head_check(model)}; {copy_report(model)}", flush=True)  # fmt: skip
