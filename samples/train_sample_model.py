@@ -14,8 +14,9 @@ Recipe (see /work/shared/SAMPLE-MODEL.md for why):
    (evalsuite variant "train", copy and word-salad text) at 1K, 2K, and 1K/2K/4K mixed.
    Loss = mean CE on answer tokens + 0.3 x mean CE on the rest; AdamW, warmup + cosine (by elapsed share).
 Threads: 2, or 1 while a step runs faster that way (ThreadTuner): with another process on the two cores,
-two threads were measured 4x slower than one. Phases stop on the clock, so two runs on machines of different speed differ; the step counts reached are
-saved in training_log.json and `--phase-steps` replays them exactly.
+two threads were measured 4x slower than one. Phases stop on the clock, so two runs on machines of
+different speed differ; the step counts reached are saved in training_log.json and `--phase-steps`
+replays them.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--rope-theta", type=float, default=1e12, help="large: most RoPE pairs barely turn over 8K tokens")
-    p.add_argument("--trigram-head", action="store_true", help="also hand-initialise a 3-gram induction head (untested in training)")
+    p.add_argument("--trigram-head", action="store_true",
+                   help="also hand-initialise a 3-gram induction head (not used for the committed model)")
     p.add_argument("--phase-steps", type=str, default=None, help="comma-separated steps per phase (replaces the clock)")
     p.add_argument("--log-every", type=int, default=20)
     return p.parse_args(argv)
@@ -271,10 +273,12 @@ def main(argv=None) -> None:
                 accs = " ".join(f"{k}={sum(v) / len(v):.2f}" for k, v in sorted(window.items()))
                 print(f"[{name}] step {step} loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
                       f"ans {answer_loss:.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                      f"{seen / (time.time() - t_phase):.0f} tok/s ({tuner.current} thr) elapsed {elapsed / 60:.1f}m ETA {max(0, eta) / 60:.1f}m "
+                      f"{seen / (time.time() - t_phase):.0f} tok/s ({tuner.current} thr) "
+                      f"elapsed {elapsed / 60:.1f}m ETA {max(0, eta) / 60:.1f}m "
                       f"| exact {accs}", flush=True)  # fmt: skip
         model.eval()
-        entry = {"copy": copy_report(model), "name": name, "steps": phase_steps, "seconds": round(time.time() - t_phase, 1), "tokens": seen,
+        entry = {"copy": copy_report(model), "name": name, "steps": phase_steps,
+                 "seconds": round(time.time() - t_phase, 1), "tokens": seen,
                  "answer_exact": {k: round(sum(v) / len(v), 3) for k, v in window.items()}}  # fmt: skip
         log["phases"].append(entry)
         log["train_seconds"] = round(time.time() - t0, 1)
