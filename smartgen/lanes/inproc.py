@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Message, WriteOp, coalesce
+from smartgen.lanes.base import Completion, Message, WriteOp
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 
@@ -76,13 +76,9 @@ class InprocLane(QueuedLane):
     def post_writes(
         self, request_id: str, sources: Mapping[str, torch.Tensor], ops: Sequence[WriteOp], *, tag: str
     ) -> Completion:
-        merged = coalesce(ops)
-        completion = Completion()
-        if self._closed.is_set():
-            completion.set(False)
+        merged, completion, num_bytes = self._new_batch(ops, tag)
+        if completion.done():
             return completion
-        num_bytes = sum(op.length for op in merged)
-        self.counters.add_batch(tag, num_bytes, len(merged))
         self._outbox.put(_WriteBatch(request_id, sources, merged, completion, num_bytes))
         return completion
 

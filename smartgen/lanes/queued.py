@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Sequence
 
 import torch
 
-from smartgen.lanes.base import Lane, LaneCounters, Message
+from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
 from smartgen.lanes.pacer import Pacer
 
 __all__ = ["QueuedLane", "STOP"]
@@ -46,6 +47,18 @@ class QueuedLane(Lane):
     def revoke(self, request_id: str) -> None:
         with self._apply_lock:
             self._accepted.discard(request_id)
+
+    # -- one-sided writes ---------------------------------------------------------------
+    def _new_batch(self, ops: Sequence[WriteOp], tag: str) -> tuple[list[WriteOp], Completion, int]:
+        """Coalesces a batch and counts it; the completion is already failed when the lane is closed."""
+        merged = coalesce(ops)
+        completion = Completion()
+        if self._closed.is_set():
+            completion.set(False)
+            return merged, completion, 0
+        num_bytes = sum(op.length for op in merged)
+        self.counters.add_batch(tag, num_bytes, len(merged))
+        return merged, completion, num_bytes
 
     # -- two-sided messages -----------------------------------------------------------
     def send(self, message: Message, *, tag: str = "control") -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Message, MessageKind, WriteOp, coalesce
+from smartgen.lanes.base import Completion, Message, MessageKind, WriteOp
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.wire import ConnectionClosed, FrameType, recv_header, recv_into_exact, send_frame, send_header
@@ -65,18 +65,13 @@ class TcpLane(QueuedLane):
         for thread in self._threads:
             thread.start()
 
-    # -- receiving side -------------------------------------------------------------
     # -- sending side ---------------------------------------------------------------
     def post_writes(
         self, request_id: str, sources: Mapping[str, torch.Tensor], ops: Sequence[WriteOp], *, tag: str
     ) -> Completion:
-        merged = coalesce(ops)
-        completion = Completion()
-        if self._closed.is_set():
-            completion.set(False)
+        merged, completion, num_bytes = self._new_batch(ops, tag)
+        if completion.done():
             return completion
-        num_bytes = sum(op.length for op in merged)
-        self.counters.add_batch(tag, num_bytes, len(merged))
         with self._pending_lock:
             self._seq += 1
             seq = self._seq
