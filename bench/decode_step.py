@@ -42,7 +42,9 @@ def hf_step_ms(model, prompt: torch.Tensor, repeat: int) -> float:
         def step() -> None:
             nonlocal token
             # the context grows by one token a step on both sides, as in real decoding
-            result = model(input_ids=token, cache=cache, use_cache=True, position_ids=torch.tensor([position]), logits_to_keep=1)
+            result = model(
+                input_ids=token, cache=cache, use_cache=True, position_ids=torch.tensor([position]), logits_to_keep=1
+            )
             position[0] += 1
             token = result.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -50,7 +52,15 @@ def hf_step_ms(model, prompt: torch.Tensor, repeat: int) -> float:
 
 
 def smartgen_step_ms(model, prompt: torch.Tensor, selector: str, params: dict, repeat: int) -> float:
-    with InprocPipeline(model, get_policy("full"), selector, params, num_blocks=1024, max_batch=1, max_tokens=prompt.numel() + repeat + 4) as pipeline:
+    with InprocPipeline(
+        model,
+        get_policy("full"),
+        selector,
+        params,
+        num_blocks=1024,
+        max_batch=1,
+        max_tokens=prompt.numel() + repeat + 4,
+    ) as pipeline:
         batch, _ = pipeline.prepare([prompt], max_new_tokens=repeat + 2)
 
         def step() -> None:
@@ -67,7 +77,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths, comma-separated")
     parser.add_argument("--repeat", type=int, default=9, help="timed steps per case (median reported)")
     parser.add_argument("--budget", type=float, default=0.1, help="Quest token budget as a share of the prompt")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8 like Llama-3-8B; the query heads are twice as many)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=8, help="KV heads (8 like Llama-3-8B; the query heads are twice as many)"
+    )
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension (128 like Llama-3-8B)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (layers 0-1 are always dense)")
     args = parser.parse_args()
@@ -75,14 +87,21 @@ def main() -> None:
     # A tiny model (small hidden size) with a real model's KV shape per layer, so attention
     # reads as many bytes per token as it would in Llama-3-8B.
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
-        num_attention_heads=2 * args.kv_heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=args.layers,
+        num_attention_heads=2 * args.kv_heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
         max_position_embeddings=16384,
     )
     model = model_from_config(config)
-    print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.layers} layers, "
-          f"{2 * args.kv_heads}/{args.kv_heads} heads, d={args.head_dim}, fp32, "
-          f"{torch.get_num_threads()} threads, median of {args.repeat} steps")
+    print(
+        f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.layers} layers, "
+        f"{2 * args.kv_heads}/{args.kv_heads} heads, d={args.head_dim}, fp32, "
+        f"{torch.get_num_threads()} threads, median of {args.repeat} steps"
+    )
     print(f"{'context':>8} {'HF ms':>8} {'dense ms':>9} {'dense/HF':>9} {'quest ms':>9} {'quest/dense':>12}")
     for length in (int(x) for x in args.lengths.split(",")):
         prompt = torch.randint(0, 1024, (length,), generator=torch.Generator().manual_seed(0))

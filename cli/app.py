@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 import smartgen
-from smartgen.cli import demo, info, serve, simulate
-from smartgen.cli import profile, profiles
-from smartgen.cli import generate
+from smartgen.cli import demo, generate, info, profile, profiles, serve, simulate
 from smartgen.cli.eval import eval_command
 
 app = typer.Typer(
@@ -36,7 +34,7 @@ def root(
         typer.Option("--verbose", "-v", count=True, help="More log output: -v for INFO, -vv for DEBUG."),
     ] = 0,
     version: Annotated[
-        Optional[bool],
+        bool | None,
         typer.Option("--version", callback=_print_version, is_eager=True, help="Print the smartgen version and exit."),
     ] = None,
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -38,22 +38,91 @@ def _length(text: str) -> int:
 
 
 def eval_command(
-    model: Annotated[Path, typer.Option("--model", help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).", rich_help_panel=PANEL_SUITE)],
-    schemes: Annotated[str, typer.Option(help="Comma-separated schemes: full-cache, smartgen, proactive-only, streamingllm, quant2.", rich_help_panel=PANEL_SCHEMES)] = "full-cache,smartgen,proactive-only,streamingllm,quant2",
-    selector: Annotated[str, typer.Option(help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, topk.", rich_help_panel=PANEL_SCHEMES)] = "quest",
-    budget: Annotated[str, typer.Option(help="Selection budget(s), comma-separated: a share of the prompt (<= 1) or a token count; also StreamingLLM's window.", rich_help_panel=PANEL_SCHEMES)] = "0.1",
-    transfer_ratio: Annotated[Optional[float], typer.Option(min=0.01, help="T_t / T_p for K_r (default: the profile's timings, else 5).", rich_help_panel=PANEL_SCHEMES)] = None,
-    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer (a profile must have the same M).", rich_help_panel=PANEL_SCHEMES)] = 1024,
+    model: Annotated[
+        Path,
+        typer.Option(
+            "--model",
+            help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).",
+            rich_help_panel=PANEL_SUITE,
+        ),
+    ],
+    schemes: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated schemes: full-cache, smartgen, proactive-only, streamingllm, quant2.",
+            rich_help_panel=PANEL_SCHEMES,
+        ),
+    ] = "full-cache,smartgen,proactive-only,streamingllm,quant2",
+    selector: Annotated[
+        str,
+        typer.Option(
+            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, topk.",
+            rich_help_panel=PANEL_SCHEMES,
+        ),
+    ] = "quest",
+    budget: Annotated[
+        str,
+        typer.Option(
+            help="Selection budget(s), comma-separated: a share of the prompt (<= 1) or a token count; also StreamingLLM's window.",
+            rich_help_panel=PANEL_SCHEMES,
+        ),
+    ] = "0.1",
+    transfer_ratio: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01, help="T_t / T_p for K_r (default: the profile's timings, else 5).", rich_help_panel=PANEL_SCHEMES
+        ),
+    ] = None,
+    blocks: Annotated[
+        int,
+        typer.Option(
+            min=1, help="KV blocks M per layer (a profile must have the same M).", rich_help_panel=PANEL_SCHEMES
+        ),
+    ] = 1024,
     db: DbOption = None,
-    tasks: Annotated[str, typer.Option(help="Comma-separated tasks: passkey, niah_single, niah_multikey, kv_retrieval, vt.", rich_help_panel=PANEL_SUITE)] = "passkey,niah_single,niah_multikey,kv_retrieval,vt",
-    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens (1K = 1024).", rich_help_panel=PANEL_SUITE)] = "1024,2048",
-    num: Annotated[int, typer.Option(min=1, help="Prompts per task and length (needles at spread depths).", rich_help_panel=PANEL_SUITE)] = 10,
-    seed: Annotated[int, typer.Option(help="Seed of the suite (sample i of a cell gets seed + i).", rich_help_panel=PANEL_SUITE)] = 0,
+    tasks: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated tasks: passkey, niah_single, niah_multikey, kv_retrieval, vt.",
+            rich_help_panel=PANEL_SUITE,
+        ),
+    ] = "passkey,niah_single,niah_multikey,kv_retrieval,vt",
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths in tokens (1K = 1024).", rich_help_panel=PANEL_SUITE)
+    ] = "1024,2048",
+    num: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Prompts per task and length (needles at spread depths).", rich_help_panel=PANEL_SUITE
+        ),
+    ] = 10,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the suite (sample i of a cell gets seed + i).", rich_help_panel=PANEL_SUITE)
+    ] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.", rich_help_panel=PANEL_SUITE)] = 4,
-    quant_bits: Annotated[int, typer.Option(min=1, max=8, help="Bits per quantized K/V element.", rich_help_panel=PANEL_QUANT)] = 2,
-    quant_group: Annotated[int, typer.Option(min=1, help="Group size G: tokens per key group, channels per value group.", rich_help_panel=PANEL_QUANT)] = 32,
-    quant_residual: Annotated[int, typer.Option(min=0, help="Residual window R: the last R tokens stay full precision.", rich_help_panel=PANEL_QUANT)] = 128,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report (every sample's answer and score) to this JSON file.", rich_help_panel=PANEL_OUTPUT)] = None,
+    quant_bits: Annotated[
+        int, typer.Option(min=1, max=8, help="Bits per quantized K/V element.", rich_help_panel=PANEL_QUANT)
+    ] = 2,
+    quant_group: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Group size G: tokens per key group, channels per value group.", rich_help_panel=PANEL_QUANT
+        ),
+    ] = 32,
+    quant_residual: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Residual window R: the last R tokens stay full precision.", rich_help_panel=PANEL_QUANT
+        ),
+    ] = 128,
+    json_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--json",
+            help="Also write the report (every sample's answer and score) to this JSON file.",
+            rich_help_panel=PANEL_OUTPUT,
+        ),
+    ] = None,
 ) -> None:
     """Evaluate accuracy under transfer schemes: the RULER/passkey suite, one column per scheme.
 
@@ -94,20 +163,40 @@ def eval_command(
             conditions += [Condition(name, budget=b) for b in budgets]
         else:
             conditions.append(Condition(name))
-    report = _run(model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size)
+    report = _run(
+        model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size
+    )
     render(report)
     if json_out is not None:
-        data = report.to_json() | {"settings": {"model": str(model), "tasks": task_names, "lengths": prompt_lengths, "num": num,
-                                                "seed": seed, "blocks": blocks, "transfer_ratio": transfer_ratio,
-                                                "quant": {"bits": quant_bits, "group": quant_group, "residual": quant_residual}}}  # fmt: skip
+        data = report.to_json() | {
+            "settings": {
+                "model": str(model),
+                "tasks": task_names,
+                "lengths": prompt_lengths,
+                "num": num,
+                "seed": seed,
+                "blocks": blocks,
+                "transfer_ratio": transfer_ratio,
+                "quant": {"bits": quant_bits, "group": quant_group, "residual": quant_residual},
+            }
+        }
         json_out.write_text(json.dumps(data, indent=1) + "\n")
         typer.echo(f"report written to {json_out}")
 
 
-def _run(model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size) -> "EvalReport":
+def _run(
+    model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size
+) -> EvalReport:
     """Loads the model, tokenizer and profiles, makes the suite and runs it with a progress bar."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from transformers import AutoTokenizer
 
     from smartgen.evalsuite import generate_suite
@@ -123,10 +212,14 @@ def _run(model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, tr
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        fail(f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        fail(
+            f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        )
     console = Console()
     profiles = None
-    if any(c.scheme in ("smartgen", "proactive-only") for c in conditions) and (db is not None or default_db_path().exists()):
+    if any(c.scheme in ("smartgen", "proactive-only") for c in conditions) and (
+        db is not None or default_db_path().exists()
+    ):
         try:
             profiles = StoreProfiles(db, hf_model, blocks)
         except StoreError as exc:
@@ -136,15 +229,31 @@ def _run(model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, tr
         f"[bold]smartgen eval[/]: {model_path} · {len(samples)} prompts ({', '.join(tasks)} at {', '.join(map(str, lengths))} tokens) "
         f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     try:
         with Progress(*columns, console=console, transient=True) as progress:
             bar = progress.add_task("starting", total=len(samples) * len(conditions))
             return evaluate_conditions(
-                hf_model, tokenizer, samples, conditions, profiles=profiles, num_blocks=blocks, transfer_ratio=transfer_ratio,
-                quant=quant, batch_size=batch_size,
-                on_progress=lambda done, total, label: progress.update(bar, completed=done, total=total, description=label),
-            )  # fmt: skip
+                hf_model,
+                tokenizer,
+                samples,
+                conditions,
+                profiles=profiles,
+                num_blocks=blocks,
+                transfer_ratio=transfer_ratio,
+                quant=quant,
+                batch_size=batch_size,
+                on_progress=lambda done, total, label: progress.update(
+                    bar, completed=done, total=total, description=label
+                ),
+            )
     except ValueError as exc:
         fail(str(exc))
     finally:
@@ -152,7 +261,7 @@ def _run(model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, tr
             profiles.close()
 
 
-def render(report: "EvalReport") -> None:
+def render(report: EvalReport) -> None:
     """The accuracy table (%): rows per task and length, then all prompts and relative to the full cache.
 
     Columns that do not fit the terminal go to a second table (and so on), each with the row headers.
@@ -173,7 +282,11 @@ def render(report: "EvalReport") -> None:
     console.print(_table(report, chunk))
     for label, run in report.runs.items():
         if run.proactive_share is not None:
-            source = f"profile {', '.join(f'#{i}' for i in run.profile_ids)}" if run.profile_ids else f"the {run.strategy} strategy (no profile)"
+            source = (
+                f"profile {', '.join(f'#{i}' for i in run.profile_ids)}"
+                if run.profile_ids
+                else f"the {run.strategy} strategy (no profile)"
+            )
             console.print(f"{label}: K_r = {run.proactive_share:.0%} of the blocks, proactive set from {source}")
         if run.kv_byte_ratio is not None:
             console.print(f"{label}: a quantized transfer moves {run.kv_byte_ratio:.1%} of the fp16 KV bytes")
@@ -183,7 +296,7 @@ def _header(label: str) -> str:
     return label.replace("-", "-\n").replace(" ", "\n")
 
 
-def _table(report: "EvalReport", labels: list[str]):
+def _table(report: EvalReport, labels: list[str]):
     from rich import box
     from rich.table import Table
 

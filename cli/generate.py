@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -25,13 +25,22 @@ class GenerateError(RuntimeError):
 
 
 def stream_generate(
-    url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0, scheme: str | None = None,
+    url: str,
+    prompt: str,
+    *,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    scheme: str | None = None,
     chat: bool = False,
 ) -> Iterator[str | dict[str, Any]]:
     """Streams one request from the decode node at `url`: yields text pieces as they arrive, the usage block last."""
     base = url.rstrip("/").removesuffix("/v1")
-    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if scheme:
         body["scheme"] = scheme
     if chat:
@@ -46,7 +55,7 @@ def stream_generate(
             for line in response.iter_lines():
                 if not line.startswith("data:"):
                     continue  # blank separators, comments
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     return
                 event = json.loads(data)
@@ -77,16 +86,18 @@ def generate(
         typer.Option("--temperature", min=0.0, help="Sampling temperature; 0 is greedy.", rich_help_panel="Sampling"),
     ] = 0.0,
     scheme: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
-            "--scheme", help="KV transfer scheme for this request (default: the decode node's --scheme).",
+            "--scheme",
+            help="KV transfer scheme for this request (default: the decode node's --scheme).",
             rich_help_panel="Transfer",
         ),
     ] = None,
     chat: Annotated[
         bool,
         typer.Option(
-            "--chat", help="Send the prompt as a chat message (uses the model's chat template).",
+            "--chat",
+            help="Send the prompt as a chat message (uses the model's chat template).",
             rich_help_panel="Sampling",
         ),
     ] = False,
@@ -95,8 +106,9 @@ def generate(
     usage: dict[str, Any] = {}
     printed = False
     try:
-        for item in stream_generate(url, prompt, max_tokens=max_tokens, temperature=temperature, scheme=scheme,
-                                    chat=chat):
+        for item in stream_generate(
+            url, prompt, max_tokens=max_tokens, temperature=temperature, scheme=scheme, chat=chat
+        ):
             if isinstance(item, dict):
                 usage = item
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -39,20 +39,66 @@ def _default_calibration() -> Path:
 
 
 def profile(
-    model: Annotated[Path, typer.Option("--model", help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).", rich_help_panel=PANEL_INPUT)],
+    model: Annotated[
+        Path,
+        typer.Option(
+            "--model",
+            help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).",
+            rich_help_panel=PANEL_INPUT,
+        ),
+    ],
     calibration: Annotated[
-        Optional[Path], typer.Option(help="JSONL calibration set, one {\"prompt\": ...} per line (default: samples/calibration.jsonl).", rich_help_panel=PANEL_INPUT)
+        Path | None,
+        typer.Option(
+            help='JSONL calibration set, one {"prompt": ...} per line (default: samples/calibration.jsonl).',
+            rich_help_panel=PANEL_INPUT,
+        ),
     ] = None,
-    ranges: Annotated[str, typer.Option(help="Prompt-length ranges [LO, HI) in tokens, one profile each, e.g. 1024-2048,2K-4K.", rich_help_panel=PANEL_INPUT)] = "1024-2048,2048-4096",
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Use at most this many prompts per length range.", rich_help_panel=PANEL_INPUT)] = None,
-    selector: Annotated[SelectorName, typer.Option(help="The decoder's KV selector whose picks are counted.", rich_help_panel=PANEL_SELECT)] = SelectorName.quest,
-    budget: Annotated[float, typer.Option(help="Selector budget: a share of the prompt (<= 1) or a token count (> 1).", rich_help_panel=PANEL_SELECT)] = 0.1,
+    ranges: Annotated[
+        str,
+        typer.Option(
+            help="Prompt-length ranges [LO, HI) in tokens, one profile each, e.g. 1024-2048,2K-4K.",
+            rich_help_panel=PANEL_INPUT,
+        ),
+    ] = "1024-2048,2048-4096",
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Use at most this many prompts per length range.", rich_help_panel=PANEL_INPUT),
+    ] = None,
+    selector: Annotated[
+        SelectorName,
+        typer.Option(help="The decoder's KV selector whose picks are counted.", rich_help_panel=PANEL_SELECT),
+    ] = SelectorName.quest,
+    budget: Annotated[
+        float,
+        typer.Option(
+            help="Selector budget: a share of the prompt (<= 1) or a token count (> 1).", rich_help_panel=PANEL_SELECT
+        ),
+    ] = 0.1,
     blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.", rich_help_panel=PANEL_SELECT)] = 1024,
-    decode_tokens: Annotated[int, typer.Option(min=1, help="Decode steps per prompt (selector calls per layer).", rich_help_panel=PANEL_SELECT)] = 16,
-    link_gbps: Annotated[float, typer.Option(help="Link rate in Gbit/s: T_t = full KV bytes / rate.", rich_help_panel=PANEL_LINK)] = 15.0,
-    measure_link: Annotated[bool, typer.Option("--measure-link", help="Time a real full-KV transfer over an in-process lane paced at --link-gbps instead.", rich_help_panel=PANEL_LINK)] = False,
+    decode_tokens: Annotated[
+        int,
+        typer.Option(min=1, help="Decode steps per prompt (selector calls per layer).", rich_help_panel=PANEL_SELECT),
+    ] = 16,
+    link_gbps: Annotated[
+        float, typer.Option(help="Link rate in Gbit/s: T_t = full KV bytes / rate.", rich_help_panel=PANEL_LINK)
+    ] = 15.0,
+    measure_link: Annotated[
+        bool,
+        typer.Option(
+            "--measure-link",
+            help="Time a real full-KV transfer over an in-process lane paced at --link-gbps instead.",
+            rich_help_panel=PANEL_LINK,
+        ),
+    ] = False,
     db: DbOption = None,
-    png: Annotated[Optional[Path], typer.Option(help="Also write each profile's heat map to this PNG (one file per range: NAME-LO-HI.png when several).", rich_help_panel=PANEL_OUTPUT)] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write each profile's heat map to this PNG (one file per range: NAME-LO-HI.png when several).",
+            rich_help_panel=PANEL_OUTPUT,
+        ),
+    ] = None,
 ) -> None:
     """Profile a model over a calibration set: which KV blocks the selector picks, and T_p / T_t for K_r.
 
@@ -81,13 +127,29 @@ def profile(
             fail(f"cannot write {png}: directory {png.parent} does not exist")
     store = open_store(db, create=True)  # before the long run: a bad database fails now, not after it
     with store:
-        profiles = _run(store, model, calibration, length_ranges, selector.value, budget, blocks, decode_tokens, link_gbps, measure_link, limit)
+        profiles = _run(
+            store,
+            model,
+            calibration,
+            length_ranges,
+            selector.value,
+            budget,
+            blocks,
+            decode_tokens,
+            link_gbps,
+            measure_link,
+            limit,
+        )
         console = Console()
         for item in profiles:
             item = item.with_id(_add(store, item))
             render_profile(console, item)
             if png is not None:
-                target = png if len(profiles) == 1 else png.with_name(f"{png.stem}-{item.length_lo}-{item.length_hi}{png.suffix}")
+                target = (
+                    png
+                    if len(profiles) == 1
+                    else png.with_name(f"{png.stem}-{item.length_lo}-{item.length_hi}{png.suffix}")
+                )
                 write_heatmap_png(item, target)
                 console.print(f"heat map written to {target}")
     covered = {(p.length_lo, p.length_hi) for p in profiles}
@@ -97,11 +159,29 @@ def profile(
     console.print(f"stored {len(profiles)} profile(s) in {store.path}")
 
 
-def _run(store, model: Path, calibration: Path | None, length_ranges, selector: str, budget: float, blocks: int,
-         decode_tokens: int, link_gbps: float, measure_link: bool, limit: int | None) -> list:
+def _run(
+    store,
+    model: Path,
+    calibration: Path | None,
+    length_ranges,
+    selector: str,
+    budget: float,
+    blocks: int,
+    decode_tokens: int,
+    link_gbps: float,
+    measure_link: bool,
+    limit: int | None,
+) -> list:
     """Loads the calibration set, model and tokenizer and profiles with a progress bar; fails in one line."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from smartgen.profiling import CalibrationError, LinkSpec, load_calibration
     from smartgen.profiling import profile as run_profile
@@ -123,13 +203,29 @@ def _run(store, model: Path, calibration: Path | None, length_ranges, selector: 
         f"({len(calibration_set.prompts)} prompts) · ranges {', '.join(f'{lo}-{hi}' for lo, hi in length_ranges)} · "
         f"link {link.label} · database {store.path}"
     )
-    columns = (TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    columns = (
+        TextColumn("prompts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     try:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("profiling", total=None)
             return run_profile(
-                hf_model, tokenizer, calibration_set, selector, {"budget": budget}, num_blocks=blocks,
-                length_ranges=length_ranges, decode_tokens=decode_tokens, link=link, limit=limit, model_name=str(model),
+                hf_model,
+                tokenizer,
+                calibration_set,
+                selector,
+                {"budget": budget},
+                num_blocks=blocks,
+                length_ranges=length_ranges,
+                decode_tokens=decode_tokens,
+                link=link,
+                limit=limit,
+                model_name=str(model),
                 on_progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
     except (CalibrationError, ValueError) as exc:
@@ -180,7 +276,7 @@ def heatmap(importance, width: int):
     return text
 
 
-def render_profile(console: "Console", item: "Profile") -> None:
+def render_profile(console: Console, item: Profile) -> None:
     """A profile's heat map (layers × blocks) and K_r at a few link rates."""
     from rich.table import Table
 
@@ -190,13 +286,17 @@ def render_profile(console: "Console", item: "Profile") -> None:
         f"{item.num_prompts} prompt(s), mean {item.mean_length:.0f} tokens · T_p {duration(item.prefill_seconds)} · "
         f"T_t {duration(item.transfer_seconds)} ({item.link})"
     )
-    console.print(f"importance, layers (rows) × relative blocks (M = {item.num_blocks}); layers 0-1 are always sent whole:")
+    console.print(
+        f"importance, layers (rows) × relative blocks (M = {item.num_blocks}); layers 0-1 are always sent whole:"
+    )
     console.print(heatmap(item.importance, console.width), end="")
     table = Table(title="proactive budget K_r (blocks pushed during prefill)", title_justify="left")
     for column in ("link", "T_t", "K_r", "share of blocks"):
         table.add_column(column, justify="right")
     total = item.num_layers * item.num_blocks
-    table.add_row(f"{item.link} (stored)", duration(item.transfer_seconds), str(item.k_r()), f"{item.k_r() / total:.1%}")
+    table.add_row(
+        f"{item.link} (stored)", duration(item.transfer_seconds), str(item.k_r()), f"{item.k_r() / total:.1%}"
+    )
     for gbps in LINK_RATES:
         k_r = item.k_r(gbps)
         table.add_row(f"{gbps:g} Gbit/s", duration(item.transfer_seconds_at(gbps)), str(k_r), f"{k_r / total:.1%}")

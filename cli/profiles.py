@@ -7,7 +7,7 @@ import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,14 +23,16 @@ app = typer.Typer(
 
 PANEL_STORE = "Storage"
 DbOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(
         "--db",
         help="Profile database file (default: $SMARTGEN_DB, else $XDG_DATA_HOME/smartgen/profiles.db).",
         rich_help_panel=PANEL_STORE,
     ),
 ]
-IdArgument = Annotated[int, typer.Argument(help="Profile id, as `smartgen profiles list` shows it.", show_default=False)]
+IdArgument = Annotated[
+    int, typer.Argument(help="Profile id, as `smartgen profiles list` shows it.", show_default=False)
+]
 FRACTIONS = (0.05, 0.1, 0.25)  # compare also at these shares of the blocks beyond layers 0-1
 
 
@@ -38,7 +40,7 @@ class ExportFormat(str, Enum):
     json = "json"
 
 
-def open_store(db: Path | None, *, create: bool) -> "ProfileStore":
+def open_store(db: Path | None, *, create: bool) -> ProfileStore:
     """The store at --db, $SMARTGEN_DB or the XDG default (whose folder is created on first use); fails in one line."""
     from smartgen.store import ProfileStore, StoreError
     from smartgen.sysinfo import default_db_path
@@ -52,7 +54,7 @@ def open_store(db: Path | None, *, create: bool) -> "ProfileStore":
         fail(str(exc))
 
 
-def _get(store: "ProfileStore", profile_id: int):
+def _get(store: ProfileStore, profile_id: int):
     from smartgen.store import StoreError
 
     try:
@@ -64,7 +66,9 @@ def _get(store: "ProfileStore", profile_id: int):
 @app.command("list")
 def list_profiles(
     db: DbOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the profiles' fields as JSON (no importance matrices).")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the profiles' fields as JSON (no importance matrices).")
+    ] = False,
 ) -> None:
     """List the stored profiles, oldest first."""
     from rich.console import Console
@@ -88,15 +92,23 @@ def list_profiles(
     table = Table(title=f"profiles in {store.path}", title_justify="left")
     for column in ("id", "model", "fingerprint", "selector", "M", "lengths", "prompts", "T_p", "T_t", "K_r"):
         table.add_column(
-            column, justify="right" if column in ("id", "M", "prompts", "T_p", "T_t", "K_r") else "left",
+            column,
+            justify="right" if column in ("id", "M", "prompts", "T_p", "T_t", "K_r") else "left",
             no_wrap=column in ("fingerprint", "lengths", "T_p", "T_t"),
         )
     for p in profiles:
         params = " ".join(f"{k}={v}" for k, v in p.selector_params.items())
         table.add_row(
-            str(p.id), Path(p.model).name or p.model, short(p.model_fingerprint), f"{p.selector} {params}".strip(),
-            str(p.num_blocks), f"{p.length_lo}-{p.length_hi}", str(p.num_prompts), duration(p.prefill_seconds),
-            duration(p.transfer_seconds), str(p.k_r()),
+            str(p.id),
+            Path(p.model).name or p.model,
+            short(p.model_fingerprint),
+            f"{p.selector} {params}".strip(),
+            str(p.num_blocks),
+            f"{p.length_lo}-{p.length_hi}",
+            str(p.num_prompts),
+            duration(p.prefill_seconds),
+            duration(p.transfer_seconds),
+            str(p.k_r()),
         )
     Console().print(table)
 
@@ -143,8 +155,13 @@ def remove(profile_id: IdArgument, db: DbOption = None) -> None:
 def export(
     profile_id: IdArgument,
     db: DbOption = None,
-    fmt: Annotated[ExportFormat, typer.Option("--format", help="Output format (the importance matrix keeps its exact float32 bytes).")] = ExportFormat.json,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of standard output.")] = None,
+    fmt: Annotated[
+        ExportFormat,
+        typer.Option("--format", help="Output format (the importance matrix keeps its exact float32 bytes)."),
+    ] = ExportFormat.json,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to this file instead of standard output.")
+    ] = None,
 ) -> None:
     """Export a profile (fields and importance matrix) for `smartgen profiles import` elsewhere."""
     with open_store(db, create=False) as store:
@@ -162,7 +179,12 @@ def export(
 
 @app.command("import")
 def import_profile(
-    file: Annotated[Path, typer.Argument(help="A file written by `smartgen profiles export` ('-' reads standard input).", show_default=False)],
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="A file written by `smartgen profiles export` ('-' reads standard input).", show_default=False
+        ),
+    ],
     db: DbOption = None,
 ) -> None:
     """Import an exported profile; it gets a new id."""
@@ -189,7 +211,12 @@ def compare_profiles(
     first: IdArgument,
     second: Annotated[int, typer.Argument(help="Id of the profile to compare it with.", show_default=False)],
     db: DbOption = None,
-    k_r: Annotated[Optional[int], typer.Option("--k-r", min=1, help="Compare at this K_r (blocks, layers 0-1 included) instead of each profile's own.")] = None,
+    k_r: Annotated[
+        int | None,
+        typer.Option(
+            "--k-r", min=1, help="Compare at this K_r (blocks, layers 0-1 included) instead of each profile's own."
+        ),
+    ] = None,
 ) -> None:
     """Overlap of two profiles' top-K_r block sets (recall and Jaccard): the positional-similarity check."""
     from rich.console import Console
@@ -200,7 +227,7 @@ def compare_profiles(
 
     with open_store(db, create=False) as store:
         a, b = _get(store, first), _get(store, second)
-    budgets: list[tuple[str, Optional[int]]] = [("given", k_r)] if k_r is not None else [("each profile's own", None)]
+    budgets: list[tuple[str, int | None]] = [("given", k_r)] if k_r is not None else [("each profile's own", None)]
     if k_r is None:
         floor = ALWAYS_SENT_LAYERS * a.num_blocks
         sparse = (a.num_layers - ALWAYS_SENT_LAYERS) * a.num_blocks
@@ -219,8 +246,14 @@ def compare_profiles(
         if overlap.covers_all:
             notes.append(f"{label}: K_r covers every block, so the overlap is 1 whatever the profiles say; pass --k-r")
         table.add_row(
-            label, str(overlap.k_r_a), str(overlap.k_r_b), str(overlap.num_a), str(overlap.num_b), str(overlap.num_common),
-            f"{overlap.recall:.3f}", f"{overlap.jaccard:.3f}",
+            label,
+            str(overlap.k_r_a),
+            str(overlap.k_r_b),
+            str(overlap.num_a),
+            str(overlap.num_b),
+            str(overlap.num_common),
+            f"{overlap.recall:.3f}",
+            f"{overlap.jaccard:.3f}",
         )
     console = Console()
     console.print(table)

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,28 +27,136 @@ class Role(str, enum.Enum):
 
 
 def serve(
-    role: Annotated[Role, typer.Option(help="Which node to run: prefill (runs prefill, pushes KV) or decode (the entry point: HTTP API, decoding).")],
-    model: Annotated[Path, typer.Option(help="Local folder of a Hugging Face causal LM (config, weights, tokenizer).", rich_help_panel=PANEL_MODEL)],
-    selector: Annotated[str, typer.Option(help="KV selector on the decode node: quest, infinigen, topk or dense.", rich_help_panel=PANEL_MODEL)] = "quest",
-    budget: Annotated[float, typer.Option(min=0.0001, help="Selection budget: a share of the prompt (<= 1) or a token count (> 1).", rich_help_panel=PANEL_MODEL)] = 0.1,
-    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer (must match the profile's).", rich_help_panel=PANEL_MODEL)] = 1024,
-    dtype: Annotated[str, typer.Option(help="Weights and KV dtype: float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)] = "float32",
-    device: Annotated[str, typer.Option(help="Torch device for the model (cpu, cuda, cuda:1).", rich_help_panel=PANEL_MODEL)] = "cpu",
-    listen: Annotated[str, typer.Option(help="Prefill node: HOST:PORT to accept decode nodes on.", rich_help_panel=PANEL_PREFILL)] = "127.0.0.1:7100",
-    db: Annotated[Optional[Path], typer.Option(help="Prefill node: profile database (default: $SMARTGEN_DB or the XDG data dir).", rich_help_panel=PANEL_PREFILL)] = None,
-    fallback_strategy: Annotated[str, typer.Option(help="Prefill node: proactive-set strategy when no profile matches: streaming, sequential or random.", rich_help_panel=PANEL_PREFILL)] = "streaming",
-    status: Annotated[str, typer.Option(help="Prefill node: HOST:PORT for a JSON status endpoint (GET /status) the monitor reads; empty = off.", rich_help_panel=PANEL_PREFILL)] = "",
-    max_queue: Annotated[int, typer.Option(min=1, help="Prefill node: OPEN requests queued before new ones are refused.", rich_help_panel=PANEL_PREFILL)] = 64,
-    prefill: Annotated[str, typer.Option(help="Decode node: prefill nodes, HOST:PORT[,HOST:PORT...]; each request goes to the least loaded.", rich_help_panel=PANEL_DECODE)] = "127.0.0.1:7100",
-    http: Annotated[str, typer.Option(help="Decode node: HOST:PORT of the OpenAI-compatible HTTP API.", rich_help_panel=PANEL_DECODE)] = "127.0.0.1:8000",
-    scheme: Annotated[str, typer.Option(help="Decode node: default transfer scheme: smartgen, full, partial, partial+profile, partial+profile+parallel, proactive-only (a request may ask for another).", rich_help_panel=PANEL_DECODE)] = "smartgen",
-    speculative_ratio: Annotated[float, typer.Option(min=0.001, max=1.0, help="Decode node: share of all blocks pushed per idle notice.", rich_help_panel=PANEL_DECODE)] = 0.1,
-    max_batch: Annotated[int, typer.Option(min=1, help="Decode node: requests decoding at once (pool slots).", rich_help_panel=PANEL_DECODE)] = 8,
-    max_tokens: Annotated[int, typer.Option(min=16, help="Decode node: tokens per pool slot (prompt + output).", rich_help_panel=PANEL_DECODE)] = 8192,
-    max_waiting: Annotated[int, typer.Option(min=1, help="Decode node: requests waiting for a slot before new ones get 429.", rich_help_panel=PANEL_DECODE)] = 64,
-    link_gbps: Annotated[float, typer.Option(min=0.0, help="Cap this node's outgoing traffic at this many Gbit/s (0 = unpaced), to reproduce a cloud link.", rich_help_panel=PANEL_NET)] = 0.0,
-    delay_ms: Annotated[float, typer.Option(min=0.0, help="Emulated one-way link delay in milliseconds (same-host clocks).", rich_help_panel=PANEL_NET)] = 0.0,
-    secret: Annotated[str, typer.Option(envvar="SMARTGEN_SECRET", help="Shared secret both nodes must hold (or $SMARTGEN_SECRET).", rich_help_panel=PANEL_NET)] = "",
+    role: Annotated[
+        Role,
+        typer.Option(
+            help="Which node to run: prefill (runs prefill, pushes KV) or decode (the entry point: HTTP API, decoding)."
+        ),
+    ],
+    model: Annotated[
+        Path,
+        typer.Option(
+            help="Local folder of a Hugging Face causal LM (config, weights, tokenizer).", rich_help_panel=PANEL_MODEL
+        ),
+    ],
+    selector: Annotated[
+        str,
+        typer.Option(
+            help="KV selector on the decode node: quest, infinigen, topk or dense.", rich_help_panel=PANEL_MODEL
+        ),
+    ] = "quest",
+    budget: Annotated[
+        float,
+        typer.Option(
+            min=0.0001,
+            help="Selection budget: a share of the prompt (<= 1) or a token count (> 1).",
+            rich_help_panel=PANEL_MODEL,
+        ),
+    ] = 0.1,
+    blocks: Annotated[
+        int, typer.Option(min=1, help="KV blocks M per layer (must match the profile's).", rich_help_panel=PANEL_MODEL)
+    ] = 1024,
+    dtype: Annotated[
+        str, typer.Option(help="Weights and KV dtype: float32, bfloat16 or float16.", rich_help_panel=PANEL_MODEL)
+    ] = "float32",
+    device: Annotated[
+        str, typer.Option(help="Torch device for the model (cpu, cuda, cuda:1).", rich_help_panel=PANEL_MODEL)
+    ] = "cpu",
+    listen: Annotated[
+        str, typer.Option(help="Prefill node: HOST:PORT to accept decode nodes on.", rich_help_panel=PANEL_PREFILL)
+    ] = "127.0.0.1:7100",
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            help="Prefill node: profile database (default: $SMARTGEN_DB or the XDG data dir).",
+            rich_help_panel=PANEL_PREFILL,
+        ),
+    ] = None,
+    fallback_strategy: Annotated[
+        str,
+        typer.Option(
+            help="Prefill node: proactive-set strategy when no profile matches: streaming, sequential or random.",
+            rich_help_panel=PANEL_PREFILL,
+        ),
+    ] = "streaming",
+    status: Annotated[
+        str,
+        typer.Option(
+            help="Prefill node: HOST:PORT for a JSON status endpoint (GET /status) the monitor reads; empty = off.",
+            rich_help_panel=PANEL_PREFILL,
+        ),
+    ] = "",
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Prefill node: OPEN requests queued before new ones are refused.", rich_help_panel=PANEL_PREFILL
+        ),
+    ] = 64,
+    prefill: Annotated[
+        str,
+        typer.Option(
+            help="Decode node: prefill nodes, HOST:PORT[,HOST:PORT...]; each request goes to the least loaded.",
+            rich_help_panel=PANEL_DECODE,
+        ),
+    ] = "127.0.0.1:7100",
+    http: Annotated[
+        str,
+        typer.Option(help="Decode node: HOST:PORT of the OpenAI-compatible HTTP API.", rich_help_panel=PANEL_DECODE),
+    ] = "127.0.0.1:8000",
+    scheme: Annotated[
+        str,
+        typer.Option(
+            help="Decode node: default transfer scheme: smartgen, full, partial, partial+profile, partial+profile+parallel, proactive-only (a request may ask for another).",
+            rich_help_panel=PANEL_DECODE,
+        ),
+    ] = "smartgen",
+    speculative_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            max=1.0,
+            help="Decode node: share of all blocks pushed per idle notice.",
+            rich_help_panel=PANEL_DECODE,
+        ),
+    ] = 0.1,
+    max_batch: Annotated[
+        int,
+        typer.Option(min=1, help="Decode node: requests decoding at once (pool slots).", rich_help_panel=PANEL_DECODE),
+    ] = 8,
+    max_tokens: Annotated[
+        int,
+        typer.Option(min=16, help="Decode node: tokens per pool slot (prompt + output).", rich_help_panel=PANEL_DECODE),
+    ] = 8192,
+    max_waiting: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Decode node: requests waiting for a slot before new ones get 429.",
+            rich_help_panel=PANEL_DECODE,
+        ),
+    ] = 64,
+    link_gbps: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Cap this node's outgoing traffic at this many Gbit/s (0 = unpaced), to reproduce a cloud link.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = 0.0,
+    delay_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="Emulated one-way link delay in milliseconds (same-host clocks).", rich_help_panel=PANEL_NET
+        ),
+    ] = 0.0,
+    secret: Annotated[
+        str,
+        typer.Option(
+            envvar="SMARTGEN_SECRET",
+            help="Shared secret both nodes must hold (or $SMARTGEN_SECRET).",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = "",
 ) -> None:
     """Run a prefill node or a decode node until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.tcp_link import parse_address
@@ -68,7 +176,9 @@ def serve(
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
-            node = build_decode_node(settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting)
+            node = build_decode_node(
+                settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting
+            )
             _run_decode(node, host, port, prefill, scheme)
     except (ModelLoadError, ValueError) as exc:
         fail(str(exc))
@@ -92,7 +202,10 @@ def _run_prefill(node, profile_note: str, link_gbps: float, status: tuple[str, i
     status_server = StatusServer(*status, node.snapshot) if status else None
     host, port = node.address
     rate = f"{link_gbps:g} Gbit/s" if link_gbps else "unpaced"
-    typer.echo(f"prefill node listening on {host}:{port} (model {node.identity['model']}, link {rate}, profiles: {profile_note})", err=True)
+    typer.echo(
+        f"prefill node listening on {host}:{port} (model {node.identity['model']}, link {rate}, profiles: {profile_note})",
+        err=True,
+    )
     stop.wait()
     typer.echo("prefill node stopping", err=True)
     if status_server is not None:
@@ -114,7 +227,9 @@ def _run_decode(node, host: str, port: int, prefill: str, scheme: str) -> None:
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3))
     node.start()
-    typer.echo(f"decode node: OpenAI API on http://{host}:{port}/v1 (prefill nodes {prefill}, scheme {scheme})", err=True)
+    typer.echo(
+        f"decode node: OpenAI API on http://{host}:{port}/v1 (prefill nodes {prefill}, scheme {scheme})", err=True
+    )
     try:
         server.run()
     finally:

@@ -15,25 +15,87 @@ PANEL_LINK = "Link and compute"
 def simulate(
     policies: Annotated[
         str,
-        typer.Option("--policies", "-p", help="Comma-separated schemes to compare: full, partial, partial+profile, partial+profile+parallel, smartgen.", rich_help_panel=PANEL_WORK),
+        typer.Option(
+            "--policies",
+            "-p",
+            help="Comma-separated schemes to compare: full, partial, partial+profile, partial+profile+parallel, smartgen.",
+            rich_help_panel=PANEL_WORK,
+        ),
     ] = "full,partial,partial+profile+parallel,smartgen",
     strategy: Annotated[
-        str, typer.Option(help="Proactive-set strategy for the budgeted schemes: profile, random, sequential, streaming, optimal.", rich_help_panel=PANEL_WORK)
+        str,
+        typer.Option(
+            help="Proactive-set strategy for the budgeted schemes: profile, random, sequential, streaming, optimal.",
+            rich_help_panel=PANEL_WORK,
+        ),
     ] = "profile",
-    lengths: Annotated[str, typer.Option(help="Prompt lengths of the batch, comma-separated (one request each).", rich_help_panel=PANEL_WORK)] = "4096,3000",
-    steps: Annotated[int, typer.Option(min=2, help="Output tokens per request (the first comes from prefill).", rich_help_panel=PANEL_WORK)] = 16,
-    layers: Annotated[int, typer.Option(min=2, help="Attention layers L of the synthetic model.", rich_help_panel=PANEL_WORK)] = 8,
+    lengths: Annotated[
+        str,
+        typer.Option(
+            help="Prompt lengths of the batch, comma-separated (one request each).", rich_help_panel=PANEL_WORK
+        ),
+    ] = "4096,3000",
+    steps: Annotated[
+        int,
+        typer.Option(
+            min=2, help="Output tokens per request (the first comes from prefill).", rich_help_panel=PANEL_WORK
+        ),
+    ] = 16,
+    layers: Annotated[
+        int, typer.Option(min=2, help="Attention layers L of the synthetic model.", rich_help_panel=PANEL_WORK)
+    ] = 8,
     kv_heads: Annotated[int, typer.Option(min=1, help="KV heads H.", rich_help_panel=PANEL_WORK)] = 4,
     head_dim: Annotated[int, typer.Option(min=1, help="Head dimension d.", rich_help_panel=PANEL_WORK)] = 64,
     blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.", rich_help_panel=PANEL_WORK)] = 256,
-    select_ratio: Annotated[float, typer.Option(min=0.001, max=1.0, help="Share of tokens the synthetic selector picks per head and step.", rich_help_panel=PANEL_WORK)] = 0.1,
-    speculative_ratio: Annotated[float, typer.Option(min=0.001, max=1.0, help="Share of all blocks pushed per idle notice.", rich_help_panel=PANEL_WORK)] = 0.1,
-    prefill_us_per_token: Annotated[float, typer.Option(min=0.0, help="Emulated prefill compute, microseconds per prompt token (all layers).", rich_help_panel=PANEL_LINK)] = 30.0,
-    transfer_ratio: Annotated[float, typer.Option(min=0.01, help="Pace the link so a full KV transfer takes this many times the prefill (the paper: 4.7 at 25-32 Gbit/s, 7.1 at 15). Ignored with --gbps.", rich_help_panel=PANEL_LINK)] = 4.7,
-    gbps: Annotated[float, typer.Option(min=0.0, help="Link rate in Gbit/s (0 = derive it from --transfer-ratio).", rich_help_panel=PANEL_LINK)] = 0.0,
-    delay_ms: Annotated[float, typer.Option(min=0.0, help="One-way link delay in milliseconds.", rich_help_panel=PANEL_LINK)] = 0.0,
-    decode_layer_ms: Annotated[float, typer.Option(min=0.0, help="Emulated decode compute per layer per step, milliseconds.", rich_help_panel=PANEL_LINK)] = 1.0,
-    verify: Annotated[bool, typer.Option(help="Check every assembled KV against the ground truth, bit for bit.")] = True,
+    select_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            max=1.0,
+            help="Share of tokens the synthetic selector picks per head and step.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = 0.1,
+    speculative_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.001, max=1.0, help="Share of all blocks pushed per idle notice.", rich_help_panel=PANEL_WORK
+        ),
+    ] = 0.1,
+    prefill_us_per_token: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Emulated prefill compute, microseconds per prompt token (all layers).",
+            rich_help_panel=PANEL_LINK,
+        ),
+    ] = 30.0,
+    transfer_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            help="Pace the link so a full KV transfer takes this many times the prefill (the paper: 4.7 at 25-32 Gbit/s, 7.1 at 15). Ignored with --gbps.",
+            rich_help_panel=PANEL_LINK,
+        ),
+    ] = 4.7,
+    gbps: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="Link rate in Gbit/s (0 = derive it from --transfer-ratio).", rich_help_panel=PANEL_LINK
+        ),
+    ] = 0.0,
+    delay_ms: Annotated[
+        float, typer.Option(min=0.0, help="One-way link delay in milliseconds.", rich_help_panel=PANEL_LINK)
+    ] = 0.0,
+    decode_layer_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="Emulated decode compute per layer per step, milliseconds.", rich_help_panel=PANEL_LINK
+        ),
+    ] = 1.0,
+    verify: Annotated[
+        bool, typer.Option(help="Check every assembled KV against the ground truth, bit for bit.")
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic cache and selector trace.")] = 0,
 ) -> None:
     """Compare transfer policies on a synthetic KV cache over a paced in-process link (no model needed).
@@ -56,14 +118,24 @@ def simulate(
             raise ValueError(f"--lengths needs comma-separated token counts, e.g. 4096,3000; got {lengths!r}") from None
         if not prompt_lengths or min(prompt_lengths) < 1:
             raise ValueError("--lengths needs positive integers, e.g. 4096,3000")
-        chosen = [get_policy(name.strip(), strategy=strategy, speculative_ratio=speculative_ratio) for name in policies.split(",") if name.strip()]
+        chosen = [
+            get_policy(name.strip(), strategy=strategy, speculative_ratio=speculative_ratio)
+            for name in policies.split(",")
+            if name.strip()
+        ]
         if not chosen:
             raise ValueError("--policies is empty")
         layout = KVLayout(layers, kv_heads, head_dim, torch.float32, num_blocks=blocks)
         config = SimulationConfig(
-            layout, lengths=prompt_lengths, steps=steps, select_ratio=select_ratio,
-            prefill_seconds_per_token=prefill_us_per_token * 1e-6, decode_layer_seconds=decode_layer_ms * 1e-3,
-            delay_s=delay_ms * 1e-3, seed=seed, verify=verify,
+            layout,
+            lengths=prompt_lengths,
+            steps=steps,
+            select_ratio=select_ratio,
+            prefill_seconds_per_token=prefill_us_per_token * 1e-6,
+            decode_layer_seconds=decode_layer_ms * 1e-3,
+            delay_s=delay_ms * 1e-3,
+            seed=seed,
+            verify=verify,
         )
         rate = gbps if gbps > 0 else link_rate_for(config, transfer_ratio)
         config = SimulationConfig(**{**{f: getattr(config, f) for f in config.__slots__}, "gbps": rate})
@@ -93,15 +165,33 @@ def _table(results, total_kv: int):
 
     baseline = results[0].mean("ttst")
     table = Table(title="side by side (means over requests)")
-    for column in ("scheme", "TTFT ms", "TTST ms", "TTST vs first", "mean TBT ms", "proactive MiB", "on-demand MiB",
-                   "speculative MiB", "on-demand ratio", "all local", "KV correct"):
+    for column in (
+        "scheme",
+        "TTFT ms",
+        "TTST ms",
+        "TTST vs first",
+        "mean TBT ms",
+        "proactive MiB",
+        "on-demand MiB",
+        "speculative MiB",
+        "on-demand ratio",
+        "all local",
+        "KV correct",
+    ):
         table.add_column(column, justify="left" if column == "scheme" else "right")
     for r in results:
         ttst = r.mean("ttst")
         table.add_row(
-            r.policy, ms(r.mean("ttft")), ms(ttst), "-" if not (ttst and baseline) else f"{baseline / ttst:.2f}x",
-            ms(r.mean("tbt")), f"{r.path_bytes['proactive'] / 2**20:.1f}", f"{r.path_bytes['on_demand'] / 2**20:.2f}",
-            f"{r.path_bytes['speculative'] / 2**20:.1f}", f"{r.on_demand_ratio:.1%}", "yes" if r.all_local else "no",
+            r.policy,
+            ms(r.mean("ttft")),
+            ms(ttst),
+            "-" if not (ttst and baseline) else f"{baseline / ttst:.2f}x",
+            ms(r.mean("tbt")),
+            f"{r.path_bytes['proactive'] / 2**20:.1f}",
+            f"{r.path_bytes['on_demand'] / 2**20:.2f}",
+            f"{r.path_bytes['speculative'] / 2**20:.1f}",
+            f"{r.on_demand_ratio:.1%}",
+            "yes" if r.all_local else "no",
             "yes" if r.mismatches == 0 else f"NO ({r.mismatches})",
         )
     return table

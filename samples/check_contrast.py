@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from sample_attention import Restriction
 from sample_runner import MODEL_DIR, answer, load
+
 from smartgen.evalsuite import generate_suite, score_sample
 
 CONDITIONS = {
@@ -30,7 +30,9 @@ CONDITIONS = {
     "streaming": lambda layer: Restriction(mode="streaming", from_layer=layer, sinks=4, recent=0.10),
     "topk": lambda layer: Restriction(mode="topk", from_layer=layer, topk=0.20),
     # the converse: StreamingLLM on the layers SmartGen always sends whole must change little
-    "streaming_below": lambda layer: Restriction(mode="streaming", from_layer=0, until_layer=layer, sinks=4, recent=0.10),
+    "streaming_below": lambda layer: Restriction(
+        mode="streaming", from_layer=0, until_layer=layer, sinks=4, recent=0.10
+    ),
 }
 
 
@@ -58,16 +60,27 @@ def main(argv=None) -> None:
             scores[condition].setdefault(cell, []).append(score_sample(sample, prediction))
         done = i + 1
         eta = (time.time() - t0) / done * (len(samples) - done)
-        print(f"{done}/{len(samples)} {cell} depth {sample.depth:.2f}: "
-              + " ".join(f"{c}={scores[c][cell][-1]:.2f}" for c in CONDITIONS) + f"  ETA {eta / 60:.1f}m", flush=True)  # fmt: skip
+        print(
+            f"{done}/{len(samples)} {cell} depth {sample.depth:.2f}: "
+            + " ".join(f"{c}={scores[c][cell][-1]:.2f}" for c in CONDITIONS)
+            + f"  ETA {eta / 60:.1f}m",
+            flush=True,
+        )
     table = {c: {cell: sum(v) / len(v) for cell, v in cells.items()} for c, cells in scores.items()}
-    overall = {c: sum(sum(v) for v in cells.values()) / sum(len(v) for v in cells.values()) for c, cells in scores.items()}
+    overall = {
+        c: sum(sum(v) for v in cells.values()) / sum(len(v) for v in cells.values()) for c, cells in scores.items()
+    }
     print("\n| cell | " + " | ".join(CONDITIONS) + " |\n|---|" + "---|" * len(CONDITIONS))
     for cell in table["full"]:
         print(f"| {cell} | " + " | ".join(f"{table[c][cell]:.2f}" for c in CONDITIONS) + " |")
     print("| all | " + " | ".join(f"{overall[c]:.2f}" for c in CONDITIONS) + " |")
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "per_cell": table, "overall": overall,
-              "num_per_cell": args.num, "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    result = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "per_cell": table,
+        "overall": overall,
+        "num_per_cell": args.num,
+        "seconds": round(time.time() - t0, 1),
+    }
     out = args.out or args.model / "contrast.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

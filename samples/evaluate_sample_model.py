@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from sample_runner import MODEL_DIR, answer, load, needle_mass
+
 from smartgen.evalsuite import TASKS, generate_suite, score_sample
 
 
@@ -45,13 +45,21 @@ def main(argv=None) -> None:
         cell.setdefault(str(sample.length), []).append(score_sample(sample, prediction))
         examples.setdefault(f"{sample.task}@{sample.length}", []).append(f"{prediction!r} <- {sample.references}")
         eta = (time.time() - t0) / (i + 1) * (len(samples) - i - 1)
-        print(f"{i + 1}/{len(samples)} {sample.task}@{sample.length} d={sample.depth:.2f} "
-              f"score={cell[str(sample.length)][-1]:.2f} pred={prediction!r} ref={sample.references} ETA {eta / 60:.1f}m",
-              flush=True)  # fmt: skip
+        print(
+            f"{i + 1}/{len(samples)} {sample.task}@{sample.length} d={sample.depth:.2f} "
+            f"score={cell[str(sample.length)][-1]:.2f} pred={prediction!r} ref={sample.references} ETA {eta / 60:.1f}m",
+            flush=True,
+        )
     table = {task: {n: sum(v) / len(v) for n, v in cells.items()} for task, cells in results.items()}
 
-    head_samples = generate_suite([t for t in args.tasks if t != "vt"], [n for n in args.lengths if n <= 2048],
-                                  args.heads_num, args.seed + 500, tokenizer, variant="eval")  # fmt: skip
+    head_samples = generate_suite(
+        [t for t in args.tasks if t != "vt"],
+        [n for n in args.lengths if n <= 2048],
+        args.heads_num,
+        args.seed + 500,
+        tokenizer,
+        variant="eval",
+    )
     mass = torch.stack([needle_mass(model, tokenizer, s) for s in head_samples]).mean(0)  # [L, H]
     print("\n| task | " + " | ".join(f"{n // 1024}K" for n in args.lengths) + " |\n|---|" + "---|" * len(args.lengths))
     for task, cells in table.items():
@@ -59,9 +67,14 @@ def main(argv=None) -> None:
     print("\n| layer | mean over heads | max head (which) |\n|---|---|---|")
     for layer, row in enumerate(mass):
         print(f"| {layer} | {row.mean():.3f} | {row.max():.3f} (head {int(row.argmax())}) |")
-    out = {"args": {k: str(v) for k, v in vars(args).items()}, "accuracy": table, "num_per_cell": args.num,
-           "needle_mass_per_layer_head": [[round(float(x), 4) for x in row] for row in mass],
-           "examples": {k: v[:3] for k, v in examples.items()}, "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    out = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "accuracy": table,
+        "num_per_cell": args.num,
+        "needle_mass_per_layer_head": [[round(float(x), 4) for x in row] for row in mass],
+        "examples": {k: v[:3] for k, v in examples.items()},
+        "seconds": round(time.time() - t0, 1),
+    }
     (args.model / "eval_results.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.model / 'eval_results.json'} in {(time.time() - t0) / 60:.1f} min")
 

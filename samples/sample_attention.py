@@ -81,12 +81,14 @@ def sample_restrict_attention(module, query, key, value, attention_mask, scaling
     if dense_rows:
         k_end = first + dense_rows
         if first == 0:  # square causal prefill block
-            out = F.scaled_dot_product_attention(query[:, :, :dense_rows], key[:, :, :k_end], value[:, :, :k_end],
-                                                 is_causal=True, scale=scaling)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                query[:, :, :dense_rows], key[:, :, :k_end], value[:, :, :k_end], is_causal=True, scale=scaling
+            )
         else:  # decode rows with a cache: every cached key is in the past
             mask = torch.arange(k_end)[None, :] <= (first + torch.arange(dense_rows))[:, None]
-            out = F.scaled_dot_product_attention(query[:, :, :dense_rows], key[:, :, :k_end], value[:, :, :k_end],
-                                                 attn_mask=mask, scale=scaling)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                query[:, :, :dense_rows], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask, scale=scaling
+            )
         outputs.append(out)
     for lo in range(dense_rows, q_len, 512):  # restricted rows, in chunks to bound the [H, r, n] scores
         hi = min(q_len, lo + 512)

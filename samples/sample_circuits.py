@@ -118,7 +118,9 @@ def install(model, seed: int = 0, trigram: bool = False) -> list:
     residual_norm = math.sqrt(hidden / (1.0 + len(PREV_SLOTS) * 0.64))  # RMSNorm gain on code + 3 prev codes
     static = [i for i in range(d // 2) if inv_freq[i] <= STATIC_FREQ]
     static_dims = static + [i + d // 2 for i in static]
-    assert len(static_dims) >= MATCH_DIMS, f"need {MATCH_DIMS} static RoPE dims, got {len(static_dims)}; raise rope theta"
+    assert len(static_dims) >= MATCH_DIMS, (
+        f"need {MATCH_DIMS} static RoPE dims, got {len(static_dims)}; raise rope theta"
+    )
     static_dims = static_dims[:MATCH_DIMS]
     for proj in (attn.k_proj, attn.v_proj):
         proj.weight[:d].zero_()
@@ -154,8 +156,10 @@ def _install_trigram_head(attn, residual_norm: float, static_dims: list[int], d:
     token and the two before it, k those of the three tokens before the key position, each offset through
     its own rotation (so offsets do not match each other); a full 3-token match scores INDUCTION_LOGIT,
     a 2-of-3 match (a distractor needle with another key) a third less."""
-    rot = [torch.linalg.qr(torch.randn(MATCH_DIMS, MATCH_DIMS, generator=torch.Generator().manual_seed(seed + 10 + m)))[0]
-           for m in range(3)]  # fmt: skip
+    rot = [
+        torch.linalg.qr(torch.randn(MATCH_DIMS, MATCH_DIMS, generator=torch.Generator().manual_seed(seed + 10 + m)))[0]
+        for m in range(3)
+    ]
     kv, qh = slice(d, 2 * d), slice(group * d, (group + 1) * d)
     for proj, rows in ((attn.k_proj, kv), (attn.v_proj, kv), (attn.q_proj, qh)):
         proj.weight[rows].zero_()

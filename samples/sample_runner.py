@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 import sample_attention
+import torch
 from sample_attention import Restriction
 
 MODEL_DIR = Path(__file__).resolve().parent / "sample-model"
@@ -34,8 +33,13 @@ def answer(model, tokenizer, sample, restriction: Restriction | None = None, dec
         sample_attention.STATE = restriction
         model.config._attn_implementation = sample_attention.NAME
     try:
-        out = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=sample.max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     finally:
         if restriction is not None:
             model.config._attn_implementation = "sdpa"

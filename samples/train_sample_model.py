@@ -29,14 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+import sample_circuits
 import torch
 import torch.nn.functional as F
 
 from smartgen.evalsuite import generate_task
 from smartgen.evalsuite.surface import TEMPLATES, filler_sentences
 from smartgen.evalsuite.tokenizer import train_tokenizer
-
-import sample_circuits
 
 ROOT = Path(__file__).resolve().parent
 
@@ -47,8 +46,15 @@ PHASES = (
     ("mix-2k", 0.26, 4096, {2048: 1.0}, True),
     ("mix-4k", 0.32, 4096, {4096: 0.6, 2048: 0.2, 1024: 0.2}, True),
 )
-MIX = {"copy": 0.2, "text": 0.04, "passkey": 0.1, "niah_single": 0.16, "niah_multikey": 0.22, "kv_retrieval": 0.2,
-       "vt": 0.08}  # fmt: skip
+MIX = {
+    "copy": 0.2,
+    "text": 0.04,
+    "passkey": 0.1,
+    "niah_single": 0.16,
+    "niah_multikey": 0.22,
+    "kv_retrieval": 0.2,
+    "vt": 0.08,
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,8 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--rope-theta", type=float, default=1e12, help="large: most RoPE pairs barely turn over 8K tokens")
-    p.add_argument("--trigram-head", action="store_true",
-                   help="also hand-initialise a 3-gram induction head (not used for the committed model)")
+    p.add_argument(
+        "--trigram-head",
+        action="store_true",
+        help="also hand-initialise a 3-gram induction head (not used for the committed model)",
+    )
     p.add_argument("--phase-steps", type=str, default=None, help="comma-separated steps per phase (replaces the clock)")
     p.add_argument("--log-every", type=int, default=20)
     return p.parse_args(argv)
@@ -73,12 +82,21 @@ def build_model(tokenizer, args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
-        max_position_embeddings=16384, rope_theta=args.rope_theta, attention_bias=True, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 8,
+        max_position_embeddings=16384,
+        rope_theta=args.rope_theta,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
 
@@ -215,13 +233,19 @@ def main(argv=None) -> None:
     model = build_model(tokenizer, args)
     sample_circuits.install(model, seed=args.seed, trigram=args.trigram_head)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; positional heads' weight on their offset "
-          f"{sample_circuits.positional_head_check(model)}; {copy_report(model)}", flush=True)  # fmt: skip
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters; positional heads' weight on their offset "
+        f"{sample_circuits.positional_head_check(model)}; {copy_report(model)}",
+        flush=True,
+    )
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     batcher = Batcher(tokenizer, args.seed)
     tuner = ThreadTuner((args.threads, 1) if args.threads > 1 else (1,))
     fixed_steps = [int(s) for s in args.phase_steps.split(",")] if args.phase_steps else None
@@ -230,7 +254,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     log = {"args": {k: str(v) for k, v in vars(args).items()}, "parameters": n_params, "phases": []}
     step = 0
-    for index, (name, share, tokens, lengths, mix) in enumerate(PHASES):
+    for index, (name, _share, tokens, lengths, mix) in enumerate(PHASES):
         phase_end = t0 + budget * sum(p[1] for p in PHASES[: index + 1])
         phase_steps, t_phase, seen = 0, time.time(), 0
         window: dict[str, list[bool]] = {}
@@ -271,15 +295,23 @@ def main(argv=None) -> None:
                 elapsed = time.time() - t0
                 eta = (budget - elapsed) if fixed_steps is None else elapsed / step * (total_steps - step)
                 accs = " ".join(f"{k}={sum(v) / len(v):.2f}" for k, v in sorted(window.items()))
-                print(f"[{name}] step {step} loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
-                      f"ans {answer_loss:.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                      f"{seen / (time.time() - t_phase):.0f} tok/s ({tuner.current} thr) "
-                      f"elapsed {elapsed / 60:.1f}m ETA {max(0, eta) / 60:.1f}m "
-                      f"| exact {accs}", flush=True)  # fmt: skip
+                print(
+                    f"[{name}] step {step} loss {sum(losses[-args.log_every :]) / args.log_every:.3f} "
+                    f"ans {answer_loss:.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                    f"{seen / (time.time() - t_phase):.0f} tok/s ({tuner.current} thr) "
+                    f"elapsed {elapsed / 60:.1f}m ETA {max(0, eta) / 60:.1f}m "
+                    f"| exact {accs}",
+                    flush=True,
+                )
         model.eval()
-        entry = {"copy": copy_report(model), "name": name, "steps": phase_steps,
-                 "seconds": round(time.time() - t_phase, 1), "tokens": seen,
-                 "answer_exact": {k: round(sum(v) / len(v), 3) for k, v in window.items()}}  # fmt: skip
+        entry = {
+            "copy": copy_report(model),
+            "name": name,
+            "steps": phase_steps,
+            "seconds": round(time.time() - t_phase, 1),
+            "tokens": seen,
+            "answer_exact": {k: round(sum(v) / len(v), 3) for k, v in window.items()},
+        }
         log["phases"].append(entry)
         log["train_seconds"] = round(time.time() - t0, 1)
         log["total_seconds"] = round(time.time() - t_start, 1)

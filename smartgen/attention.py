@@ -49,7 +49,10 @@ def sparse_decode_attention(
 
 
 def span_decode_attention(
-    query: torch.Tensor, spans: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None, softcap: float | None = None
+    query: torch.Tensor,
+    spans: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of each request over one contiguous span of its pool (dense and window layers).
 

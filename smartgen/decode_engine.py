@@ -58,7 +58,10 @@ def _drop_remote(split: IndexSplit) -> IndexSplit:
     status = torch.where(split.status == REMOTE, torch.zeros_like(split.status), split.status)
     order = torch.sort(status.to(torch.int16), dim=1, descending=True, stable=True).indices
     return IndexSplit(
-        torch.gather(split.index, 1, order), torch.gather(status, 1, order), torch.zeros_like(split.num_remote), split.num_local
+        torch.gather(split.index, 1, order),
+        torch.gather(status, 1, order),
+        torch.zeros_like(split.num_remote),
+        split.num_local,
     )
 
 
@@ -139,7 +142,7 @@ class DecodeEngine:
             pending = list(self._fetches.items())
         for request_id in victims:
             self._fail_request(request_id, "prefill node connection lost")
-        for fetch_id, future in pending:
+        for _fetch_id, future in pending:
             if not future.done():
                 future.set_exception(RequestFailed("prefill node connection lost"))
 
@@ -161,7 +164,12 @@ class DecodeEngine:
 
     # -- request life -----------------------------------------------------------------
     def open(
-        self, length: int, policy: Policy, *, max_new_tokens: int = 0, request_id: str | None = None,
+        self,
+        length: int,
+        policy: Policy,
+        *,
+        max_new_tokens: int = 0,
+        request_id: str | None = None,
         prompt_ids: torch.Tensor | None = None,
     ) -> str:
         """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
@@ -172,15 +180,25 @@ class DecodeEngine:
         slot = self.pool.allocate(length, max_new_tokens)
         link = self._pick_link()
         request = _Request(
-            request_id, slot, length, link, policy, RequestMetrics(request_id, length, RequestState.DISPATCHED),
+            request_id,
+            slot,
+            length,
+            link,
+            policy,
+            RequestMetrics(request_id, length, RequestState.DISPATCHED),
             fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
             metadata=[{} for _ in range(self.layout.num_layers)],
         )
         with self._lock:
             self._requests[request_id] = request
         link.push.accept(request_id)
-        meta = {"slot": slot, "length": length, "policy": policy.name.split("[")[0], "strategy": policy.strategy,
-                "speculative_ratio": policy.speculative_ratio}
+        meta = {
+            "slot": slot,
+            "length": length,
+            "policy": policy.name.split("[")[0],
+            "strategy": policy.strategy,
+            "speculative_ratio": policy.speculative_ratio,
+        }
         payload = {} if prompt_ids is None else {"input_ids": prompt_ids.to(torch.int64).cpu()}
         link.control.send(Message(MessageKind.OPEN, request_id, meta, payload))
         request.metrics.state = RequestState.PREFILLING
@@ -292,7 +310,9 @@ class DecodeEngine:
         self.counters.add_selection(heads * sum(stop - start for start, stop in zip(starts, stops)), 0)
         return spans
 
-    def _send_fetches(self, layer: int, requests: list[_Request], split: IndexSplit) -> list[tuple[_Request, torch.Tensor, Future, float]]:
+    def _send_fetches(
+        self, layer: int, requests: list[_Request], split: IndexSplit
+    ) -> list[tuple[_Request, torch.Tensor, Future, float]]:
         """FETCH for every request with remote entries: the union of its heads' remote tokens."""
         num_heads = self.layout.num_kv_heads
         fetches = []
@@ -306,7 +326,9 @@ class DecodeEngine:
             with self._lock:
                 fetch_id = next(self._fetch_ids)
                 self._fetches[fetch_id] = future
-            message = Message(MessageKind.FETCH, request.request_id, {"layer": layer, "fetch_id": fetch_id}, {"positions": positions})
+            message = Message(
+                MessageKind.FETCH, request.request_id, {"layer": layer, "fetch_id": fetch_id}, {"positions": positions}
+            )
             request.link.control.send(message, tag="fetch_request")
             fetches.append((request, positions, future, time.monotonic()))
         return fetches
@@ -316,7 +338,9 @@ class DecodeEngine:
             try:
                 reply: Message = future.result(timeout=timeout)
             except TimeoutError:
-                raise RequestFailed(f"fetch for {request.request_id} layer {layer} timed out after {timeout} s") from None
+                raise RequestFailed(
+                    f"fetch for {request.request_id} layer {layer} timed out after {timeout} s"
+                ) from None
             self.pool.write_tokens(layer, request.slot, positions, reply.payload["k"], reply.payload["v"])
             request.fetch_counts[layer, positions] += 1
             request.metrics.fetched_tokens += positions.numel()

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["DemoConfig", "SchemeResult", "run_demo"]
 
@@ -106,12 +106,22 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
     except NoProfileError:
         pass
     calibration = config.calibration or Path(__file__).resolve().parent.parent / "samples" / "calibration.jsonl"
-    say(f"no profile for {config.model.name} yet: profiling {config.profile_prompts} calibration prompts ({calibration.name})")
+    say(
+        f"no profile for {config.model.name} yet: profiling {config.profile_prompts} calibration prompts ({calibration.name})"
+    )
     low, high = max(1, config.length // 2), config.length * 2
     profiles = profile(
-        model, tokenizer, load_calibration(calibration), config.selector, {"budget": config.budget},
-        num_blocks=config.blocks, length_ranges=[(low, high)], decode_tokens=8, link=LinkSpec("rate", 15.0),
-        limit=config.profile_prompts, model_name=config.model.name,
+        model,
+        tokenizer,
+        load_calibration(calibration),
+        config.selector,
+        {"budget": config.budget},
+        num_blocks=config.blocks,
+        length_ranges=[(low, high)],
+        decode_tokens=8,
+        link=LinkSpec("rate", 15.0),
+        limit=config.profile_prompts,
+        model_name=config.model.name,
     )
     if not profiles:
         raise RuntimeError(f"no calibration prompt of {calibration} falls in {low}-{high} tokens")
@@ -135,16 +145,33 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     kv_bytes = kv_layout(model, num_blocks=config.blocks).kv_bytes(int(mean_tokens))
     gbps = kv_bytes * 8 / (config.transfer_ratio * prefill_seconds) / 1e9
     setup = {
-        "model": config.model.name, "prompt_tokens": round(mean_tokens), "prefill_s": prefill_seconds,
-        "kv_mib": kv_bytes / 2**20, "link_gbps": gbps, "transfer_s": kv_bytes * 8 / (gbps * 1e9),
-        "selector": f"{config.selector} {config.budget:g}", "profile": stored.id,
+        "model": config.model.name,
+        "prompt_tokens": round(mean_tokens),
+        "prefill_s": prefill_seconds,
+        "kv_mib": kv_bytes / 2**20,
+        "link_gbps": gbps,
+        "transfer_s": kv_bytes * 8 / (gbps * 1e9),
+        "selector": f"{config.selector} {config.budget:g}",
+        "profile": stored.id,
     }
-    say(f"link paced at {gbps * 1000:.1f} Mbit/s: a full transfer of {setup['kv_mib']:.1f} MiB takes "
-        f"{setup['transfer_s']:.2f} s vs {prefill_seconds:.2f} s of prefill ({config.transfer_ratio:g}x)")
+    say(
+        f"link paced at {gbps * 1000:.1f} Mbit/s: a full transfer of {setup['kv_mib']:.1f} MiB takes "
+        f"{setup['transfer_s']:.2f} s vs {prefill_seconds:.2f} s of prefill ({config.transfer_ratio:g}x)"
+    )
     del model
     prefill_port, status_port, http_port = _free_port(), _free_port(), _free_port()
-    common = ["--model", str(config.model), "--blocks", str(config.blocks), "--link-gbps", f"{gbps:.6f}",
-              "--selector", config.selector, "--budget", str(config.budget)]
+    common = [
+        "--model",
+        str(config.model),
+        "--blocks",
+        str(config.blocks),
+        "--link-gbps",
+        f"{gbps:.6f}",
+        "--selector",
+        config.selector,
+        "--budget",
+        str(config.budget),
+    ]
     env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET", "smartgen-demo")}
     if config.db is not None:
         env["SMARTGEN_DB"] = str(config.db)
@@ -152,15 +179,40 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     processes = []
     try:
         prefill = subprocess.Popen(
-            [*launch, "--role", "prefill", "--listen", f"127.0.0.1:{prefill_port}", "--status", f"127.0.0.1:{status_port}", *common],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                *launch,
+                "--role",
+                "prefill",
+                "--listen",
+                f"127.0.0.1:{prefill_port}",
+                "--status",
+                f"127.0.0.1:{status_port}",
+                *common,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         processes.append(prefill)
         _wait_for(f"http://127.0.0.1:{status_port}/status", prefill, 120, "prefill node")
         decode = subprocess.Popen(
-            [*launch, "--role", "decode", "--prefill", f"127.0.0.1:{prefill_port}", "--http", f"127.0.0.1:{http_port}",
-             "--max-tokens", str(config.length * 2 + 64), *common],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                *launch,
+                "--role",
+                "decode",
+                "--prefill",
+                f"127.0.0.1:{prefill_port}",
+                "--http",
+                f"127.0.0.1:{http_port}",
+                "--max-tokens",
+                str(config.length * 2 + 64),
+                *common,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         processes.append(decode)
         _wait_for(f"http://127.0.0.1:{http_port}/health", decode, 120, "decode node")
@@ -169,7 +221,12 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         for scheme in config.schemes:
             result = SchemeResult(scheme)
             for sample in samples:
-                body = {"prompt": sample.prompt, "max_tokens": sample.max_new_tokens, "temperature": 0, "scheme": scheme}
+                body = {
+                    "prompt": sample.prompt,
+                    "max_tokens": sample.max_new_tokens,
+                    "temperature": 0,
+                    "scheme": scheme,
+                }
                 try:
                     answer = _post_json(f"http://127.0.0.1:{http_port}/v1/completions", body)
                 except OSError as exc:

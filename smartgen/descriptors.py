@@ -57,6 +57,8 @@ def block_write_ops(
             dst = geometry.kv_offset(layer, slot, start_tok)
             data.append(WriteOp("k", "k", src, dst, num_bytes))
             data.append(WriteOp("v", "v", src, dst, num_bytes))
-            masks.append(WriteOp(ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), stop_tok - start_tok))
+            masks.append(
+                WriteOp(ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), stop_tok - start_tok)
+            )
             kv_bytes += 2 * num_bytes
     return data + masks, kv_bytes

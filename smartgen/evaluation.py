@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -31,7 +32,16 @@ from smartgen.policy import Policy, get_policy
 from smartgen.quantization import KVQuantConfig, KVQuantizer
 from smartgen.runtime.pipeline import InprocPipeline
 
-__all__ = ["SCHEMES", "Condition", "SampleResult", "SchemeRun", "EvalReport", "evaluate", "evaluate_conditions", "StoreProfiles"]
+__all__ = [
+    "SCHEMES",
+    "Condition",
+    "SampleResult",
+    "SchemeRun",
+    "EvalReport",
+    "evaluate",
+    "evaluate_conditions",
+    "StoreProfiles",
+]
 
 SCHEMES = ("full-cache", "smartgen", "proactive-only", "streamingllm", "quant2")
 REFERENCE = "full-cache"
@@ -115,12 +125,18 @@ class SchemeRun:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "scheme": self.scheme, "selector": self.selector, "selector_params": self.selector_params,
-            "strategy": self.strategy, "profile_ids": self.profile_ids, "proactive_share": self.proactive_share,
-            "kv_byte_ratio": self.kv_byte_ratio, "seconds": round(self.seconds, 2), "overall": self.overall(),
+            "scheme": self.scheme,
+            "selector": self.selector,
+            "selector_params": self.selector_params,
+            "strategy": self.strategy,
+            "profile_ids": self.profile_ids,
+            "proactive_share": self.proactive_share,
+            "kv_byte_ratio": self.kv_byte_ratio,
+            "seconds": round(self.seconds, 2),
+            "overall": self.overall(),
             "accuracy": {f"{task}@{length}": acc for (task, length), acc in self.accuracy().items()},
             "samples": [asdict(r) for r in self.results],
-        }  # fmt: skip
+        }
 
 
 @dataclass(slots=True)
@@ -143,13 +159,16 @@ class EvalReport:
         if ref is None:
             return {}
         ref_acc = ref.accuracy()
-        return {cell: (acc / ref_acc[cell] if ref_acc.get(cell) else None) for cell, acc in self.runs[label].accuracy().items()}
+        return {
+            cell: (acc / ref_acc[cell] if ref_acc.get(cell) else None)
+            for cell, acc in self.runs[label].accuracy().items()
+        }
 
     def relative_overall(self, label: str) -> float | None:
         ref = self.reference
         return None if ref is None or not ref.overall() else self.runs[label].overall() / ref.overall()
 
-    def merge(self, other: "EvalReport") -> "EvalReport":
+    def merge(self, other: EvalReport) -> EvalReport:
         return EvalReport({**self.runs, **other.runs})
 
     def to_json(self) -> dict[str, Any]:
@@ -175,7 +194,11 @@ class StoreProfiles:
 
     def source(self, selector: str, budget: float) -> ProfileSource | None:
         """length -> Profile, preferring profiles made at this budget; None when the store has none."""
-        candidates = [p for p in self.store.list(fingerprint=self.fingerprint, selector=selector) if p.num_blocks == self.num_blocks]
+        candidates = [
+            p
+            for p in self.store.list(fingerprint=self.fingerprint, selector=selector)
+            if p.num_blocks == self.num_blocks
+        ]
         if not candidates:
             return None
         params = next((p.selector_params for p in candidates if p.selector_params.get("budget") == budget), None)
@@ -185,7 +208,9 @@ class StoreProfiles:
         self.store.close()
 
 
-def _setup(cond: Condition, params: dict[str, Any], quant: KVQuantConfig | None) -> tuple[Policy, str, dict, KVQuantizer | None]:
+def _setup(
+    cond: Condition, params: dict[str, Any], quant: KVQuantConfig | None
+) -> tuple[Policy, str, dict, KVQuantizer | None]:
     """(policy, selector, its params, K/V transform) of a condition; budgeted policies get their strategy later."""
     if cond.scheme == REFERENCE:
         return get_policy("full"), "dense", {}, None
@@ -205,15 +230,27 @@ def infinigen_warmup(model, tokenizer, samples: Sequence[Sample]) -> dict[int, t
     from smartgen.runtime.prefill import infinigen_skewing
 
     first = samples[0]
-    return infinigen_skewing(model, _prompt_ids(tokenizer, generate_task(first.task, first.length, 0, tokenizer, "calibration")))
+    return infinigen_skewing(
+        model, _prompt_ids(tokenizer, generate_task(first.task, first.length, 0, tokenizer, "calibration"))
+    )
 
 
 def evaluate(
-    model, tokenizer, samples: Sequence[Sample], scheme: str, selector: str = "quest", selector_params: dict | None = None,
-    *, importance: torch.Tensor | None = None, profiles: ProfileSource | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS,
-    transfer_ratio: float | None = None, quant: KVQuantConfig | None = None, batch_size: int = 4,
+    model,
+    tokenizer,
+    samples: Sequence[Sample],
+    scheme: str,
+    selector: str = "quest",
+    selector_params: dict | None = None,
+    *,
+    importance: torch.Tensor | None = None,
+    profiles: ProfileSource | None = None,
+    num_blocks: int = DEFAULT_NUM_BLOCKS,
+    transfer_ratio: float | None = None,
+    quant: KVQuantConfig | None = None,
+    batch_size: int = 4,
     on_progress: ProgressFn | None = None,
-) -> EvalReport:  # fmt: skip
+) -> EvalReport:
     """Greedy answers to `samples` under one scheme, scored as RULER does.
 
     selector_params["budget"] is also StreamingLLM's window. `profiles` (length -> Profile) gives the
@@ -244,17 +281,29 @@ def evaluate(
         t_p, t_t = _timings(profile, transfer_ratio)
         blocks = num_blocks if weights is None else weights.shape[1]
         with InprocPipeline(
-            model, chosen, selector_name, params, importance=weights, prefill_seconds_per_token=t_p,
-            transfer_seconds_per_token=t_t, num_blocks=blocks, max_batch=batch_size, kv_transform=quantizer,
+            model,
+            chosen,
+            selector_name,
+            params,
+            importance=weights,
+            prefill_seconds_per_token=t_p,
+            transfer_seconds_per_token=t_t,
+            num_blocks=blocks,
+            max_batch=batch_size,
+            kv_transform=quantizer,
             max_tokens=max(len(ids[i]) + samples[i].max_new_tokens for i in members) + 1,
-        ) as pipeline:  # fmt: skip
+        ) as pipeline:
             for batch in _batches(samples, members, batch_size):
-                outputs = pipeline.generate([ids[i] for i in batch], samples[batch[0]].max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+                outputs = pipeline.generate(
+                    [ids[i] for i in batch], samples[batch[0]].max_new_tokens, eos_token_id=tokenizer.eos_token_id
+                )
                 for i, out in zip(batch, outputs):
                     results[i] = _result(tokenizer, samples[i], len(ids[i]), out)
                     if chosen.proactive == "budget":  # K_r over all blocks of this prompt
                         total = pipeline.layout.num_layers * effective_blocks(len(ids[i]), blocks)
-                        run.proactive_shares.append(pipeline.prefill_engine.planner.budget(len(ids[i]), "budget") / total)
+                        run.proactive_shares.append(
+                            pipeline.prefill_engine.planner.budget(len(ids[i]), "budget") / total
+                        )
                 if on_progress is not None:
                     on_progress(len(results), len(samples), cond.label)
     run.results = [results[i] for i in range(len(samples))]
@@ -272,9 +321,15 @@ def _timings(profile, transfer_ratio: float | None) -> tuple[float, float]:
 
 
 def evaluate_conditions(
-    model, tokenizer, samples: Sequence[Sample], conditions: Sequence[Condition], *,
-    profiles: StoreProfiles | None = None, on_progress: ProgressFn | None = None, **kwargs: Any,
-) -> EvalReport:  # fmt: skip
+    model,
+    tokenizer,
+    samples: Sequence[Sample],
+    conditions: Sequence[Condition],
+    *,
+    profiles: StoreProfiles | None = None,
+    on_progress: ProgressFn | None = None,
+    **kwargs: Any,
+) -> EvalReport:
     """`evaluate` for each condition in turn (what `smartgen eval` runs); progress counts over all of them."""
     report = EvalReport()
     skew: dict[int, torch.Tensor] | None = None
@@ -284,10 +339,28 @@ def evaluate_conditions(
         if cond.selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only"):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew
-        source = profiles.source(cond.selector, cond.budget) if profiles is not None and cond.scheme in ("smartgen", "proactive-only") else None
-        progress = (lambda done, _, label, base=n * len(samples): on_progress(base + done, total, label)) if on_progress else None
+        source = (
+            profiles.source(cond.selector, cond.budget)
+            if profiles is not None and cond.scheme in ("smartgen", "proactive-only")
+            else None
+        )
+        progress = (
+            (lambda done, _, label, base=n * len(samples): on_progress(base + done, total, label))
+            if on_progress
+            else None
+        )
         report = report.merge(
-            evaluate(model, tokenizer, samples, cond.scheme, cond.selector, params, profiles=source, on_progress=progress, **kwargs)
+            evaluate(
+                model,
+                tokenizer,
+                samples,
+                cond.scheme,
+                cond.selector,
+                params,
+                profiles=source,
+                on_progress=progress,
+                **kwargs,
+            )
         )
     return report
 
@@ -304,6 +377,15 @@ def _result(tokenizer, sample: Sample, prompt_tokens: int, out) -> SampleResult:
     prediction = tokenizer.decode(out.tokens, skip_special_tokens=True)
     m = out.metrics
     return SampleResult(
-        sample.task, sample.length, sample.depth, sample.seed, prediction, score_sample(sample, prediction), prompt_tokens,
-        len(out.tokens), m.selected_entries, m.remote_entries, m.fetched_tokens,
-    )  # fmt: skip
+        sample.task,
+        sample.length,
+        sample.depth,
+        sample.seed,
+        prediction,
+        score_sample(sample, prediction),
+        prompt_tokens,
+        len(out.tokens),
+        m.selected_entries,
+        m.remote_entries,
+        m.fetched_tokens,
+    )

@@ -81,4 +81,3 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def short(fingerprint: str) -> str:
     """The first 12 hex digits, as `smartgen profiles list` shows them."""
     return fingerprint[:12]
-

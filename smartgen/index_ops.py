@@ -47,9 +47,7 @@ def entry_status(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, n
     return torch.where(valid, status, torch.zeros_like(status)).to(torch.int8)
 
 
-def split_reorder_reference(
-    index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int
-) -> IndexSplit:
+def split_reorder_reference(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
     """Operators (1)-(5) of the on-demand path: status, local/remote split, stable remote-first reorder."""
     if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
         raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
@@ -88,7 +86,9 @@ def gather_kv_reference(
         return
     rows = torch.arange(num_rows, device=index.device)
     # One flat row id per entry into the pool seen as [S·N·H, d]: a single index_select per tensor.
-    pool_row = ((slots[rows // num_heads].unsqueeze(1) * num_tokens + index) * num_heads + (rows % num_heads).unsqueeze(1))
+    pool_row = (slots[rows // num_heads].unsqueeze(1) * num_tokens + index) * num_heads + (rows % num_heads).unsqueeze(
+        1
+    )
     pool_row = pool_row.flatten()[flat_take]
     for pool, out in ((k_pool, k_out), (v_pool, v_out)):
         values = pool.reshape(-1, head_dim).index_select(0, pool_row)  # a view when the pool is contiguous

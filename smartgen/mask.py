@@ -12,6 +12,7 @@ REMOTE = 2
 
 __all__ = ["PAD", "LOCAL", "REMOTE", "MaskTable", "MaskSummary"]
 
+
 class MaskSummary(NamedTuple):
     """Counts of mask values for one layer of one request (what the monitor shows)."""
 

@@ -97,7 +97,9 @@ class TransferPlan:
 
     def __post_init__(self) -> None:
         if self.proactive.shape != (self.num_layers, self.num_blocks):
-            raise ValueError(f"proactive must be [{self.num_layers}, {self.num_blocks}], got {tuple(self.proactive.shape)}")
+            raise ValueError(
+                f"proactive must be [{self.num_layers}, {self.num_blocks}], got {tuple(self.proactive.shape)}"
+            )
         if self.num_proactive + self.speculative_order.numel() != self.num_layers * self.num_blocks:
             raise ValueError("proactive set and speculative order must partition the blocks")
 
@@ -217,8 +219,13 @@ class Planner:
             raise ValueError("no profile for this model: run `smartgen profile`, or choose another strategy")
         scores = (
             strategy_scores(
-                strategy, self.num_layers, length, self.num_blocks,
-                importance=self.importance, request_counts=request_counts, seed=self.seed,
+                strategy,
+                self.num_layers,
+                length,
+                self.num_blocks,
+                importance=self.importance,
+                request_counts=request_counts,
+                seed=self.seed,
             )
             if mode == "budget"
             else strategy_scores("sequential", self.num_layers, length, self.num_blocks)

@@ -42,7 +42,7 @@ class Policy:
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
 
-    def with_strategy(self, strategy: str) -> "Policy":
+    def with_strategy(self, strategy: str) -> Policy:
         """The same policy with another proactive-set strategy (random, sequential, streaming, ...)."""
         return replace(self, strategy=strategy, name=f"{self.name}[{strategy}]")
 

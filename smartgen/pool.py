@@ -156,7 +156,9 @@ class PrefillStore:
 
     def open(self, request_id: str, length: int) -> RequestKV:
         shape = (self.layout.num_layers, length, self.layout.num_kv_heads, self.layout.head_dim)
-        entry = RequestKV(request_id, torch.empty(shape, dtype=self.layout.dtype), torch.empty(shape, dtype=self.layout.dtype))
+        entry = RequestKV(
+            request_id, torch.empty(shape, dtype=self.layout.dtype), torch.empty(shape, dtype=self.layout.dtype)
+        )
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already open on this prefill node")

@@ -35,7 +35,9 @@ __all__ = ["PrefillEngine", "OpenedRequest", "pack_metadata", "unpack_metadata"]
 
 def pack_metadata(metadata: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-layer selector metadata as flat message payload: {"<layer>/<name>": tensor}."""
-    return {f"{layer}/{name}": tensor.contiguous() for layer, entry in enumerate(metadata) for name, tensor in entry.items()}
+    return {
+        f"{layer}/{name}": tensor.contiguous() for layer, entry in enumerate(metadata) for name, tensor in entry.items()
+    }
 
 
 def unpack_metadata(payload: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
@@ -44,6 +46,7 @@ def unpack_metadata(payload: dict[str, torch.Tensor], num_layers: int) -> list[d
         layer, _, name = key.partition("/")
         metadata[int(layer)][name] = tensor
     return metadata
+
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +145,21 @@ class PrefillEngine:
         meta = message.meta
         policy = get_policy(meta["policy"], meta.get("strategy"), meta.get("speculative_ratio"))
         length = int(meta["length"])
-        plan = self.planner.plan(length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None))
+        plan = self.planner.plan(
+            length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None)
+        )
         kv = self.store.open(message.request_id, length)
         request = OpenedRequest(
-            message.request_id, int(meta["slot"]), length, policy, plan, link, geometry, kv,
-            ones=torch.ones(length, dtype=torch.uint8), prompt=message.payload.get("input_ids"),
+            message.request_id,
+            int(meta["slot"]),
+            length,
+            policy,
+            plan,
+            link,
+            geometry,
+            kv,
+            ones=torch.ones(length, dtype=torch.uint8),
+            prompt=message.payload.get("input_ids"),
         )
         with self._lock:
             self._requests[message.request_id] = request
@@ -180,7 +193,9 @@ class PrefillEngine:
         request = self._get(request_id)
         if request is None or not metadata:
             return
-        message = Message(MessageKind.METADATA, request_id, {"layer": int(layer)}, {k: v.contiguous() for k, v in metadata.items()})
+        message = Message(
+            MessageKind.METADATA, request_id, {"layer": int(layer)}, {k: v.contiguous() for k, v in metadata.items()}
+        )
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
 
@@ -239,7 +254,9 @@ class PrefillEngine:
         if request.kv.layers_ready <= layer:
             raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
         reply = Message(
-            MessageKind.FETCH_REPLY, message.request_id, {"fetch_id": message.meta["fetch_id"]},
+            MessageKind.FETCH_REPLY,
+            message.request_id,
+            {"fetch_id": message.meta["fetch_id"]},
             {"k": request.kv.k[layer, positions].contiguous(), "v": request.kv.v[layer, positions].contiguous()},
         )
         link.control.send(reply, tag="on_demand")

@@ -37,8 +37,16 @@ from smartgen.selectors.base import LayerMetadata, PrefillLayer, Selector, StepQ
 from smartgen.store.profile import Profile
 
 __all__ = [
-    "CalibrationError", "CalibrationSet", "load_calibration", "parse_ranges", "LinkSpec", "SelectionCounter",
-    "measure_transfer", "profile", "downsample_blocks", "write_heatmap_png",
+    "CalibrationError",
+    "CalibrationSet",
+    "load_calibration",
+    "parse_ranges",
+    "LinkSpec",
+    "SelectionCounter",
+    "measure_transfer",
+    "profile",
+    "downsample_blocks",
+    "write_heatmap_png",
 ]
 
 ProgressFn = Callable[[int, int], None]  # (prompts done, total)
@@ -73,11 +81,11 @@ def load_calibration(path: str | Path) -> CalibrationSet:
         except json.JSONDecodeError as exc:
             raise CalibrationError(f"{path}:{number}: not JSON ({exc.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise CalibrationError(f"{path}:{number}: expected an object with a \"prompt\" string")
+            raise CalibrationError(f'{path}:{number}: expected an object with a "prompt" string')
         if record["prompt"]:
             prompts.append(record["prompt"])
     if not prompts:
-        raise CalibrationError(f"{path} holds no prompts (one JSON object with a \"prompt\" per line)")
+        raise CalibrationError(f'{path} holds no prompts (one JSON object with a "prompt" per line)')
     return CalibrationSet(path.name, hashlib.sha256(data).hexdigest(), tuple(prompts))
 
 
@@ -89,7 +97,7 @@ def _inline_set(prompts: Sequence[str] | Sequence[Sequence[int]]) -> Calibration
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]]:
-    """"1024-2048,2K-4K" -> [(1024, 2048), (2048, 4096)]: half-open token ranges [lo, hi)."""
+    """ "1024-2048,2K-4K" -> [(1024, 2048), (2048, 4096)]: half-open token ranges [lo, hi)."""
 
     def tokens(value: str) -> int:
         value = value.strip().lower()
@@ -149,7 +157,9 @@ class SelectionCounter(Selector):
         valid = picked >= 0
         heads = torch.arange(self.num_kv_heads).unsqueeze(1).expand_as(picked)[valid]
         with self._lock:
-            self.counts[step.layer].index_put_((heads, picked[valid]), torch.ones(heads.numel(), dtype=torch.float64), accumulate=True)
+            self.counts[step.layer].index_put_(
+                (heads, picked[valid]), torch.ones(heads.numel(), dtype=torch.float64), accumulate=True
+            )
             self.num_calls += 1
         return index
 
@@ -159,7 +169,9 @@ def measure_transfer(layout: KVLayout, length: int, gbps: float) -> float:
     layer_bytes = layout.kv_bytes(length, num_layers=1)
     prefill_end, decode_end = inproc_link(gbps, name="calibration")
     try:
-        destination = torch.empty(layer_bytes, dtype=torch.uint8)  # every layer lands on the same bytes: only time counts
+        destination = torch.empty(
+            layer_bytes, dtype=torch.uint8
+        )  # every layer lands on the same bytes: only time counts
         decode_end.push.register_region("kv", destination)
         decode_end.push.accept("calibration")
         source = {"kv": torch.zeros(layer_bytes, dtype=torch.uint8)}
@@ -191,12 +203,18 @@ def _tokenize(tokenizer: Any, calibration: CalibrationSet) -> list[list[int]]:
     return [list(tokenizer(text, add_special_tokens=True)["input_ids"]) for text in calibration.prompts]
 
 
-def _assign(token_ids: list[list[int]], length_ranges: Sequence[tuple[int, int]], limit: int | None) -> list[tuple[list[int], list[int]]]:
+def _assign(
+    token_ids: list[list[int]], length_ranges: Sequence[tuple[int, int]], limit: int | None
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, the ranges it feeds) for every prompt that feeds at least one range, in order."""
     chosen = []
     per_range = [0] * len(length_ranges)
     for ids in token_ids:
-        feeds = [r for r, (lo, hi) in enumerate(length_ranges) if lo <= len(ids) < hi and (limit is None or per_range[r] < limit)]
+        feeds = [
+            r
+            for r, (lo, hi) in enumerate(length_ranges)
+            if lo <= len(ids) < hi and (limit is None or per_range[r] < limit)
+        ]
         for r in feeds:
             per_range[r] += 1
         if feeds:
@@ -204,23 +222,31 @@ def _assign(token_ids: list[list[int]], length_ranges: Sequence[tuple[int, int]]
     if not chosen:
         lengths = sorted(len(ids) for ids in token_ids)
         wanted = ", ".join(f"{lo}-{hi}" for lo, hi in length_ranges)
-        raise CalibrationError(f"no calibration prompt falls in {wanted} (prompts have {lengths[0]}-{lengths[-1]} tokens)")
+        raise CalibrationError(
+            f"no calibration prompt falls in {wanted} (prompts have {lengths[0]}-{lengths[-1]} tokens)"
+        )
     return chosen
 
 
 class _Calibrator:
     """An InprocPipeline under the "full" policy whose selector is counted and whose prefill is timed."""
 
-    def __init__(self, model: torch.nn.Module, selector: str | Selector, params: dict[str, Any], num_blocks: int, max_tokens: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, selector: str | Selector, params: dict[str, Any], num_blocks: int, max_tokens: int
+    ) -> None:
         full = get_policy("full")
         if isinstance(selector, str):
-            self.pipeline = InprocPipeline(model, full, selector, params, num_blocks=num_blocks, max_batch=1, max_tokens=max_tokens)
+            self.pipeline = InprocPipeline(
+                model, full, selector, params, num_blocks=num_blocks, max_batch=1, max_tokens=max_tokens
+            )
             inner = self.pipeline.selector
         else:
             # the pipeline builds its runners around a named selector; one that needs no hidden states stands in
             if selector.lookahead or getattr(selector, "needs_prefill_hidden", False):
                 raise ValueError("a selector instance must not need hidden states; pass lookahead selectors by name")
-            self.pipeline = InprocPipeline(model, full, "topk", num_blocks=num_blocks, max_batch=1, max_tokens=max_tokens)
+            self.pipeline = InprocPipeline(
+                model, full, "topk", num_blocks=num_blocks, max_batch=1, max_tokens=max_tokens
+            )
             inner = selector
         config = model.config
         self.counter = SelectionCounter(inner, config.num_hidden_layers, config.num_key_value_heads)
@@ -293,7 +319,9 @@ def profile(
     accumulators = [ImportanceAccumulator(num_layers, num_blocks) for _ in length_ranges]
     lengths: list[list[int]] = [[] for _ in length_ranges]
     seconds: list[list[float]] = [[] for _ in length_ranges]
-    calibrator = _Calibrator(model, selector, params, num_blocks, max(len(ids) for ids, _ in chosen) + decode_tokens + 2)
+    calibrator = _Calibrator(
+        model, selector, params, num_blocks, max(len(ids) for ids, _ in chosen) + decode_tokens + 2
+    )
     try:
         calibrator.warm_up(chosen[0][0])
         for done, (ids, feeds) in enumerate(chosen, start=1):
@@ -309,10 +337,15 @@ def profile(
 
     layout = kv_layout(model, num_blocks=num_blocks)
     common = dict(
-        model_fingerprint=model_fingerprint(model), selector=calibrator.counter.name, selector_params=stored_params,
+        model_fingerprint=model_fingerprint(model),
+        selector=calibrator.counter.name,
+        selector_params=stored_params,
         model=str(model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type),
-        calibration=calibration.name, calibration_hash=calibration.sha256, decode_tokens=decode_tokens,
-        kv_bytes_per_token=layout.kv_bytes(1), link=link.label,
+        calibration=calibration.name,
+        calibration_hash=calibration.sha256,
+        decode_tokens=decode_tokens,
+        kv_bytes_per_token=layout.kv_bytes(1),
+        link=link.label,
     )
     profiles = []
     for r, (lo, hi) in enumerate(length_ranges):
@@ -325,9 +358,14 @@ def profile(
             transfer = measure_transfer(layout, round(mean_length), link.gbps)
         profiles.append(
             Profile(
-                length_lo=lo, length_hi=hi, num_prompts=len(lengths[r]), mean_length=mean_length,
-                prefill_seconds=statistics.fmean(seconds[r]), transfer_seconds=transfer,
-                importance=accumulators[r].importance(), **common,
+                length_lo=lo,
+                length_hi=hi,
+                num_prompts=len(lengths[r]),
+                mean_length=mean_length,
+                prefill_seconds=statistics.fmean(seconds[r]),
+                transfer_seconds=transfer,
+                importance=accumulators[r].importance(),
+                **common,
             )
         )
     return profiles
@@ -355,7 +393,9 @@ def write_heatmap_png(profile: Profile, path: str | Path) -> None:
     except ImportError:
         raise ImportError("--png needs matplotlib: pip install 'smartgen[plot]' (or pip install matplotlib)") from None
     figure, axes = plt.subplots(figsize=(10, 0.35 * profile.num_layers + 1.6))
-    image = axes.imshow(profile.importance.numpy(), aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
+    image = axes.imshow(
+        profile.importance.numpy(), aspect="auto", interpolation="nearest", cmap="viridis", origin="lower"
+    )
     axes.set_xlabel(f"relative KV block (M = {profile.num_blocks})")
     axes.set_ylabel("layer")
     axes.set_title(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -76,7 +77,9 @@ def calibrate(config: SimulationConfig, trace: SyntheticTrace) -> torch.Tensor:
     return accumulator.importance()
 
 
-def _prefill_worker(engine: PrefillEngine, config: SimulationConfig, kvs: dict[str, tuple], count: int, stop: threading.Event) -> None:
+def _prefill_worker(
+    engine: PrefillEngine, config: SimulationConfig, kvs: dict[str, tuple], count: int, stop: threading.Event
+) -> None:
     layer_seconds = config.prefill_seconds_per_token / config.layout.num_layers
     served = 0
     while served < count and not stop.is_set():
@@ -102,7 +105,9 @@ def simulate(
     layout = config.layout
     trace = SyntheticTrace(layout.num_layers, layout.num_kv_heads, ratio=config.select_ratio)
     planner = Planner(
-        layout.num_layers, layout.num_blocks, importance,
+        layout.num_layers,
+        layout.num_blocks,
+        importance,
         prefill_seconds_per_token=config.prefill_seconds_per_token,
         transfer_seconds_per_token=_transfer_seconds_per_token(config),
         seed=config.seed,
@@ -124,14 +129,21 @@ def simulate(
     decode.attach(decode_end)
 
     request_ids = [f"req-{config.seed}-{i}" for i in range(len(config.lengths))]
-    kvs = {rid: synthetic_kv(layout, n, seed=config.seed * 101 + i) for i, (rid, n) in enumerate(zip(request_ids, config.lengths))}
+    kvs = {
+        rid: synthetic_kv(layout, n, seed=config.seed * 101 + i)
+        for i, (rid, n) in enumerate(zip(request_ids, config.lengths))
+    }
     for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
         if policy.strategy == "optimal":
             prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
     # The selector's indices and the ground truth (prompt + generated KV) are made up front,
     # so the timed loop runs only the engine.
     lengths = list(config.lengths)
-    indices = {(step, layer): _step_index(trace, config, step, layer) for step in range(1, config.steps) for layer in range(layout.num_layers)}
+    indices = {
+        (step, layer): _step_index(trace, config, step, layer)
+        for step in range(1, config.steps)
+        for layer in range(layout.num_layers)
+    }
     truths = [_truth(config, i, kvs[rid]) for i, rid in enumerate(request_ids)]
     stop = threading.Event()
     worker = threading.Thread(target=_prefill_worker, args=(prefill, config, kvs, len(request_ids), stop), daemon=True)
@@ -154,13 +166,20 @@ def simulate(
                 if config.decode_layer_seconds:
                     time.sleep(config.decode_layer_seconds)
                 for i, rid in enumerate(request_ids):
-                    decode.append(layer, rid, truths[i][0][layer, lengths[i] + step - 1], truths[i][1][layer, lengths[i] + step - 1])
+                    decode.append(
+                        layer,
+                        rid,
+                        truths[i][0][layer, lengths[i] + step - 1],
+                        truths[i][1][layer, lengths[i] + step - 1],
+                    )
             decode.end_step(request_ids)
             if on_step:
                 on_step(step)
         if policy.speculative and config.drain_speculation:
             _drain(decode, request_ids)
-        all_local = all(decode.pool.masks.all_local(decode.slot_of(rid), n) for rid, n in zip(request_ids, config.lengths))
+        all_local = all(
+            decode.pool.masks.all_local(decode.slot_of(rid), n) for rid, n in zip(request_ids, config.lengths)
+        )
         pool_equal = None
         if config.verify and all_local:
             pool_equal = all(
@@ -236,12 +255,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _truth(config: SimulationConfig, request: int, prompt_kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _truth(
+    config: SimulationConfig, request: int, prompt_kv: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [L, n + steps, H, d] of one request: the prompt, then every generated token."""
     layout = config.layout
-    new = [[synthetic_new_token(layout, config.seed * 101 + request, step, layer) for layer in range(layout.num_layers)] for step in range(1, config.steps)]
-    k_new = torch.stack([torch.stack([kv[0] for kv in per_step]) for per_step in new], dim=1) if new else prompt_kv[0][:, :0]
-    v_new = torch.stack([torch.stack([kv[1] for kv in per_step]) for per_step in new], dim=1) if new else prompt_kv[1][:, :0]
+    new = [
+        [synthetic_new_token(layout, config.seed * 101 + request, step, layer) for layer in range(layout.num_layers)]
+        for step in range(1, config.steps)
+    ]
+    k_new = (
+        torch.stack([torch.stack([kv[0] for kv in per_step]) for per_step in new], dim=1)
+        if new
+        else prompt_kv[0][:, :0]
+    )
+    v_new = (
+        torch.stack([torch.stack([kv[1] for kv in per_step]) for per_step in new], dim=1)
+        if new
+        else prompt_kv[1][:, :0]
+    )
     return torch.cat([prompt_kv[0], k_new], dim=1), torch.cat([prompt_kv[1], v_new], dim=1)
 
 
@@ -260,6 +292,7 @@ def _count_mismatches(assembled, truths: list[tuple[torch.Tensor, torch.Tensor]]
         same = (_bits(assembled.k[rs]) == _bits(expect_k)).all(-1) & (_bits(assembled.v[rs]) == _bits(expect_v)).all(-1)
         bad += int((~same & valid[rs]).sum())
     return bad
+
 
 def link_rate_for(config: SimulationConfig, transfer_ratio: float) -> float:
     """The Gbit/s at which a full transfer of the batch takes `transfer_ratio` × its prefill time."""

@@ -29,7 +29,9 @@ def synthetic_new_token(layout: KVLayout, seed: int, step: int, layer: int) -> t
     """K and V [H, d] of a generated token."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 997 + layer)
     shape = (layout.num_kv_heads, layout.head_dim)
-    return torch.randn(shape, generator=generator).to(layout.dtype), torch.randn(shape, generator=generator).to(layout.dtype)
+    return torch.randn(shape, generator=generator).to(layout.dtype), torch.randn(shape, generator=generator).to(
+        layout.dtype
+    )
 
 
 @dataclass(frozen=True, slots=True)

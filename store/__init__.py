@@ -7,7 +7,20 @@ from smartgen.store.migrations import MIGRATIONS, migrate, schema
 from smartgen.store.profile import Profile
 
 __all__ = [
-    "ProfileStore", "Match", "Profile", "Overlap", "compare", "top_blocks", "MIGRATIONS", "migrate", "schema",
-    "StoreError", "NewerSchemaError", "StoreLockedError", "ProfileNotFoundError", "NoProfileError",
-    "DEFAULT_TIMEOUT_S", "default_timeout",
+    "ProfileStore",
+    "Match",
+    "Profile",
+    "Overlap",
+    "compare",
+    "top_blocks",
+    "MIGRATIONS",
+    "migrate",
+    "schema",
+    "StoreError",
+    "NewerSchemaError",
+    "StoreLockedError",
+    "ProfileNotFoundError",
+    "NoProfileError",
+    "DEFAULT_TIMEOUT_S",
+    "default_timeout",
 ]

@@ -68,7 +68,9 @@ class ProfileStore:
                 if not create:
                     raise StoreError(f"no profile database at {self.path} (`smartgen profile` creates it)")
                 if not self.path.parent.is_dir():
-                    raise StoreError(f"cannot create the profile database {self.path}: directory {self.path.parent} does not exist")
+                    raise StoreError(
+                        f"cannot create the profile database {self.path}: directory {self.path.parent} does not exist"
+                    )
             elif self.path.is_dir():
                 raise StoreError(f"the profile database path {self.path} is a directory")
         with self._guard():
@@ -87,7 +89,7 @@ class ProfileStore:
     def close(self) -> None:
         self.db.close()
 
-    def __enter__(self) -> "ProfileStore":
+    def __enter__(self) -> ProfileStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -140,7 +142,9 @@ class ProfileStore:
     def get(self, profile_id: int) -> Profile:
         rows = self._rows("id = ?", [profile_id])
         if not rows:
-            raise ProfileNotFoundError(f"no profile {profile_id} in {self.path} (`smartgen profiles list` shows the ids)")
+            raise ProfileNotFoundError(
+                f"no profile {profile_id} in {self.path} (`smartgen profiles list` shows the ids)"
+            )
         return rows[0]
 
     def list(self, *, fingerprint: str | None = None, selector: str | None = None) -> list[Profile]:
@@ -158,10 +162,17 @@ class ProfileStore:
         with self._write() as db:
             cursor = db.conn.execute(f"DELETE FROM {TABLE} WHERE id = ?", [profile_id])
             if cursor.rowcount == 0:
-                raise ProfileNotFoundError(f"no profile {profile_id} in {self.path} (`smartgen profiles list` shows the ids)")
+                raise ProfileNotFoundError(
+                    f"no profile {profile_id} in {self.path} (`smartgen profiles list` shows the ids)"
+                )
 
     def best(
-        self, fingerprint: str, selector: str, num_blocks: int, length: int, selector_params: dict[str, Any] | None = None
+        self,
+        fingerprint: str,
+        selector: str,
+        num_blocks: int,
+        length: int,
+        selector_params: dict[str, Any] | None = None,
     ) -> Match:
         """The profile to plan a request of `length` tokens with.
 

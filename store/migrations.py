@@ -56,9 +56,25 @@ def m001_initial(db: Database) -> None:
         },
         pk="id",
         not_null={
-            "created_at", "smartgen_version", "model_fingerprint", "model", "selector", "selector_params",
-            "num_layers", "num_blocks", "length_lo", "length_hi", "calibration", "calibration_hash", "num_prompts",
-            "decode_tokens", "mean_length", "prefill_seconds", "transfer_seconds", "kv_bytes_per_token", "link",
+            "created_at",
+            "smartgen_version",
+            "model_fingerprint",
+            "model",
+            "selector",
+            "selector_params",
+            "num_layers",
+            "num_blocks",
+            "length_lo",
+            "length_hi",
+            "calibration",
+            "calibration_hash",
+            "num_prompts",
+            "decode_tokens",
+            "mean_length",
+            "prefill_seconds",
+            "transfer_seconds",
+            "kv_bytes_per_token",
+            "link",
             "importance",
         },
     )
@@ -118,4 +134,3 @@ def schema() -> str:
     db = Database(memory=True, execute_plugins=False)
     migrate(db)
     return db.schema
-

@@ -71,7 +71,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.importance.dim() != 2 or self.importance.dtype != torch.float32:
-            raise ValueError(f"importance must be a float32 [L, M] tensor, got {self.importance.dtype} {tuple(self.importance.shape)}")
+            raise ValueError(
+                f"importance must be a float32 [L, M] tensor, got {self.importance.dtype} {tuple(self.importance.shape)}"
+            )
         if self.num_layers < 2 or self.num_blocks < 1:
             raise ValueError(f"importance must be at least [2, 1], got {tuple(self.importance.shape)}")
         if not 1 <= self.length_lo < self.length_hi:
@@ -86,7 +88,8 @@ class Profile:
         if not isinstance(other, Profile):
             return NotImplemented
         return all(
-            importance_to_bytes(self.importance) == importance_to_bytes(other.importance) and self.importance.shape == other.importance.shape
+            importance_to_bytes(self.importance) == importance_to_bytes(other.importance)
+            and self.importance.shape == other.importance.shape
             if f.name == "importance"
             else getattr(self, f.name) == getattr(other, f.name)
             for f in fields(self)
@@ -132,12 +135,14 @@ class Profile:
             return self.length_lo - length
         return max(0, length - (self.length_hi - 1))
 
-    def with_id(self, profile_id: int) -> "Profile":
+    def with_id(self, profile_id: int) -> Profile:
         return replace(self, id=profile_id)
 
     # -- rows and JSON ----------------------------------------------------------------
     def to_row(self) -> dict[str, Any]:
-        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("id", "importance", "selector_params")}
+        row = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("id", "importance", "selector_params")
+        }
         row["selector_params"] = json.dumps(self.selector_params, sort_keys=True)
         row["num_layers"] = self.num_layers
         row["num_blocks"] = self.num_blocks
@@ -145,7 +150,7 @@ class Profile:
         return row
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "Profile":
+    def from_row(cls, row: dict[str, Any]) -> Profile:
         values = {f.name: row[f.name] for f in fields(cls) if f.name not in ("importance", "selector_params")}
         values["selector_params"] = json.loads(row["selector_params"])
         values["importance"] = importance_from_bytes(row["importance"], row["num_layers"], row["num_blocks"])
@@ -166,20 +171,30 @@ class Profile:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
         """Reads `to_dict`'s JSON; a ValueError says what is wrong with it."""
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"not a SmartGen profile export (expected \"format\": \"{EXPORT_FORMAT}\")")
+            raise ValueError(f'not a SmartGen profile export (expected "format": "{EXPORT_FORMAT}")')
         if data.get("format_version") != EXPORT_VERSION:
-            raise ValueError(f"profile export version {data.get('format_version')!r} is not supported (this SmartGen reads {EXPORT_VERSION})")
+            raise ValueError(
+                f"profile export version {data.get('format_version')!r} is not supported (this SmartGen reads {EXPORT_VERSION})"
+            )
         try:
             matrix = data["importance"]
             num_layers, num_blocks = (int(x) for x in matrix["shape"])
             if matrix.get("dtype") != "float32" or matrix.get("byteorder") != "little":
                 raise ValueError("importance must be float32, little-endian")
-            importance = importance_from_bytes(base64.b64decode(matrix["base64"], validate=True), num_layers, num_blocks)
-            values = {f.name: data[f.name] for f in fields(cls) if f.name not in ("id", "importance") and f.name in data}
-            missing = [f.name for f in fields(cls) if f.name not in ("id", "importance", "created_at", "smartgen_version") and f.name not in data]
+            importance = importance_from_bytes(
+                base64.b64decode(matrix["base64"], validate=True), num_layers, num_blocks
+            )
+            values = {
+                f.name: data[f.name] for f in fields(cls) if f.name not in ("id", "importance") and f.name in data
+            }
+            missing = [
+                f.name
+                for f in fields(cls)
+                if f.name not in ("id", "importance", "created_at", "smartgen_version") and f.name not in data
+            ]
             if missing:
                 raise ValueError(f"missing fields: {', '.join(missing)}")
             return cls(importance=importance, **values)
@@ -189,12 +204,22 @@ class Profile:
     def summary(self) -> dict[str, Any]:
         """The scalar fields, for tables and `profiles show`."""
         return {
-            "id": self.id, "created_at": self.created_at, "smartgen_version": self.smartgen_version,
-            "model": self.model, "model_fingerprint": self.model_fingerprint, "selector": self.selector,
-            "selector_params": self.selector_params, "shape": f"{self.num_layers} x {self.num_blocks}",
-            "lengths": f"[{self.length_lo}, {self.length_hi})", "mean_length": round(self.mean_length, 1),
-            "calibration": self.calibration, "calibration_hash": self.calibration_hash, "num_prompts": self.num_prompts,
-            "decode_tokens": self.decode_tokens, "prefill_seconds": self.prefill_seconds,
-            "transfer_seconds": self.transfer_seconds, "link": self.link, "k_r": self.k_r(),
+            "id": self.id,
+            "created_at": self.created_at,
+            "smartgen_version": self.smartgen_version,
+            "model": self.model,
+            "model_fingerprint": self.model_fingerprint,
+            "selector": self.selector,
+            "selector_params": self.selector_params,
+            "shape": f"{self.num_layers} x {self.num_blocks}",
+            "lengths": f"[{self.length_lo}, {self.length_hi})",
+            "mean_length": round(self.mean_length, 1),
+            "calibration": self.calibration,
+            "calibration_hash": self.calibration_hash,
+            "num_prompts": self.num_prompts,
+            "decode_tokens": self.decode_tokens,
+            "prefill_seconds": self.prefill_seconds,
+            "transfer_seconds": self.transfer_seconds,
+            "link": self.link,
+            "k_r": self.k_r(),
         }
-

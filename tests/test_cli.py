@@ -98,8 +98,6 @@ def test_verbose_sets_log_level(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_python_dash_m() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "smartgen", "--help"], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-m", "smartgen", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "info" in proc.stdout

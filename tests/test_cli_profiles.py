@@ -7,13 +7,13 @@ import sys
 
 import pytest
 from sqlite_utils import Database
+from test_store import make_profile
+from tiny_models import tiny_config
 from typer.testing import CliRunner
 
 from smartgen.cli.app import app
 from smartgen.runtime.models import model_from_config
 from smartgen.store import ProfileStore
-from test_store import make_profile
-from tiny_models import tiny_config
 
 runner = CliRunner(env={"COLUMNS": "160"})  # rich wraps tables to the terminal width
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars shine above the quiet harbor town".split()
@@ -34,7 +34,9 @@ def model_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_text(40, seed) for seed in range(50)], trainer=trainer)
@@ -49,7 +51,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "calibration.jsonl"
-    lines = [json.dumps({"prompt": _text(n, seed), "answer": "ignored"}) for seed, n in enumerate((6, 9, 12, 40, 50, 60))]
+    lines = [
+        json.dumps({"prompt": _text(n, seed), "answer": "ignored"}) for seed, n in enumerate((6, 9, 12, 40, 50, 60))
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -82,8 +86,25 @@ def db(tmp_path):
 # -- smartgen profile ------------------------------------------------------------------------------
 def test_profile_a_tiny_model(model_dir, calibration, tmp_path):
     db = tmp_path / "p.db"
-    args = ["profile", "--model", str(model_dir), "--calibration", str(calibration), "--selector", "topk", "--budget", "0.25",
-            "--blocks", "16", "--ranges", "1-30,30-200,400-500", "--decode-tokens", "2", "--db", str(db)]  # fmt: skip
+    args = [
+        "profile",
+        "--model",
+        str(model_dir),
+        "--calibration",
+        str(calibration),
+        "--selector",
+        "topk",
+        "--budget",
+        "0.25",
+        "--blocks",
+        "16",
+        "--ranges",
+        "1-30,30-200,400-500",
+        "--decode-tokens",
+        "2",
+        "--db",
+        str(db),
+    ]
     output = _ok(runner.invoke(app, args))
     assert "stored 2 profile(s)" in output
     assert "no calibration prompt has 400-500 tokens" in output
@@ -100,8 +121,28 @@ def test_profile_a_tiny_model(model_dir, calibration, tmp_path):
 
 def test_profile_measured_link_and_limit(model_dir, calibration, tmp_path):
     db = tmp_path / "p.db"
-    args = ["profile", "--model", str(model_dir), "--calibration", str(calibration), "--selector", "quest", "--blocks", "8",
-            "--ranges", "30-200", "--decode-tokens", "1", "--limit", "1", "--measure-link", "--link-gbps", "1", "--db", str(db)]  # fmt: skip
+    args = [
+        "profile",
+        "--model",
+        str(model_dir),
+        "--calibration",
+        str(calibration),
+        "--selector",
+        "quest",
+        "--blocks",
+        "8",
+        "--ranges",
+        "30-200",
+        "--decode-tokens",
+        "1",
+        "--limit",
+        "1",
+        "--measure-link",
+        "--link-gbps",
+        "1",
+        "--db",
+        str(db),
+    ]
     _ok(runner.invoke(app, args))
     with ProfileStore(db) as store:
         [stored] = store.list()
@@ -110,13 +151,21 @@ def test_profile_measured_link_and_limit(model_dir, calibration, tmp_path):
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("", "holds no prompts"), ('{"prompt": "a"}\nnot json\n', "calibration.jsonl:2: not JSON"),
-     ('{"question": "a"}\n', 'expected an object with a "prompt" string')],
-)  # fmt: skip
+    [
+        ("", "holds no prompts"),
+        ('{"prompt": "a"}\nnot json\n', "calibration.jsonl:2: not JSON"),
+        ('{"question": "a"}\n', 'expected an object with a "prompt" string'),
+    ],
+)
 def test_profile_bad_calibration(model_dir, tmp_path, content, message):
     path = tmp_path / "calibration.jsonl"
     path.write_text(content)
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), "--calibration", str(path), "--db", str(tmp_path / "p.db")]), message)
+    _error(
+        runner.invoke(
+            app, ["profile", "--model", str(model_dir), "--calibration", str(path), "--db", str(tmp_path / "p.db")]
+        ),
+        message,
+    )
 
 
 def test_profile_errors(model_dir, calibration, tmp_path):
@@ -125,17 +174,42 @@ def test_profile_errors(model_dir, calibration, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     _error(runner.invoke(app, ["profile", "--model", str(tmp_path / "broken"), *base]), "cannot load a model")
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--calibration", str(tmp_path / "absent.jsonl")]), "no calibration file")
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--ranges", "5000-6000"]), "no calibration prompt falls in 5000-6000")
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--ranges", "2048-1024"]), "bad length range")
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--budget", "0"]), "--budget must be positive")
+    _error(
+        runner.invoke(
+            app, ["profile", "--model", str(model_dir), *base, "--calibration", str(tmp_path / "absent.jsonl")]
+        ),
+        "no calibration file",
+    )
+    _error(
+        runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--ranges", "5000-6000"]),
+        "no calibration prompt falls in 5000-6000",
+    )
+    _error(
+        runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--ranges", "2048-1024"]), "bad length range"
+    )
+    _error(
+        runner.invoke(app, ["profile", "--model", str(model_dir), *base, "--budget", "0"]), "--budget must be positive"
+    )
     missing_dir = ["--db", str(tmp_path / "no" / "dir" / "p.db")]
-    _error(runner.invoke(app, ["profile", "--model", str(model_dir), "--calibration", str(calibration), *missing_dir]), "does not exist")
+    _error(
+        runner.invoke(app, ["profile", "--model", str(model_dir), "--calibration", str(calibration), *missing_dir]),
+        "does not exist",
+    )
 
 
 def test_png_without_matplotlib(model_dir, calibration, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    args = ["profile", "--model", str(model_dir), "--calibration", str(calibration), "--png", str(tmp_path / "h.png"), "--db", str(tmp_path / "p.db")]
+    args = [
+        "profile",
+        "--model",
+        str(model_dir),
+        "--calibration",
+        str(calibration),
+        "--png",
+        str(tmp_path / "h.png"),
+        "--db",
+        str(tmp_path / "p.db"),
+    ]
     _error(runner.invoke(app, args), "--png needs matplotlib: pip install 'smartgen[plot]'")
 
 
@@ -176,11 +250,16 @@ def test_export_and_import(db, tmp_path):
     assert "imported profile 1" in _ok(runner.invoke(app, ["profiles", "import", str(target), "--db", str(other)]))
     with ProfileStore(db) as a, ProfileStore(other) as b:
         assert a.get(1).importance.numpy().tobytes() == b.get(1).importance.numpy().tobytes()
-    assert "imported profile 2" in _ok(runner.invoke(app, ["profiles", "import", "-", "--db", str(other)], input=target.read_text()))
+    assert "imported profile 2" in _ok(
+        runner.invoke(app, ["profiles", "import", "-", "--db", str(other)], input=target.read_text())
+    )
     (tmp_path / "bad.json").write_text("{")
     _error(runner.invoke(app, ["profiles", "import", str(tmp_path / "bad.json"), "--db", str(other)]), "is not JSON")
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
-    _error(runner.invoke(app, ["profiles", "import", str(tmp_path / "bad.json"), "--db", str(other)]), "not a SmartGen profile export")
+    _error(
+        runner.invoke(app, ["profiles", "import", str(tmp_path / "bad.json"), "--db", str(other)]),
+        "not a SmartGen profile export",
+    )
     _error(runner.invoke(app, ["profiles", "export", "9", "--db", str(db)]), "no profile 9")
 
 
@@ -199,6 +278,8 @@ def test_profiles_errors(db, tmp_path):
     _error(runner.invoke(app, ["profiles", "list", "--db", str(tmp_path / "absent.db")]), "no profile database at")
     _error(runner.invoke(app, ["profiles", "show", "99", "--db", str(db)]), "no profile 99")
     (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
-    _error(runner.invoke(app, ["profiles", "list", "--db", str(tmp_path / "junk.db")]), "not a SmartGen profile database")
+    _error(
+        runner.invoke(app, ["profiles", "list", "--db", str(tmp_path / "junk.db")]), "not a SmartGen profile database"
+    )
     Database(db).table("_migrations").insert({"name": "m002_future", "applied_at": "2030"})
     _error(runner.invoke(app, ["profiles", "list", "--db", str(db)]), "newer SmartGen")

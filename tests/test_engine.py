@@ -7,7 +7,6 @@ import torch
 
 import smartgen.decode_engine as decode_module
 from smartgen.decode_engine import DecodeEngine, RequestFailed
-from smartgen.lanes.base import MessageKind
 from smartgen.lanes.link import inproc_link
 from smartgen.layout import KVLayout
 from smartgen.mask import LOCAL
@@ -90,14 +89,18 @@ def test_bfloat16_cache_is_moved_bit_for_bit(importance):
 def test_full_transfer_sends_all_kv_once(importance):
     cfg = config()
     result = simulate(cfg, POLICIES["full"], importance)
-    assert result.path_bytes == {"proactive": sum(LAYOUT.kv_bytes(n) for n in cfg.lengths), "speculative": 0, "on_demand": 0}
+    assert result.path_bytes == {
+        "proactive": sum(LAYOUT.kv_bytes(n) for n in cfg.lengths),
+        "speculative": 0,
+        "on_demand": 0,
+    }
 
 
 def _expected_proactive_bytes(planner: Planner, policy, length: int) -> int:
     plan = planner.plan(length, policy.proactive, policy.strategy)
     from smartgen.layout import block_bounds
 
-    sizes = (block_bounds(length, LAYOUT.num_blocks)[1:] - block_bounds(length, LAYOUT.num_blocks)[:-1])
+    sizes = block_bounds(length, LAYOUT.num_blocks)[1:] - block_bounds(length, LAYOUT.num_blocks)[:-1]
     tokens = int((plan.proactive.long() * sizes).sum())
     return tokens * 2 * LAYOUT.token_bytes
 
@@ -204,7 +207,11 @@ def _blocks_of(ops, decode, request):
         layer, rest = divmod(op.dst_offset, per_layer)
         start = (rest - geometry.kv_offset(0, request.slot, 0)) // LAYOUT.token_bytes
         stop = start + op.length // LAYOUT.token_bytes
-        ids += [layer * request.plan.num_blocks + m for m in range(len(bounds) - 1) if start <= bounds[m] and bounds[m + 1] <= stop]
+        ids += [
+            layer * request.plan.num_blocks + m
+            for m in range(len(bounds) - 1)
+            if start <= bounds[m] and bounds[m + 1] <= stop
+        ]
     return ids
 
 

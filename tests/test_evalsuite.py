@@ -103,7 +103,13 @@ def test_eval_and_calibration_never_share_a_prompt_or_a_filler_sentence(tokenize
 
 def test_variants_share_no_template():
     def strings(variant):
-        return {text for task in TEMPLATES[variant].values() for part, texts in task.items() if part != "sep" for text in texts}
+        return {
+            text
+            for task in TEMPLATES[variant].values()
+            for part, texts in task.items()
+            if part != "sep"
+            for text in texts
+        }
 
     ev, cal, tr = strings("eval"), strings("calibration"), strings("train")
     assert not ev & cal and not ev & tr and not cal & tr

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 from typer.testing import CliRunner
 
 from smartgen.cli.app import app
@@ -14,14 +15,13 @@ from smartgen.evalsuite import generate_suite
 from smartgen.evaluation import Condition, EvalReport, SampleResult, SchemeRun, evaluate
 from smartgen.policy import POLICIES, get_policy
 from smartgen.quantization import KVQuantConfig, KVQuantizer, quantize_kv
-from smartgen.runtime.models import load_model, model_info
+from smartgen.runtime.models import load_model
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import StepQuery
 from smartgen.simulate import SimulationConfig, calibrate, simulate
 from smartgen.synthetic import SyntheticTrace
-from tiny_models import save_tiny_model
 
 LENGTH = 256
 QUANT = KVQuantConfig(bits=2, group=8, residual=16)
@@ -55,8 +55,12 @@ def test_streaming_selector_rows():
     assert index.shape == (4, 20)
     assert index[0].tolist() == [0, 1, 2, 3, *range(84, 100)] and torch.equal(index[0], index[1])
     assert index[2].tolist() == [0, 1, 2, 3, 28, 29] + [-1] * 14  # 20% of 30 = 6 tokens, padded
-    assert make_selector("streaming", info, budget=3, sinks=4).select(StepQuery(2, None, None, torch.tensor([50]), [50]), [{}])[0].tolist() == [0, 1, 2]
-    assert make_selector("streaming", info, budget=1.0).select(StepQuery(2, None, None, torch.tensor([9]), [9]), [{}])[0].tolist() == list(range(9))
+    assert make_selector("streaming", info, budget=3, sinks=4).select(
+        StepQuery(2, None, None, torch.tensor([50]), [50]), [{}]
+    )[0].tolist() == [0, 1, 2]
+    assert make_selector("streaming", info, budget=1.0).select(StepQuery(2, None, None, torch.tensor([9]), [9]), [{}])[
+        0
+    ].tolist() == list(range(9))
     with pytest.raises(ValueError):
         make_selector("streaming", info, budget=0)
 
@@ -74,8 +78,13 @@ def test_full_cache_equals_the_dense_reference(tiny, samples):
     for sample, result in zip(samples, run.results):
         ids = torch.tensor([tokenizer(sample.prompt)["input_ids"]])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            out = model.generate(
+                ids,
+                max_new_tokens=sample.max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         assert result.prediction == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert result.remote_entries == 0 and result.fetched_tokens == 0
 
@@ -100,7 +109,9 @@ def test_proactive_only_in_the_engine_drops_exactly_the_unsent_entries():
     from smartgen.layout import KVLayout
 
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, num_blocks=16)
-    cfg = SimulationConfig(layout=layout, lengths=(160,), steps=5, select_ratio=0.2, gbps=0.05, prefill_seconds_per_token=1e-4)
+    cfg = SimulationConfig(
+        layout=layout, lengths=(160,), steps=5, select_ratio=0.2, gbps=0.05, prefill_seconds_per_token=1e-4
+    )
     importance = calibrate(cfg, SyntheticTrace(4, 2, ratio=0.2))
     kept = simulate(cfg, POLICIES["proactive-only"], importance)
     fetched = simulate(cfg, POLICIES["partial+profile+parallel"], importance)  # the same plan, remote entries fetched
@@ -163,8 +174,16 @@ def _result(task, score):
 
 
 def test_report_accuracy_relative_and_json():
-    full = SchemeRun("full-cache", "full-cache", "dense", {}, [_result("passkey", 1.0), _result("passkey", 1.0), _result("vt", 0.0)])
-    sparse = SchemeRun("smartgen quest 10%", "smartgen", "quest", {"budget": 0.1}, [_result("passkey", 1.0), _result("passkey", 0.0), _result("vt", 1.0)])
+    full = SchemeRun(
+        "full-cache", "full-cache", "dense", {}, [_result("passkey", 1.0), _result("passkey", 1.0), _result("vt", 0.0)]
+    )
+    sparse = SchemeRun(
+        "smartgen quest 10%",
+        "smartgen",
+        "quest",
+        {"budget": 0.1},
+        [_result("passkey", 1.0), _result("passkey", 0.0), _result("vt", 1.0)],
+    )
     report = EvalReport({"full-cache": full}).merge(EvalReport({sparse.label: sparse}))
     assert report.cells() == [("passkey", 1024), ("vt", 1024)]
     assert report.runs[sparse.label].accuracy() == {("passkey", 1024): 0.5, ("vt", 1024): 1.0}
@@ -178,17 +197,42 @@ def test_report_accuracy_relative_and_json():
 def test_cli_eval_prints_the_table_and_writes_json(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SMARTGEN_DB", str(tmp_path / "none.db"))
     out = tmp_path / "eval.json"
-    result = runner.invoke(app, [
-        "eval", "--model", str(tiny[0]), "--num", "1", "--lengths", str(LENGTH), "--tasks", "passkey",
-        "--schemes", "full-cache,proactive-only,streamingllm,quant2", "--budget", "0.3", "--blocks", "64",
-        "--quant-group", "8", "--quant-residual", "16", "--json", str(out),
-    ])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny[0]),
+            "--num",
+            "1",
+            "--lengths",
+            str(LENGTH),
+            "--tasks",
+            "passkey",
+            "--schemes",
+            "full-cache,proactive-only,streamingllm,quant2",
+            "--budget",
+            "0.3",
+            "--blocks",
+            "64",
+            "--quant-group",
+            "8",
+            "--quant-residual",
+            "16",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     for text in ("accuracy", "passkey", "vs full-cache", "quant2", "K_r ="):
         assert text in result.output
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"full-cache", "proactive-only quest 30%", "streamingllm 30%", "quant2"}
-    assert data["cells"] == [f"passkey@{LENGTH}"] and data["settings"]["quant"] == {"bits": 2, "group": 8, "residual": 16}
+    assert data["cells"] == [f"passkey@{LENGTH}"] and data["settings"]["quant"] == {
+        "bits": 2,
+        "group": 8,
+        "residual": 16,
+    }
     assert len(data["runs"]["quant2"]["samples"]) == 1 and data["runs"]["quant2"]["kv_byte_ratio"] < 1
 
 
@@ -223,21 +267,39 @@ def test_results_keep_the_order_of_the_samples(tiny):
 def test_a_profile_gives_importance_and_timings(tiny, samples):
     from types import SimpleNamespace
 
-    profile = SimpleNamespace(importance=torch.rand(4, 64), prefill_seconds_per_token=1e-4, transfer_seconds_per_token=1e-4, id=7)
+    profile = SimpleNamespace(
+        importance=torch.rand(4, 64), prefill_seconds_per_token=1e-4, transfer_seconds_per_token=1e-4, id=7
+    )
     run = _run(tiny, samples, "proactive-only", profiles=lambda length: profile)
     # T_t = T_p: K_r = L·M·(L-1)/L = 3 of 4 layers' blocks
     assert run.strategy == "profile" and run.profile_ids == [7] and run.proactive_share == 0.75
-    assert _run(tiny, samples, "proactive-only", profiles=lambda length: profile, transfer_ratio=5.0).proactive_share == 0.5
+    assert (
+        _run(tiny, samples, "proactive-only", profiles=lambda length: profile, transfer_ratio=5.0).proactive_share
+        == 0.5
+    )
 
 
 def _stored_profile(fingerprint: str, budget: float, lo: int = 128, hi: int = 512):
     from smartgen.store import Profile
 
     return Profile(
-        model_fingerprint=fingerprint, model="tiny", selector="quest", selector_params={"budget": budget}, length_lo=lo,
-        length_hi=hi, calibration="inline", calibration_hash="0" * 64, num_prompts=1, decode_tokens=4, mean_length=256.0,
-        prefill_seconds=0.01, transfer_seconds=0.02, kv_bytes_per_token=256, link="rate:15", importance=torch.rand(4, 64),
-    )  # fmt: skip
+        model_fingerprint=fingerprint,
+        model="tiny",
+        selector="quest",
+        selector_params={"budget": budget},
+        length_lo=lo,
+        length_hi=hi,
+        calibration="inline",
+        calibration_hash="0" * 64,
+        num_prompts=1,
+        decode_tokens=4,
+        mean_length=256.0,
+        prefill_seconds=0.01,
+        transfer_seconds=0.02,
+        kv_bytes_per_token=256,
+        link="rate:15",
+        importance=torch.rand(4, 64),
+    )
 
 
 def test_store_profiles_prefer_the_same_budget(tiny, tmp_path):
@@ -257,9 +319,27 @@ def test_store_profiles_prefer_the_same_budget(tiny, tmp_path):
         assert profiles.source("topk", 0.1) is None
     finally:
         profiles.close()
-    result = runner.invoke(app, [
-        "eval", "--model", str(tiny[0]), "--num", "1", "--lengths", str(LENGTH), "--tasks", "passkey", "--schemes",
-        "smartgen", "--budget", "0.2", "--blocks", "64", "--db", str(db),
-    ])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny[0]),
+            "--num",
+            "1",
+            "--lengths",
+            str(LENGTH),
+            "--tasks",
+            "passkey",
+            "--schemes",
+            "smartgen",
+            "--budget",
+            "0.2",
+            "--blocks",
+            "64",
+            "--db",
+            str(db),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"proactive set from profile #{ids[0.2]}" in " ".join(result.output.split())

@@ -6,13 +6,13 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from test_http_api import REPLY, FakeService, FakeTokenizer, serve_in_thread
 from typer.testing import CliRunner
 
 from smartgen.cli.app import app
 from smartgen.cli.generate import stream_generate
 from smartgen.roles.http_api import create_app
 from smartgen.roles.service import ServiceError
-from test_http_api import REPLY, FakeService, FakeTokenizer, serve_in_thread
 
 runner = CliRunner()
 
@@ -36,7 +36,9 @@ def test_generate_streams_answer_and_timings(live: tuple[FakeService, str]) -> N
     assert result.exit_code == 0, result.output
     assert result.stdout == "Hello, world!\n"  # only the answer on stdout
     line = result.stderr.strip()
-    assert line.startswith("TTFT ") and " ms  TTST " in line and "mean TBT" in line and "(5 tokens, scheme full)" in line
+    assert (
+        line.startswith("TTFT ") and " ms  TTST " in line and "mean TBT" in line and "(5 tokens, scheme full)" in line
+    )
     prompt_ids, params = service.submitted[0]
     assert prompt_ids == FakeTokenizer().encode("Hi") and params.max_tokens == 10 and params.scheme == "full"
 

@@ -32,8 +32,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> Any:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, tokenize: bool = False
+    ) -> Any:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
         return {"input_ids": self.encode(text)} if tokenize else text  # a dict, as transformers 5's BatchEncoding
 
@@ -73,16 +74,22 @@ class FakeService:
         return handle
 
     @staticmethod
-    def _run(handle: RequestHandle, params: GenerationParams, pieces: list[str], delay: float,
-             fail_after: int | None) -> None:
+    def _run(
+        handle: RequestHandle, params: GenerationParams, pieces: list[str], delay: float, fail_after: int | None
+    ) -> None:
         times: list[float] = []
 
         def usage() -> dict[str, Any]:
             n = len(times)
-            return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": n, "total_tokens": handle.prompt_tokens + n,
-                    "ttft": times[0] - handle.created if n else None,
-                    "ttst": times[1] - handle.created if n > 1 else None,
-                    "tbt": (times[-1] - times[1]) / (n - 2) if n > 2 else None, "scheme": params.scheme or "smartgen"}
+            return {
+                "prompt_tokens": handle.prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": handle.prompt_tokens + n,
+                "ttft": times[0] - handle.created if n else None,
+                "ttst": times[1] - handle.created if n > 1 else None,
+                "tbt": (times[-1] - times[1]) / (n - 2) if n > 2 else None,
+                "scheme": params.scheme or "smartgen",
+            }
 
         for index, text in enumerate(pieces[: params.max_tokens]):
             if index == fail_after:
@@ -154,6 +161,7 @@ def assert_usage(usage: dict[str, Any], prompt_tokens: int, completion_tokens: i
 
 # -- plain endpoints --
 
+
 def test_models_and_health(live: tuple[FakeService, str]) -> None:
     service, url = live
     models = httpx.get(f"{url}/v1/models").json()
@@ -166,10 +174,19 @@ def test_models_and_health(live: tuple[FakeService, str]) -> None:
 
 # -- completions --
 
+
 def test_completion(live: tuple[FakeService, str]) -> None:
     service, url = live
-    body = {"model": "fake-model", "prompt": "Hi", "max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "seed": 7,
-            "scheme": "full", "ignore_eos": True}
+    body = {
+        "model": "fake-model",
+        "prompt": "Hi",
+        "max_tokens": 10,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 7,
+        "scheme": "full",
+        "ignore_eos": True,
+    }
     response = post(url, "/v1/completions", body)
     assert response.status_code == 200, response.text
     out = response.json()
@@ -215,9 +232,13 @@ def test_completion_stream(live: tuple[FakeService, str], include_usage: bool) -
 
 # -- chat --
 
+
 def test_chat(live: tuple[FakeService, str]) -> None:
     service, url = live
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
     out = post(url, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3}).json()
     assert out["id"].startswith("chatcmpl-") and out["object"] == "chat.completion"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello, wor"}
@@ -240,6 +261,7 @@ def test_chat_stream(live: tuple[FakeService, str]) -> None:
 
 # -- the real openai client --
 
+
 def test_openai_client(live: tuple[FakeService, str]) -> None:
     _, url = live
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -250,16 +272,18 @@ def test_openai_client(live: tuple[FakeService, str]) -> None:
     assert completion.usage.completion_tokens == 5 and completion.usage.model_extra["scheme"] == "full"
     assert completion.usage.model_extra["ttft"] > 0
 
-    chunks = list(client.completions.create(model="fake-model", prompt="Hi", stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(model="fake-model", prompt="Hi", stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello, world!"
     assert chunks[-1].usage.total_tokens == 7 and chunks[-1].usage.model_extra["ttst"] > 0
 
     chat = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.content == "Hello, world!" and chat.choices[0].message.role == "assistant"
 
-    stream = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}],
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "Hi"}], stream=True
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello, world!"
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -276,6 +300,7 @@ def test_openai_client_sees_errors(live: tuple[FakeService, str]) -> None:
 
 
 # -- errors --
+
 
 @pytest.mark.parametrize(
     ("body", "message"),
@@ -339,6 +364,7 @@ def test_generation_error(live: tuple[FakeService, str]) -> None:
 
 # -- stop strings --
 
+
 @pytest.mark.parametrize(
     ("stop", "text", "reason"),
     [
@@ -351,8 +377,11 @@ def test_generation_error(live: tuple[FakeService, str]) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings(live: tuple[FakeService, str], stop: Any, text: str, reason: str, stream: bool) -> None:
     service, url = live
-    response = post(url, "/v1/completions", {"prompt": "Hi", "stop": stop, "stream": stream,
-                                             "stream_options": {"include_usage": True} if stream else None})
+    response = post(
+        url,
+        "/v1/completions",
+        {"prompt": "Hi", "stop": stop, "stream": stream, "stream_options": {"include_usage": True} if stream else None},
+    )
     if stream:
         events = sse_events(response.text)
         usage = events.pop()["usage"]
@@ -368,6 +397,7 @@ def test_stop_strings(live: tuple[FakeService, str], stop: Any, text: str, reaso
 
 
 # -- a client that goes away --
+
 
 def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout

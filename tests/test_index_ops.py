@@ -87,4 +87,6 @@ def test_split_rejects_a_badly_shaped_index():
     import pytest
 
     with pytest.raises(ValueError, match=r"\[B\*H, k\]"):
-        split_reorder_reference(torch.zeros(5, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int8), torch.tensor([0, 1]), 2)
+        split_reorder_reference(
+            torch.zeros(5, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int8), torch.tensor([0, 1]), 2
+        )

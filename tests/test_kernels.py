@@ -216,9 +216,15 @@ def test_gather_kv_two_lanes_after_split() -> None:
     want = outs.clone()
     for lo, hi in ((zero, nr), (nr, nl)):
         gather_kv_triton(
-            k_pool=k_pool, v_pool=v_pool, slots=slots, index=split.index, start=lo, stop=hi,
-            k_out=outs[0], v_out=outs[1],
-        )  # fmt: skip
+            k_pool=k_pool,
+            v_pool=v_pool,
+            slots=slots,
+            index=split.index,
+            start=lo,
+            stop=hi,
+            k_out=outs[0],
+            v_out=outs[1],
+        )
         gather_kv_reference(k_pool, v_pool, slots, split.index, lo, hi, want[0], want[1])
     assert torch.equal(outs, want)
     assert bool((outs[:, rows - 1, nl[-1] :] == 0).all())  # padding columns untouched
@@ -247,9 +253,15 @@ def test_gather_kv_skips_out_of_range_positions_in_window() -> None:
     index = torch.tensor([[2, -1, 4, 0]])
     out = torch.full((2, 1, 4, 8), -1.0)
     gather_kv_triton(
-        k_pool=k_pool, v_pool=k_pool, slots=torch.tensor([3]), index=index,
-        start=torch.tensor([0]), stop=torch.tensor([4]), k_out=out[0], v_out=out[1],
-    )  # fmt: skip
+        k_pool=k_pool,
+        v_pool=k_pool,
+        slots=torch.tensor([3]),
+        index=index,
+        start=torch.tensor([0]),
+        stop=torch.tensor([4]),
+        k_out=out[0],
+        v_out=out[1],
+    )
     assert torch.equal(out[0, 0, 0], k_pool[3, 2, 0])
     assert torch.equal(out[0, 0, 3], k_pool[3, 0, 0])
     assert bool((out[:, 0, 1:3] == -1.0).all())
@@ -349,7 +361,9 @@ def test_index_ops_dispatch(monkeypatch: pytest.MonkeyPatch, forced: bool) -> No
     calls = []
     for name in ("split_reorder_triton", "gather_kv_triton"):
         real = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        monkeypatch.setattr(
+            launch, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)
+        )
     if not forced:
         monkeypatch.delenv("SMARTGEN_FORCE_TRITON")
 

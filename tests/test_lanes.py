@@ -13,8 +13,17 @@ from smartgen.pool import DecodePool, PrefillStore
 
 
 def test_coalesce_merges_only_continuing_neighbours():
-    ops = [WriteOp("k", "k", 0, 100, 10), WriteOp("k", "k", 10, 110, 5), WriteOp("v", "v", 15, 115, 5), WriteOp("k", "k", 20, 120, 5)]
-    assert coalesce(ops) == [WriteOp("k", "k", 0, 100, 15), WriteOp("v", "v", 15, 115, 5), WriteOp("k", "k", 20, 120, 5)]
+    ops = [
+        WriteOp("k", "k", 0, 100, 10),
+        WriteOp("k", "k", 10, 110, 5),
+        WriteOp("v", "v", 15, 115, 5),
+        WriteOp("k", "k", 20, 120, 5),
+    ]
+    assert coalesce(ops) == [
+        WriteOp("k", "k", 0, 100, 15),
+        WriteOp("v", "v", 15, 115, 5),
+        WriteOp("k", "k", 20, 120, 5),
+    ]
     # adjacent in the source but not in the destination: kept apart
     assert len(coalesce([WriteOp("k", "k", 0, 0, 4), WriteOp("k", "k", 4, 8, 4)])) == 2
 
@@ -95,7 +104,9 @@ def test_paced_lane_takes_at_least_the_wire_time():
         b.register_region("x", region)
         b.accept("r")
         started = time.monotonic()
-        a.post_writes("r", {"s": torch.ones(200_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 200_000)], tag="t").wait(10)
+        a.post_writes(
+            "r", {"s": torch.ones(200_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 200_000)], tag="t"
+        ).wait(10)
         # functional lower bound (20 ms of wire time), never an upper bound: the machine is shared
         assert time.monotonic() - started >= 0.019
     finally:
@@ -110,7 +121,10 @@ def test_close_wakes_receivers_and_drops_pending_work():
     got = []
     waiter = threading.Thread(target=lambda: got.append(b.recv(timeout=30)))
     waiter.start()
-    pending = [a.post_writes("r", {"s": torch.ones(10**5, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 10**5)], tag="t") for _ in range(3)]
+    pending = [
+        a.post_writes("r", {"s": torch.ones(10**5, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 10**5)], tag="t")
+        for _ in range(3)
+    ]
     a.close()
     waiter.join(10)
     assert not waiter.is_alive() and got == [None]

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import tiny_config
 
 from smartgen.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
@@ -13,7 +14,6 @@ from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams, ServiceError
 from smartgen.runtime.models import kv_layout, model_from_config, model_info
 from smartgen.selectors import make_selector
-from tiny_models import tiny_config
 
 
 class _Tokenizer:
@@ -30,13 +30,28 @@ def cluster():
     info = model_info(model)
     prefills = []
     for _ in range(2):
-        node = PrefillNode(model, make_selector("quest", info, budget=0.3, page_size=4), layout,
-                           NodePlanner(layout, None, "streaming", link_gbps=0.5), port=0, secret="s")
+        node = PrefillNode(
+            model,
+            make_selector("quest", info, budget=0.3, page_size=4),
+            layout,
+            NodePlanner(layout, None, "streaming", link_gbps=0.5),
+            port=0,
+            secret="s",
+        )
         node.start()
         prefills.append(node)
-    decode = DecodeNode(model, _Tokenizer(), make_selector("quest", info, budget=0.3, page_size=4), layout,
-                        get_policy("smartgen"), [p.address for p in prefills], secret="s", max_batch=4,
-                        max_tokens=256, max_waiting=16)
+    decode = DecodeNode(
+        model,
+        _Tokenizer(),
+        make_selector("quest", info, budget=0.3, page_size=4),
+        layout,
+        get_policy("smartgen"),
+        [p.address for p in prefills],
+        secret="s",
+        max_batch=4,
+        max_tokens=256,
+        max_waiting=16,
+    )
     decode.start()
     yield prefills, decode
     decode.stop()
@@ -76,7 +91,10 @@ def test_concurrent_requests_batch_together_and_match_running_alone(cluster):
 
 def test_every_scheme_serves_and_frees_everything(cluster):
     prefills, decode = cluster
-    tokens = {scheme: _run(decode, _prompt(7, 80), scheme)[0] for scheme in ("full", "partial", "partial+profile+parallel", "smartgen")}
+    tokens = {
+        scheme: _run(decode, _prompt(7, 80), scheme)[0]
+        for scheme in ("full", "partial", "partial+profile+parallel", "smartgen")
+    }
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens  # the scheme moves bytes, never changes tokens
     deadline = time.monotonic() + 10
     while any(node.engine.store.num_requests for node in prefills) and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """The distribution lists every package, and nothing generic lands at the top of site-packages."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +17,10 @@ def test_every_package_is_listed():
     mapped = {name: ROOT / folder for name, folder in tool["package-dir"].items()}
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "smartgen").rglob("__init__.py")}
     for name, folder in mapped.items():
-        found |= {name + "".join("." + part for part in p.parent.relative_to(folder).parts) for p in folder.rglob("__init__.py")}
+        found |= {
+            name + "".join("." + part for part in p.parent.relative_to(folder).parts)
+            for p in folder.rglob("__init__.py")
+        }
     assert found == listed, f"packages missing from pyproject: {found - listed}; listed but absent: {listed - found}"
 
 

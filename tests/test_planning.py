@@ -81,7 +81,9 @@ def test_plan_sends_layers_0_1_then_top_blocks_with_deterministic_ties():
     assert plan.num_proactive == 12
     # speculative: the rest, most important first, ties by (layer, block)
     assert plan.speculative_order.tolist()[:2] == [3 * 5 + 4, 2 * 5 + 0]
-    assert sorted(plan.speculative_order.tolist() + plan.proactive.flatten().nonzero().flatten().tolist()) == list(range(20))
+    assert sorted(plan.speculative_order.tolist() + plan.proactive.flatten().nonzero().flatten().tolist()) == list(
+        range(20)
+    )
 
 
 def test_budget_is_clipped_to_the_plan():

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from tiny_models import tiny_config
 
 from smartgen.fingerprint import model_fingerprint
 from smartgen.layout import KVLayout
@@ -21,7 +22,6 @@ from smartgen.profiling import (
 )
 from smartgen.runtime.models import load_model, model_from_config
 from smartgen.selectors.base import Selector, pad_rows
-from tiny_models import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,13 @@ def test_importance_from_a_known_selection_trace(llama):
 
     selector = FixedSelector(model_info(llama))
     short, long = profile(
-        llama, None, _prompts(16, 16, 32), selector, num_blocks=16, length_ranges=[(10, 20), (20, 40)], decode_tokens=3,
+        llama,
+        None,
+        _prompts(16, 16, 32),
+        selector,
+        num_blocks=16,
+        length_ranges=[(10, 20), (20, 40)],
+        decode_tokens=3,
     )
     assert sorted(set(selector.layers)) == [2, 3]  # layers 0-1 are dense and never reach the selector
     assert selector.layers.count(2) == 3 * 3  # decode_tokens steps per prompt
@@ -76,8 +82,16 @@ def test_importance_from_a_known_selection_trace(llama):
 def test_profile_with_a_named_selector_and_timings(llama):
     layout = KVLayout(4, 2, 16, torch.float32)
     [result] = profile(
-        llama, None, _prompts(24, 40, 30, 200), "topk", {"budget": 0.25}, num_blocks=8, length_ranges=[(20, 64)],
-        decode_tokens=2, link=LinkSpec("rate", 15.0), limit=2,
+        llama,
+        None,
+        _prompts(24, 40, 30, 200),
+        "topk",
+        {"budget": 0.25},
+        num_blocks=8,
+        length_ranges=[(20, 64)],
+        decode_tokens=2,
+        link=LinkSpec("rate", 15.0),
+        limit=2,
     )
     assert result.num_prompts == 2 and result.mean_length == 32.0  # --limit keeps the first two in the range
     assert result.selector_params == {"budget": 0.25} and result.link == "rate:15gbps"
@@ -89,12 +103,16 @@ def test_profile_with_a_named_selector_and_timings(llama):
 
 
 def test_infinigen_profiles_with_skew_from_the_first_prompt(llama):
-    [result] = profile(llama, None, _prompts(24), "infinigen", {"budget": 0.25}, num_blocks=8, length_ranges=[(8, 64)], decode_tokens=2)
+    [result] = profile(
+        llama, None, _prompts(24), "infinigen", {"budget": 0.25}, num_blocks=8, length_ranges=[(8, 64)], decode_tokens=2
+    )
     assert result.selector_params == {"budget": 0.25, "skew": "calibration[0]"}
 
 
 def test_profile_errors(llama):
-    with pytest.raises(CalibrationError, match="no calibration prompt falls in 100-200 \\(prompts have 16-32 tokens\\)"):
+    with pytest.raises(
+        CalibrationError, match="no calibration prompt falls in 100-200 \\(prompts have 16-32 tokens\\)"
+    ):
         profile(llama, None, _prompts(16, 32), "topk", length_ranges=[(100, 200)])
     with pytest.raises(ValueError, match="dense selector"):
         profile(llama, None, _prompts(16), "dense", length_ranges=[(8, 64)])
@@ -112,7 +130,16 @@ def test_measured_transfer_takes_the_paced_time():
 
 
 def test_measured_link_is_recorded(llama):
-    [result] = profile(llama, None, _prompts(32), "topk", num_blocks=8, length_ranges=[(8, 64)], decode_tokens=1, link=LinkSpec("inproc", 0.1))
+    [result] = profile(
+        llama,
+        None,
+        _prompts(32),
+        "topk",
+        num_blocks=8,
+        length_ranges=[(8, 64)],
+        decode_tokens=1,
+        link=LinkSpec("inproc", 0.1),
+    )
     assert result.link == "inproc:0.1gbps"
     assert result.transfer_seconds >= 0.9 * result.kv_bytes_per_token * 32 * 8 / 0.1e9
 

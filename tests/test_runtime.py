@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny_models import FAMILIES, tiny_config
 
 from smartgen.policy import get_policy
 from smartgen.runtime.models import ModelLoadError, load_model, model_from_config
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.sampling import Sampler
-from tiny_models import FAMILIES, tiny_config
 
 NEW_TOKENS = 8
 
@@ -18,7 +18,11 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
 
 def _hf(model, prompt: torch.Tensor):
     out = model.generate(
-        prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        prompt[None],
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
         pad_token_id=0,
     )
     return out.sequences[0, prompt.numel() :].tolist(), [logits[0] for logits in out.logits]
@@ -71,7 +75,9 @@ def test_sampling_is_seeded():
     prompt = _prompt(30)
     runs = []
     for _ in range(2):
-        with InprocPipeline(model, get_policy("full"), "dense", num_blocks=16, sampler=Sampler(temperature=1.0, top_p=0.9, seed=7)) as p:
+        with InprocPipeline(
+            model, get_policy("full"), "dense", num_blocks=16, sampler=Sampler(temperature=1.0, top_p=0.9, seed=7)
+        ) as p:
             runs.append(p.generate([prompt], NEW_TOKENS)[0].tokens)
     assert runs[0] == runs[1]
     with pytest.raises(ValueError):

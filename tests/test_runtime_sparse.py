@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import tiny_config
 from transformers import DynamicCache
 
 from smartgen.policy import get_policy
@@ -9,8 +10,6 @@ from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner, capture_qk, infinigen_skewing
 from smartgen.selectors import make_selector
-from smartgen.selectors.quest import page_bounds
-from tiny_models import tiny_config
 
 NEW_TOKENS = 6
 
@@ -26,7 +25,9 @@ def llama():
 
 
 def _run(model, policy: str, selector: str, params: dict, **kwargs):
-    with InprocPipeline(model, get_policy(policy, strategy=kwargs.pop("strategy", None)), selector, params, num_blocks=16, **kwargs) as p:
+    with InprocPipeline(
+        model, get_policy(policy, strategy=kwargs.pop("strategy", None)), selector, params, num_blocks=16, **kwargs
+    ) as p:
         return p.generate(_prompts(), NEW_TOKENS, keep_logits=True)
 
 
@@ -43,7 +44,11 @@ def test_exact_topk_with_every_token_equals_dense(family):
 
 @pytest.mark.parametrize(
     "selector,params",
-    [("topk", {"budget": 0.3}), ("quest", {"budget": 0.3, "page_size": 4}), ("infinigen", {"budget": 0.3, "alpha": 2.0})],
+    [
+        ("topk", {"budget": 0.3}),
+        ("quest", {"budget": 0.3, "page_size": 4}),
+        ("infinigen", {"budget": 0.3, "alpha": 2.0}),
+    ],
 )
 @pytest.mark.parametrize("policy", ["partial", "partial+profile+parallel", "smartgen"])
 def test_lanes_never_change_the_numbers(llama, selector, params, policy):
@@ -51,8 +56,14 @@ def test_lanes_never_change_the_numbers(llama, selector, params, policy):
     # budgeted policies without a profile: the streaming proactive set
     # a link slow against prefill, so K_r leaves most blocks to fetches and speculation
     split = _run(
-        llama, policy, selector, params, strategy="streaming" if policy != "partial" else None, gbps=0.5,
-        prefill_seconds_per_token=2e-4, transfer_seconds_per_token=1e-3,
+        llama,
+        policy,
+        selector,
+        params,
+        strategy="streaming" if policy != "partial" else None,
+        gbps=0.5,
+        prefill_seconds_per_token=2e-4,
+        transfer_seconds_per_token=1e-3,
     )
     for a, b in zip(local, split):
         assert a.tokens == b.tokens

@@ -31,8 +31,13 @@ def _greedy(model, tokenizer, sample):
 
     ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=sample.max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -47,7 +52,11 @@ def test_folder_is_small_and_complete():
 def test_tokenizer_is_the_suites(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     assert tokenizer.bos_token and tokenizer.eos_token and tokenizer.pad_token
-    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("key 907", add_special_tokens=False))[-3:] == ["9", "0", "7"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("key 907", add_special_tokens=False))[-3:] == [
+        "9",
+        "0",
+        "7",
+    ]
 
 
 @pytest.mark.parametrize("task", ["passkey", "niah_single"])
@@ -55,6 +64,8 @@ def test_answers_retrieval_prompts_at_1k(model_and_tokenizer, task):
     from smartgen.evalsuite import generate_task, score_sample
 
     model, tokenizer = model_and_tokenizer
-    scores = [score_sample(s, _greedy(model, tokenizer, s))
-              for s in (generate_task(task, 1024, seed, tokenizer, depth=d) for seed, d in ((0, 0.2), (1, 0.7)))]  # fmt: skip
+    scores = [
+        score_sample(s, _greedy(model, tokenizer, s))
+        for s in (generate_task(task, 1024, seed, tokenizer, depth=d) for seed, d in ((0, 0.2), (1, 0.7)))
+    ]
     assert scores == [1.0, 1.0], f"{task}: {scores}"

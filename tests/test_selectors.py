@@ -23,8 +23,13 @@ INFO = ModelInfo(num_layers=LAYERS, num_q_heads=HQ, num_kv_heads=H, head_dim=D_H
 @pytest.fixture(scope="module")
 def tiny():
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HQ, num_key_value_heads=H, head_dim=D_HEAD,
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HQ,
+        num_key_value_heads=H,
+        head_dim=D_HEAD,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -112,8 +117,15 @@ def make(name, tiny, **params):
     return make_selector(name, tiny[1] if name == "infinigen" else INFO, **params)
 
 
-SELECTOR_PARAMS = [("topk", {}), ("topk", {"budget": 7}), ("quest", {}), ("quest", {"budget": 0.3, "page_size": 8}),
-                   ("quest", {"budget": 3}), ("infinigen", {}), ("infinigen", {"budget": 0.5, "alpha": 1e9})]
+SELECTOR_PARAMS = [
+    ("topk", {}),
+    ("topk", {"budget": 7}),
+    ("quest", {}),
+    ("quest", {"budget": 0.3, "page_size": 8}),
+    ("quest", {"budget": 3}),
+    ("infinigen", {}),
+    ("infinigen", {"budget": 0.5, "alpha": 1e9}),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,7 +146,11 @@ def test_a_request_selects_the_same_alone_or_batched(tiny, name, params):
     step = random_step(3, lengths, seed=9)
     batched = selector.select(step, metadata)
     alone_step = StepQuery(
-        3, None if step.query is None else step.query[1:], None if step.hidden is None else step.hidden[1:], step.positions[1:], [37]
+        3,
+        None if step.query is None else step.query[1:],
+        None if step.hidden is None else step.hidden[1:],
+        step.positions[1:],
+        [37],
     )
     alone = selector.select(alone_step, metadata[1:])
     width = alone.shape[1]
@@ -231,7 +247,7 @@ def test_topk_matches_a_brute_force_oracle():
 def warmup(tiny):
     model, info = tiny
     seen, _ = run_captured(model, prompt(64, seed=7))
-    skew = compute_skewing(info, {l: q for l, (_, q, _) in seen.items()}, {l: k for l, (_, _, k) in seen.items()})
+    skew = compute_skewing(info, {i: q for i, (_, q, _) in seen.items()}, {i: k for i, (_, _, k) in seen.items()})
     return seen, skew
 
 
@@ -251,9 +267,12 @@ def test_skewing_concentrates_query_energy_in_few_columns(tiny, warmup):
     seen, skew = warmup
     for layer in range(2, LAYERS):
         q = seen[layer][1].reshape(H, -1, D_HEAD)  # [H, G·n, d]
+
         # Ky Fan: the top eigenvectors of QᵀQ hold the most energy any d' orthonormal columns can,
         # so the skewed query's best d' columns beat the plain query's best d' columns
-        top = lambda x: x.pow(2).sum(dim=1).sort(dim=-1, descending=True).values[:, : D_HEAD // 4].sum(-1)
+        def top(x):
+            return x.pow(2).sum(dim=1).sort(dim=-1, descending=True).values[:, : D_HEAD // 4].sum(-1)
+
         assert (top(q @ skew[layer]) >= top(q) * (1 - 1e-5)).all()
 
 
@@ -295,7 +314,7 @@ def test_lookahead_decode_step_on_the_real_model(tiny, warmup):
     # give the exact top-k of the summed per-head probabilities
     exact = InfiniGenSelector(info, budget=0.25, partial_ratio=1.0, alpha=float("inf"), skew=skew)
     lookahead = InfiniGenSelector(info, skew=skew)
-    metas = {s: {l: [] for l in range(2, LAYERS)} for s in (exact, lookahead)}
+    metas = {s: {i: [] for i in range(2, LAYERS)} for s in (exact, lookahead)}
     decode = []
     for b, n in enumerate(lengths):
         ids = prompt(n + 1, seed=20 + b)

@@ -12,11 +12,11 @@ import urllib.request
 import httpx
 import pytest
 import torch
+from tiny_models import save_tiny_model
 
 from smartgen.policy import get_policy
 from smartgen.runtime.models import load_model
 from smartgen.runtime.pipeline import InprocPipeline
-from tiny_models import save_tiny_model
 
 SECRET = "test-secret"
 
@@ -50,16 +50,53 @@ class Nodes:
         common = ["--blocks", "16", "--link-gbps", "1"]
         env = {**os.environ, "SMARTGEN_DB": str(model_dir.parent / "none.db")}
         self.prefill = subprocess.Popen(
-            [sys.executable, "-m", "smartgen", "serve", "--role", "prefill", "--model", str(model_dir),
-             "--listen", f"127.0.0.1:{self.prefill_port}", "--status", f"127.0.0.1:{self.status_port}", "--secret", secret, *common],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "smartgen",
+                "serve",
+                "--role",
+                "prefill",
+                "--model",
+                str(model_dir),
+                "--listen",
+                f"127.0.0.1:{self.prefill_port}",
+                "--status",
+                f"127.0.0.1:{self.status_port}",
+                "--secret",
+                secret,
+                *common,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         _wait(lambda: _get(self.status_url), 60, "the prefill node")
         self.decode = subprocess.Popen(
-            [sys.executable, "-m", "smartgen", "serve", "--role", "decode", "--model", str(decode_model or model_dir),
-             "--prefill", f"127.0.0.1:{self.prefill_port}", "--http", f"127.0.0.1:{self.http_port}",
-             "--secret", decode_secret or secret, "--max-tokens", "512", *common],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "smartgen",
+                "serve",
+                "--role",
+                "decode",
+                "--model",
+                str(decode_model or model_dir),
+                "--prefill",
+                f"127.0.0.1:{self.prefill_port}",
+                "--http",
+                f"127.0.0.1:{self.http_port}",
+                "--secret",
+                decode_secret or secret,
+                "--max-tokens",
+                "512",
+                *common,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
 
     @property
@@ -115,7 +152,9 @@ def test_http_tokens_equal_the_in_process_result(nodes, model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with InprocPipeline(load_model(model_dir), get_policy("smartgen", strategy="streaming"), "quest", {"budget": 0.1}, num_blocks=16) as p:
+    with InprocPipeline(
+        load_model(model_dir), get_policy("smartgen", strategy="streaming"), "quest", {"budget": 0.1}, num_blocks=16
+    ) as p:
         [local] = p.generate([ids], 8)
     assert served["choices"][0]["text"] == tokenizer.decode(local.tokens, skip_special_tokens=True)
     usage = served["usage"]
@@ -146,7 +185,11 @@ def test_the_openai_client_works_unchanged(nodes):
     client = openai.OpenAI(base_url=nodes.url + "/v1", api_key="unused")
     completion = client.completions.create(model="tinym", prompt="the quick brown fox", max_tokens=5)
     assert completion.choices[0].finish_reason in ("length", "stop") and completion.usage.completion_tokens >= 1
-    pieces = [c.choices[0].text for c in client.completions.create(model="tinym", prompt="hello", max_tokens=5, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model="tinym", prompt="hello", max_tokens=5, stream=True)
+        if c.choices
+    ]
     assert pieces
     chat = client.chat.completions.create(model="tinym", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
     assert chat.choices[0].message.role == "assistant"

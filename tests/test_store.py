@@ -30,24 +30,64 @@ from smartgen.store import (
 )
 
 PROFILE_COLUMNS = [
-    "id", "created_at", "smartgen_version", "model_fingerprint", "model", "selector", "selector_params", "num_layers",
-    "num_blocks", "length_lo", "length_hi", "calibration", "calibration_hash", "num_prompts", "decode_tokens",
-    "mean_length", "prefill_seconds", "transfer_seconds", "kv_bytes_per_token", "link", "importance",
-]  # fmt: skip
+    "id",
+    "created_at",
+    "smartgen_version",
+    "model_fingerprint",
+    "model",
+    "selector",
+    "selector_params",
+    "num_layers",
+    "num_blocks",
+    "length_lo",
+    "length_hi",
+    "calibration",
+    "calibration_hash",
+    "num_prompts",
+    "decode_tokens",
+    "mean_length",
+    "prefill_seconds",
+    "transfer_seconds",
+    "kv_bytes_per_token",
+    "link",
+    "importance",
+]
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "profiles.md"
 
 
 def make_profile(
-    lo: int = 1024, hi: int = 2048, *, fingerprint: str = "f" * 64, selector: str = "quest", layers: int = 4,
-    blocks: int = 8, seed: int = 0, prefill: float = 1.0, transfer: float = 2.0, model: str = "tiny", **params,
+    lo: int = 1024,
+    hi: int = 2048,
+    *,
+    fingerprint: str = "f" * 64,
+    selector: str = "quest",
+    layers: int = 4,
+    blocks: int = 8,
+    seed: int = 0,
+    prefill: float = 1.0,
+    transfer: float = 2.0,
+    model: str = "tiny",
+    **params,
 ) -> Profile:
     importance = torch.rand(layers, blocks, generator=torch.Generator().manual_seed(seed))
     importance[:2] = 0
     return Profile(
-        model_fingerprint=fingerprint, model=model, selector=selector, selector_params=params or {"budget": 0.1},
-        length_lo=lo, length_hi=hi, calibration="calibration.jsonl", calibration_hash="c" * 64, num_prompts=3,
-        decode_tokens=16, mean_length=(lo + hi) / 2, prefill_seconds=prefill, transfer_seconds=transfer,
-        kv_bytes_per_token=1024, link="rate:15gbps", importance=importance,
+        model_fingerprint=fingerprint,
+        model=model,
+        selector=selector,
+        selector_params=params or {"budget": 0.1},
+        length_lo=lo,
+        length_hi=hi,
+        calibration="calibration.jsonl",
+        calibration_hash="c" * 64,
+        num_prompts=3,
+        decode_tokens=16,
+        mean_length=(lo + hi) / 2,
+        prefill_seconds=prefill,
+        transfer_seconds=transfer,
+        kv_bytes_per_token=1024,
+        link="rate:15gbps",
+        importance=importance,
     )
 
 
@@ -109,7 +149,12 @@ def test_not_a_database(tmp_path):
 def test_round_trip_is_bit_exact(store):
     profile = make_profile(seed=3, page_size=16)
     odd = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45, 3.4e38, -1.5, 0.1, 2.0 / 3.0])
-    profile = Profile(**{**{f: getattr(profile, f) for f in profile.__slots__}, "importance": torch.cat([profile.importance, odd[None]])})
+    profile = Profile(
+        **{
+            **{f: getattr(profile, f) for f in profile.__slots__},
+            "importance": torch.cat([profile.importance, odd[None]]),
+        }
+    )
     profile_id = store.add(profile)
     back = store.get(profile_id)
     assert back.id == profile_id

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from smartgen.lanes import Message, MessageKind, Pacer, WriteOp
+from smartgen.lanes import Message, MessageKind, WriteOp
 from smartgen.lanes.tcp_link import TcpListener, loopback_tcp_link, parse_address, tcp_connect
 from smartgen.lanes.wire import HandshakeError
 from smartgen.layout import KVLayout
@@ -30,10 +30,19 @@ def test_writes_land_in_place_in_order_and_messages_follow(link):
     decode.push.register_region("kv", region)
     decode.push.accept("r")
     src = torch.arange(256, dtype=torch.uint8)
-    done = [prefill.push.post_writes("r", {"s": src}, [WriteOp("s", "kv", i, i, 16)], tag="t") for i in range(0, 256, 16)]
+    done = [
+        prefill.push.post_writes("r", {"s": src}, [WriteOp("s", "kv", i, i, 16)], tag="t") for i in range(0, 256, 16)
+    ]
     assert all(d.wait(5) and d.applied for d in done)
     assert torch.equal(region, src)
-    prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {"fetch_id": 3}, {"k": torch.ones(2, 3), "v": torch.zeros(2, 3, dtype=torch.bfloat16)}))
+    prefill.control.send(
+        Message(
+            MessageKind.FETCH_REPLY,
+            "r",
+            {"fetch_id": 3},
+            {"k": torch.ones(2, 3), "v": torch.zeros(2, 3, dtype=torch.bfloat16)},
+        )
+    )
     reply = decode.control.recv(timeout=5)
     assert reply.kind == MessageKind.FETCH_REPLY and reply.meta == {"fetch_id": 3}
     assert torch.equal(reply.payload["k"], torch.ones(2, 3)) and reply.payload["v"].dtype == torch.bfloat16
@@ -43,11 +52,15 @@ def test_revoked_writes_are_read_off_the_wire_and_dropped(link):
     prefill, decode = link
     region = torch.zeros(32, dtype=torch.uint8)
     decode.push.register_region("kv", region)
-    done = prefill.push.post_writes("gone", {"s": torch.ones(32, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 32)], tag="t")
+    done = prefill.push.post_writes(
+        "gone", {"s": torch.ones(32, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 32)], tag="t"
+    )
     assert done.wait(5) and not done.applied
     assert int(region.sum()) == 0
     decode.push.accept("r")  # the stream is still in sync after a dropped write
-    done = prefill.push.post_writes("r", {"s": torch.ones(32, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 32)], tag="t")
+    done = prefill.push.post_writes(
+        "r", {"s": torch.ones(32, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 32)], tag="t"
+    )
     assert done.wait(5) and done.applied and int(region.sum()) == 32
 
 
@@ -79,7 +92,9 @@ def test_a_dead_peer_wakes_receivers_and_fails_pending_writes(link):
     assert prefill.control.recv(timeout=10) is None  # woken, not hung
     deadline = time.monotonic() + 5
     while not prefill.push.closed and time.monotonic() < deadline:
-        prefill.push.post_writes("r", {"s": torch.ones(10**6, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 10**6)], tag="t")
+        prefill.push.post_writes(
+            "r", {"s": torch.ones(10**6, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 10**6)], tag="t"
+        )
         time.sleep(0.01)
     assert prefill.push.closed and prefill.push.error
 
@@ -90,7 +105,9 @@ def test_paced_tcp_link_takes_at_least_the_wire_time():
         decode.push.register_region("kv", torch.zeros(300_000, dtype=torch.uint8))
         decode.push.accept("r")
         started = time.monotonic()
-        prefill.push.post_writes("r", {"s": torch.ones(300_000, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 300_000)], tag="t").wait(30)
+        prefill.push.post_writes(
+            "r", {"s": torch.ones(300_000, dtype=torch.uint8)}, [WriteOp("s", "kv", 0, 0, 300_000)], tag="t"
+        ).wait(30)
         assert time.monotonic() - started >= 0.028  # 30 ms of wire time, a lower bound only
     finally:
         prefill.close()
@@ -107,7 +124,9 @@ def test_parse_address():
 @pytest.mark.parametrize("name", ["full", "partial", "smartgen"])
 def test_the_engine_over_tcp_assembles_the_true_kv(name):
     layout = KVLayout(4, 2, 8, torch.float32, num_blocks=16)
-    config = SimulationConfig(layout, lengths=(100, 37), steps=5, select_ratio=0.2, gbps=0.2, prefill_seconds_per_token=2e-5, transport="tcp")
+    config = SimulationConfig(
+        layout, lengths=(100, 37), steps=5, select_ratio=0.2, gbps=0.2, prefill_seconds_per_token=2e-5, transport="tcp"
+    )
     importance = calibrate(config, SyntheticTrace(4, 2, ratio=0.2))
     result = simulate(config, POLICIES[name], importance)
     assert result.mismatches == 0 and result.max_fetch_count <= 1 and result.prefill_requests_left == 0

@@ -12,8 +12,15 @@ from transformers import (
 )
 
 COMMON = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
 )
 
 
@@ -29,7 +36,10 @@ def tiny_config(family: str):
     if family == "gemma3":
         # explicit layer types: a tiny Gemma 3 otherwise gets no full-attention layer
         return Gemma3TextConfig(
-            **COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            **COMMON,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         )
     if family == "phi3":
@@ -53,7 +63,9 @@ def save_tiny_model(folder, family: str = "llama", seed: int = 0):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=COMMON["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=COMMON["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"], show_progress=False
+    )
     text = ["the quick brown fox jumps over the lazy dog", "the pass key is 12345. remember it.", "hello world"] * 20
     tokenizer.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["Insert", "Built", "assemble", "count_tokens"]
 
@@ -30,8 +31,16 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(getattr(encoded, "ids", encoded))
 
 
-def assemble(head: str, items: Iterator[str], inserts: list[Insert], tail: str, sep: str, target_tokens: int,
-             tokenizer, tolerance: float = 0.01) -> Built:  # fmt: skip
+def assemble(
+    head: str,
+    items: Iterator[str],
+    inserts: list[Insert],
+    tail: str,
+    sep: str,
+    target_tokens: int,
+    tokenizer,
+    tolerance: float = 0.01,
+) -> Built:
     """head + haystack items with inserts + tail, with as many items as bring it to target_tokens (±tolerance)."""
     pool: list[str] = []
 

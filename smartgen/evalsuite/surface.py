@@ -27,20 +27,91 @@ VARIANTS = ("eval", "calibration", "train")
 
 # Needle keys are "adjective-noun" pairs as in RULER; both lists stay clear of every filler word.
 KEY_ADJECTIVES = (
-    "red", "gold", "quiet", "brave", "calm", "dark", "bright", "happy", "lucky", "swift", "gentle",
-    "wild", "proud", "cold", "sweet", "bitter", "tiny", "giant", "ancient", "modern", "hidden",
-    "frozen", "rapid", "silent", "clever", "noble", "fancy", "purple", "humble", "eager", "polite", "rusty",
-)  # fmt: skip
+    "red",
+    "gold",
+    "quiet",
+    "brave",
+    "calm",
+    "dark",
+    "bright",
+    "happy",
+    "lucky",
+    "swift",
+    "gentle",
+    "wild",
+    "proud",
+    "cold",
+    "sweet",
+    "bitter",
+    "tiny",
+    "giant",
+    "ancient",
+    "modern",
+    "hidden",
+    "frozen",
+    "rapid",
+    "silent",
+    "clever",
+    "noble",
+    "fancy",
+    "purple",
+    "humble",
+    "eager",
+    "polite",
+    "rusty",
+)
 KEY_NOUNS = (
-    "tiger", "castle", "garden", "rocket", "violin", "pencil", "mirror", "island", "forest", "dragon",
-    "window", "engine", "planet", "candle", "anchor", "basket", "bridge", "camera", "desert", "falcon",
-    "hammer", "jacket", "lantern", "meadow", "orchid", "pepper", "rabbit", "saddle", "tunnel", "wallet",
-    "zebra", "helmet",
-)  # fmt: skip
+    "tiger",
+    "castle",
+    "garden",
+    "rocket",
+    "violin",
+    "pencil",
+    "mirror",
+    "island",
+    "forest",
+    "dragon",
+    "window",
+    "engine",
+    "planet",
+    "candle",
+    "anchor",
+    "basket",
+    "bridge",
+    "camera",
+    "desert",
+    "falcon",
+    "hammer",
+    "jacket",
+    "lantern",
+    "meadow",
+    "orchid",
+    "pepper",
+    "rabbit",
+    "saddle",
+    "tunnel",
+    "wallet",
+    "zebra",
+    "helmet",
+)
 TASK_KEYWORDS = (
-    " pass", " key", " special", " magic", " number", " numbers", " value", " VAR", "VAR", " variables",
-    " text", " remember", " JSON", " mentioned", " provided", " assigned",
-)  # fmt: skip
+    " pass",
+    " key",
+    " special",
+    " magic",
+    " number",
+    " numbers",
+    " value",
+    " VAR",
+    "VAR",
+    " variables",
+    " text",
+    " remember",
+    " JSON",
+    " mentioned",
+    " provided",
+    " assigned",
+)
 
 # RULER's noise haystack (scripts/data/synthetic/niah.py) and Quest's passkey garbage.
 _EVAL_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -56,55 +127,76 @@ _CALIBRATION_FILLER = (
 TEMPLATES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "eval": {
         "passkey": {
-            "intro": ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                      "I will quiz you about the important information there.",),
+            "intro": (
+                "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                "I will quiz you about the important information there.",
+            ),
             "needle": ("The pass key is {k}. Remember it. {k} is the pass key.",),
             "question": ("What is the pass key? The pass key is",),
         },
         "niah": {
-            "intro": ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-                      "I will quiz you about the numbers afterwards.",),
+            "intro": (
+                "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                "I will quiz you about the numbers afterwards.",
+            ),
             "needle": ("One of the special magic numbers for {key} is: {value}.",),
-            "question": ("What is the special magic number for {key} mentioned in the provided text? "
-                         "The special magic number for {key} is:",),
+            "question": (
+                "What is the special magic number for {key} mentioned in the provided text? "
+                "The special magic number for {key} is:",
+            ),
         },
         "kv": {
-            "intro": ("Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{",),
+            "intro": (
+                "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{",
+            ),
             "question": ('}}\n\nKey: "{key}"\nThe value associated with the specified key is: "{key}": "',),
             "sep": (", ",),
         },
         "vt": {
             "intro": ("Memorize and track the chain(s) of variable assignment hidden in the following text.",),
-            "question": ("Question: Find all variables that are assigned the value {value} in the text above. "
-                         "Answer: According to the chain(s) of variables assignment in the text above, "
-                         "{count} variables are assigned the value {value}, they are:",),
+            "question": (
+                "Question: Find all variables that are assigned the value {value} in the text above. "
+                "Answer: According to the chain(s) of variables assignment in the text above, "
+                "{count} variables are assigned the value {value}, they are:",
+            ),
         },
     },
     "calibration": {
         "passkey": {
-            "intro": ("A secret number is buried somewhere in the long text that follows. Read it carefully and keep "
-                      "the number in mind; you will be asked for it at the end.",),
+            "intro": (
+                "A secret number is buried somewhere in the long text that follows. Read it carefully and keep "
+                "the number in mind; you will be asked for it at the end.",
+            ),
             "needle": ("Attention: the pass key is {k}. Keep it safe, {k} is the pass key.",),
             "question": ("Which pass key was mentioned in the text? The pass key is",),
         },
         "niah": {
-            "intro": ("Several special magic numbers are scattered through the passage below. Please remember them; "
-                      "one of them will be asked about at the end.",),
+            "intro": (
+                "Several special magic numbers are scattered through the passage below. Please remember them; "
+                "one of them will be asked about at the end.",
+            ),
             "needle": ("Remember that the special magic number for {key} is: {value}.",),
-            "question": ("Tell me the special magic number that was given for {key}. "
-                         "So the special magic number for {key} is:",),
+            "question": (
+                "Tell me the special magic number that was given for {key}. So the special magic number for {key} is:",
+            ),
         },
         "kv": {
-            "intro": ("Below is a list of records, one key and one value per line. Find the value stored under the "
-                      "key asked at the end.\n",),
+            "intro": (
+                "Below is a list of records, one key and one value per line. Find the value stored under the "
+                "key asked at the end.\n",
+            ),
             "question": ('\n\nLook up the key "{key}" in the records. Record found: "{key}": "',),
             "sep": ("\n",),
         },
         "vt": {
-            "intro": ("Follow the variable assignments hidden in the text below and keep track of which variables "
-                      "share a value.",),
-            "question": ("Question: Which variables end up holding the value {value}? "
-                         "Answer: The {count} variables holding the value {value} are:",),
+            "intro": (
+                "Follow the variable assignments hidden in the text below and keep track of which variables "
+                "share a value.",
+            ),
+            "question": (
+                "Question: Which variables end up holding the value {value}? "
+                "Answer: The {count} variables holding the value {value} are:",
+            ),
         },
     },
     "train": {
@@ -179,28 +271,91 @@ TEMPLATES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
             ),
         },
     },
-}  # fmt: skip
+}
 
 # A small grammar for the train filler: its words cover the other variants' filler words (so a model
 # trained on it has seen every word it meets at evaluation) but never one of their sentences.
 _SUBJECTS = (
-    "The grass", "The sky", "The sun", "The moon", "The sea", "The river", "The road", "The tree", "The wind",
-    "The rain", "The snow", "The hill", "The wall", "The clock", "The star", "The cloud", "The lake", "The stone",
-    "A bird", "A small dog", "The old man", "The child", "The farmer", "A boat", "The city", "The night", "The field",
-    "The door", "A cat", "The fire",
-)  # fmt: skip
+    "The grass",
+    "The sky",
+    "The sun",
+    "The moon",
+    "The sea",
+    "The river",
+    "The road",
+    "The tree",
+    "The wind",
+    "The rain",
+    "The snow",
+    "The hill",
+    "The wall",
+    "The clock",
+    "The star",
+    "The cloud",
+    "The lake",
+    "The stone",
+    "A bird",
+    "A small dog",
+    "The old man",
+    "The child",
+    "The farmer",
+    "A boat",
+    "The city",
+    "The night",
+    "The field",
+    "The door",
+    "A cat",
+    "The fire",
+)
 _PREDICATES = (
-    "is green", "is blue", "is yellow", "is quiet", "is long", "is old", "is warm", "is small", "is white",
-    "is very still", "looks grey today", "flows to the sea", "sings in the tree", "falls on the hills",
-    "moves slowly", "shines at night", "rests by the wall", "goes back again", "comes and goes", "runs far away",
-    "stays here", "waits by the road", "turns softly", "ticks all day", "grows in the field", "sleeps in the sun",
-    "sits on the stone", "looks at the sky", "is far from home", "comes back in spring",
-)  # fmt: skip
+    "is green",
+    "is blue",
+    "is yellow",
+    "is quiet",
+    "is long",
+    "is old",
+    "is warm",
+    "is small",
+    "is white",
+    "is very still",
+    "looks grey today",
+    "flows to the sea",
+    "sings in the tree",
+    "falls on the hills",
+    "moves slowly",
+    "shines at night",
+    "rests by the wall",
+    "goes back again",
+    "comes and goes",
+    "runs far away",
+    "stays here",
+    "waits by the road",
+    "turns softly",
+    "ticks all day",
+    "grows in the field",
+    "sleeps in the sun",
+    "sits on the stone",
+    "looks at the sky",
+    "is far from home",
+    "comes back in spring",
+)
 _OTHERS = (
-    "Here we go again.", "Here we are.", "There we go.", "Back and forth again.", "We go there and back.",
-    "Then we go home.", "And so it goes.", "Here it comes.", "There it goes again.", "Now we rest.",
-    "The day is over.", "Soon it is morning.", "It is time to go.", "We walk and talk.", "All is well here.",
-)  # fmt: skip
+    "Here we go again.",
+    "Here we are.",
+    "There we go.",
+    "Back and forth again.",
+    "We go there and back.",
+    "Then we go home.",
+    "And so it goes.",
+    "Here it comes.",
+    "There it goes again.",
+    "Now we rest.",
+    "The day is over.",
+    "Soon it is morning.",
+    "It is time to go.",
+    "We walk and talk.",
+    "All is well here.",
+)
 
 
 def filler_sentences(variant: str) -> tuple[str, ...]:

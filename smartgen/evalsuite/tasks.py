@@ -51,8 +51,15 @@ class Sample:
         return MAX_NEW_TOKENS[self.task]
 
     def to_json(self) -> dict:
-        return {"prompt": self.prompt, "task": self.task, "length": self.length, "references": self.references,
-                "depth": round(self.depth, 4), "seed": self.seed, "variant": self.variant}  # fmt: skip
+        return {
+            "prompt": self.prompt,
+            "task": self.task,
+            "length": self.length,
+            "references": self.references,
+            "depth": round(self.depth, 4),
+            "seed": self.seed,
+            "variant": self.variant,
+        }
 
 
 def task_depths(num: int) -> list[float]:
@@ -60,8 +67,9 @@ def task_depths(num: int) -> list[float]:
     return [0.5] if num == 1 else [i / (num - 1) for i in range(num)]
 
 
-def generate_task(task: str, length_tokens: int, seed: int, tokenizer, variant: str = "eval",
-                  depth: float | None = None) -> Sample:  # fmt: skip
+def generate_task(
+    task: str, length_tokens: int, seed: int, tokenizer, variant: str = "eval", depth: float | None = None
+) -> Sample:
     """One prompt of `task` about `length_tokens` tokens long (±2%); `depth` defaults to a draw from the seed."""
     if task not in MAX_NEW_TOKENS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
@@ -77,9 +85,18 @@ def generate_task(task: str, length_tokens: int, seed: int, tokenizer, variant: 
     build = _BUILDERS[task]
     head, inserts, tail, sep, items, references, answer = build(rng, templates, depth, variant)
     built = assemble(head, items, inserts, tail, sep, target, tokenizer)
-    return Sample(prompt=built.prompt, references=references, task=task, length=length_tokens, depth=depth,
-                  seed=seed, variant=variant, answer=answer, num_tokens=built.num_tokens,
-                  needle_spans=built.answer_spans)  # fmt: skip
+    return Sample(
+        prompt=built.prompt,
+        references=references,
+        task=task,
+        length=length_tokens,
+        depth=depth,
+        seed=seed,
+        variant=variant,
+        answer=answer,
+        num_tokens=built.num_tokens,
+        needle_spans=built.answer_spans,
+    )
 
 
 def generate_suite(tasks, lengths, num_per_cell: int, seed: int, tokenizer, variant: str = "eval") -> list[Sample]:
@@ -130,8 +147,10 @@ def _niah(num_needles: int):
         values = [_number(rng, 7) for _ in keys]  # RULER: 7-digit values
         needle_template = _pick(rng, t["needle"])
         inserts = [Insert(depth, "\n" + needle_template.format(key=keys[0], value=values[0]) + "\n", True)]
-        inserts += [Insert(rng.random(), "\n" + needle_template.format(key=k, value=v) + "\n", False)
-                    for k, v in zip(keys[1:], values[1:])]  # fmt: skip
+        inserts += [
+            Insert(rng.random(), "\n" + needle_template.format(key=k, value=v) + "\n", False)
+            for k, v in zip(keys[1:], values[1:])
+        ]
         items, sep = _filler(rng, variant)
         head = _pick(rng, t["intro"]) + "\n"
         tail = "\n" + _pick(rng, t["question"]).format(key=keys[0])

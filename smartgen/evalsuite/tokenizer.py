@@ -25,8 +25,9 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
                         continue
                     for _ in range(20):
                         key = f"{rng.choice(KEY_ADJECTIVES)}-{rng.choice(KEY_NOUNS)}"
-                        lines.append(text.format(k=rng.randint(1, 50000), key=key, value=rng.randint(10**6, 10**7),
-                                                 count=5))  # fmt: skip
+                        lines.append(
+                            text.format(k=rng.randint(1, 50000), key=key, value=rng.randint(10**6, 10**7), count=5)
+                        )
     # Frequency decides BPE merge order: repeating the words that carry the tasks makes each one token.
     lines += [f"for {a}-{n} is: 1." for a in KEY_ADJECTIVES for n in KEY_NOUNS] * 8
     lines += [" ".join(TASK_KEYWORDS)] * 400
@@ -54,7 +55,9 @@ def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
     )
     tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=16384
     )

@@ -27,6 +27,8 @@ def use_triton(t: torch.Tensor) -> bool:
     kernel modules are imported (triton.jit reads TRITON_INTERPRET at decoration time).
     """
     # Cheap checks first: importing triton costs ~0.3 s, and a CPU tensor rarely needs it.
-    if not t.is_cuda and not (os.environ.get("SMARTGEN_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if not t.is_cuda and not (
+        os.environ.get("SMARTGEN_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    ):
         return False
     return triton_available()

@@ -33,9 +33,7 @@ def _check(t: torch.Tensor, name: str, dim: int, dtypes: tuple[torch.dtype, ...]
         raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
 
 
-def split_reorder_triton(
-    index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int
-) -> IndexSplit:
+def split_reorder_triton(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
     """Triton version of `split_reorder_reference`: status lookup plus stable remote-first reorder.
 
     index [R, k] int64 (R = B*H; entries outside [0, N) are padding), mask [S, N] int8,
@@ -65,16 +63,29 @@ def split_reorder_triton(
     block_r = max(1, min(16, _SPLIT_TILE // block_k))
     grid = (triton.cdiv(num_rows, block_r),)
     split_reorder_kernel[grid](
-        index, mask, slots, out_index, out_status, num_remote, num_local,
-        num_rows, k, mask.shape[1], num_heads,
-        index.stride(0), index.stride(1),
-        mask.stride(0), mask.stride(1),
+        index,
+        mask,
+        slots,
+        out_index,
+        out_status,
+        num_remote,
+        num_local,
+        num_rows,
+        k,
+        mask.shape[1],
+        num_heads,
+        index.stride(0),
+        index.stride(1),
+        mask.stride(0),
+        mask.stride(1),
         slots.stride(0),
-        out_index.stride(0), out_index.stride(1),
-        out_status.stride(0), out_status.stride(1),
+        out_index.stride(0),
+        out_index.stride(1),
+        out_status.stride(0),
+        out_status.stride(1),
         BLOCK_R=block_r,
         BLOCK_K=block_k,
-    )  # fmt: skip
+    )
     return IndexSplit(out_index, out_status, num_remote, num_local)
 
 
@@ -123,16 +134,27 @@ def gather_kv_triton(
     block_j = min(_GATHER_BLOCK_J, triton.next_power_of_2(k))
     grid = (num_rows, triton.cdiv(k, block_j))
     gather_kv_kernel[grid](
-        k_pool, v_pool, slots, index, start, stop, k_out, v_out,
-        k, num_tokens, num_heads, head_dim,
+        k_pool,
+        v_pool,
+        slots,
+        index,
+        start,
+        stop,
+        k_out,
+        v_out,
+        k,
+        num_tokens,
+        num_heads,
+        head_dim,
         *k_pool.stride(),
         *v_pool.stride(),
         slots.stride(0),
-        index.stride(0), index.stride(1),
+        index.stride(0),
+        index.stride(1),
         start.stride(0),
         stop.stride(0),
         *k_out.stride(),
         *v_out.stride(),
         BLOCK_J=block_j,
         BLOCK_D=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
+    )

@@ -23,7 +23,6 @@ from smartgen.lanes.queued import STOP, QueuedLane
 __all__ = ["InprocLane"]
 
 
-
 @dataclass(slots=True)
 class _WriteBatch:
     request_id: str
@@ -53,7 +52,7 @@ class InprocLane(QueuedLane):
     @classmethod
     def pair(
         cls, name: str, pacer_a: Pacer | None = None, pacer_b: Pacer | None = None, bulk: bool = False
-    ) -> tuple["InprocLane", "InprocLane"]:
+    ) -> tuple[InprocLane, InprocLane]:
         """Two connected endpoints; each side's outgoing traffic is paced by its own pacer."""
         a, b = cls(f"{name}.a", pacer_a, bulk), cls(f"{name}.b", pacer_b, bulk)
         a._peer, b._peer = b, a
@@ -103,8 +102,10 @@ class InprocLane(QueuedLane):
             if item is STOP:
                 self._in_flight.put((0.0, STOP))
                 return
-            num_bytes = item.num_bytes if isinstance(item, _WriteBatch) else (
-                item.payload_bytes if isinstance(item, Message) else 0
+            num_bytes = (
+                item.num_bytes
+                if isinstance(item, _WriteBatch)
+                else (item.payload_bytes if isinstance(item, Message) else 0)
             )
             started = time.monotonic()
             sent_at = started

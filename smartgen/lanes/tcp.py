@@ -29,7 +29,6 @@ __all__ = ["TcpLane"]
 log = logging.getLogger(__name__)
 
 
-
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (no copy)."""
     flat = tensor.detach().reshape(-1)
@@ -111,7 +110,6 @@ class TcpLane(QueuedLane):
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
-
 
     def _fail_pending(self) -> None:
         with self._pending_lock:

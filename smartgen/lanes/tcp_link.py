@@ -56,7 +56,7 @@ class TcpListener:
         while not self._closed.is_set():
             try:
                 sock, _ = self._server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -106,8 +106,14 @@ class TcpListener:
 
 
 def tcp_connect(
-    host: str, port: int, secret: str, hello: dict[str, Any], gbps: float | None = None, delay_s: float = 0.0,
-    timeout: float = 10.0, version: int = PROTOCOL_VERSION,
+    host: str,
+    port: int,
+    secret: str,
+    hello: dict[str, Any],
+    gbps: float | None = None,
+    delay_s: float = 0.0,
+    timeout: float = 10.0,
+    version: int = PROTOCOL_VERSION,
 ) -> LinkEnd:
     """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
     session = uuid.uuid4().hex
@@ -130,7 +136,9 @@ def tcp_connect(
     return LinkEnd(lanes["push"], lanes["control"], pacer)
 
 
-def loopback_tcp_link(gbps: float | None = None, delay_s: float = 0.0, secret: str = "loopback") -> tuple[LinkEnd, LinkEnd]:
+def loopback_tcp_link(
+    gbps: float | None = None, delay_s: float = 0.0, secret: str = "loopback"
+) -> tuple[LinkEnd, LinkEnd]:
     """A real TCP link over 127.0.0.1 inside one process; returns (prefill end, decode end)."""
     identity = {"fingerprint": "loopback", "model": "loopback", "layout": None}
     listener = TcpListener("127.0.0.1", 0, secret, identity, Pacer(gbps, delay_s))

@@ -21,8 +21,19 @@ from enum import IntEnum
 from typing import Any
 
 __all__ = [
-    "PROTOCOL_VERSION", "FrameType", "Frame", "HEADER", "HandshakeError", "ConnectionClosed",
-    "recv_exact", "recv_into_exact", "send_header", "send_frame", "recv_header", "server_handshake", "client_handshake",
+    "PROTOCOL_VERSION",
+    "FrameType",
+    "Frame",
+    "HEADER",
+    "HandshakeError",
+    "ConnectionClosed",
+    "recv_exact",
+    "recv_into_exact",
+    "send_header",
+    "send_frame",
+    "recv_header",
+    "server_handshake",
+    "client_handshake",
 ]
 
 PROTOCOL_VERSION = 1
@@ -85,7 +96,10 @@ def send_header(
 
 
 def send_frame(
-    sock: socket.socket, frame_type: FrameType, request_id: str = "", meta: dict[str, Any] | None = None,
+    sock: socket.socket,
+    frame_type: FrameType,
+    request_id: str = "",
+    meta: dict[str, Any] | None = None,
     payload: list[memoryview] | None = None,
 ) -> None:
     """Sends one whole frame; payload parts go out as they are (no copy)."""
@@ -133,8 +147,10 @@ def server_handshake(sock: socket.socket, secret: str, identity: dict[str, Any])
     if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, nonce)):
         reason = "authentication failed: wrong shared secret"
     elif hello.get("fingerprint") != identity.get("fingerprint"):
-        reason = (f"model mismatch: prefill node serves {identity.get('model')} ({identity.get('fingerprint')}), "
-                  f"decode node has {hello.get('model')} ({hello.get('fingerprint')})")
+        reason = (
+            f"model mismatch: prefill node serves {identity.get('model')} ({identity.get('fingerprint')}), "
+            f"decode node has {hello.get('model')} ({hello.get('fingerprint')})"
+        )
     elif hello.get("layout") != identity.get("layout"):
         reason = f"KV layout mismatch: prefill {identity.get('layout')}, decode {hello.get('layout')}"
     if reason:

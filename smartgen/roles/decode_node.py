@@ -57,7 +57,9 @@ class DecodeNode:
                 try:
                     link = tcp_connect(host, port, secret, hello, gbps=link_gbps, delay_s=delay_s)
                 except OSError as exc:
-                    raise ConnectionError(f"cannot reach the prefill node at {host}:{port}: {exc.strerror or exc}") from exc
+                    raise ConnectionError(
+                        f"cannot reach the prefill node at {host}:{port}: {exc.strerror or exc}"
+                    ) from exc
                 self.links.append(link)
                 self.engine.attach(link)
         except BaseException:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -35,8 +35,13 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 STOP_DRAIN_S = 2.0  # how long to wait for the service's own FinishEvent (its usage) after a stop string cancels
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
 _FIELD_HINTS = {"prompt": "must be a string or a list of token ids (ints >= 0)"}  # clearer than a union's errors
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict"}  # pydantic's union-member tags in error locations
 
@@ -60,7 +65,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[Annotated[int, Field(ge=0)]], list[str], list[list[Annotated[int, Field(ge=0)]]]]
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
     echo: bool = False
     logprobs: int | None = None
 
@@ -95,7 +100,9 @@ def create_app(service: DecodeService) -> FastAPI:
         """Live engine state for the monitor: bytes and time per path, lanes, requests and their masks."""
         snapshot = getattr(service, "status", None)
         if snapshot is None:
-            return JSONResponse({"error": {"message": "this service has no status", "type": "not_found", "code": 404}}, 404)
+            return JSONResponse(
+                {"error": {"message": "this service has no status", "type": "not_found", "code": 404}}, 404
+            )
         return JSONResponse(snapshot())
 
     @app.get("/v1/models")
@@ -122,7 +129,9 @@ def create_app(service: DecodeService) -> FastAPI:
         if getattr(service.tokenizer, "chat_template", None) is None:
             raise ServiceError(f"model {service.model_name!r} has no chat template: use /v1/completions instead")
         messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
-        return await _serve(service, request, body, lambda: _apply_chat_template(service.tokenizer, messages), chat=True)
+        return await _serve(
+            service, request, body, lambda: _apply_chat_template(service.tokenizer, messages), chat=True
+        )
 
     return app
 
@@ -134,8 +143,12 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
         raise ServiceError(f"model {body.model!r} is not served here; this node serves {service.model_name!r}", 404)
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     params = GenerationParams(
-        temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
-        stop_token_ids=list(body.stop_token_ids or []), scheme=body.scheme,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=list(body.stop_token_ids or []),
+        scheme=body.scheme,
     )
     if max_tokens is not None:  # else the service's default
         params.max_tokens = max_tokens
@@ -144,13 +157,19 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
     if not prompt_ids:
         raise ServiceError("the prompt is empty")
     handle = service.submit(prompt_ids, params)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", "created": int(time.time()),
-            "model": service.model_name}
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}",
+        "created": int(time.time()),
+        "model": service.model_name,
+    }
     gen = _Generation(handle, stops, params.scheme)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _EventStream(_sse(gen, head, chat, include_usage), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(
+            _sse(gen, head, chat, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
     try:
         pieces = [piece async for piece in gen.pieces()]
@@ -234,7 +253,7 @@ class _Generation:
                 if piece:
                     yield piece
         if not self.stopped and (finish is None or finish.reason in ("stop", "length")) and self.sent < len(self.text):
-            yield self.text[self.sent:]  # the held-back tail was not a stop string after all
+            yield self.text[self.sent :]  # the held-back tail was not a stop string after all
         self.done = self._finish(finish)
 
     def _add(self, piece: str) -> str:
@@ -247,7 +266,7 @@ class _Generation:
             self.handle.cancel("stop string")
         else:
             end = len(self.text) - self._held_back()
-        released, self.sent = self.text[self.sent:end], max(self.sent, end)
+        released, self.sent = self.text[self.sent : end], max(self.sent, end)
         return released
 
     def _held_back(self) -> int:
@@ -260,9 +279,12 @@ class _Generation:
     def _finish(self, finish: FinishEvent | None) -> _Done:
         times, created = self.token_times, self.handle.created
         usage: dict[str, Any] = {  # computed here as a fallback; the service's own numbers win below
-            "prompt_tokens": self.handle.prompt_tokens, "completion_tokens": len(times),
-            "ttft": times[0] - created if times else None, "ttst": times[1] - created if len(times) > 1 else None,
-            "tbt": (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None, "scheme": self.scheme,
+            "prompt_tokens": self.handle.prompt_tokens,
+            "completion_tokens": len(times),
+            "ttft": times[0] - created if times else None,
+            "ttst": times[1] - created if len(times) > 1 else None,
+            "tbt": (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None,
+            "scheme": self.scheme,
         }
         usage.update({k: v for k, v in (finish.usage if finish else {}).items() if v is not None})
         if self.stopped:  # tokens generated after the stop string are not part of the answer

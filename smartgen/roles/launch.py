@@ -73,27 +73,52 @@ def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
             match = per_thread.best(fingerprint, settings.selector, settings.blocks, length)
         profile = match.profile
         transfer = (
-            profile.kv_bytes_per_token * 8 / (settings.link_gbps * 1e9) if settings.link_gbps else profile.transfer_seconds_per_token
+            profile.kv_bytes_per_token * 8 / (settings.link_gbps * 1e9)
+            if settings.link_gbps
+            else profile.transfer_seconds_per_token
         )
         return ProfileMatch(profile.importance, profile.prefill_seconds_per_token, transfer, profile.id, match.nearest)
 
     return lookup, f"{count} profile(s) for this model and selector"
 
 
-def build_prefill_node(settings: NodeSettings, host: str, port: int, db: Path | None, fallback_strategy: str, model_name: str, max_queue: int) -> tuple[PrefillNode, str]:
+def build_prefill_node(
+    settings: NodeSettings,
+    host: str,
+    port: int,
+    db: Path | None,
+    fallback_strategy: str,
+    model_name: str,
+    max_queue: int,
+) -> tuple[PrefillNode, str]:
     model, layout, selector = _load(settings)
     lookup, profile_note = _profile_lookup(db, model, settings, layout)
     planner = NodePlanner(layout, lookup, fallback_strategy, settings.link_gbps)
     node = PrefillNode(
-        model, selector, layout, planner, host=host, port=port, secret=settings.secret, model_name=model_name,
-        link_gbps=settings.link_gbps, delay_s=settings.delay_ms / 1e3, max_queue=max_queue,
+        model,
+        selector,
+        layout,
+        planner,
+        host=host,
+        port=port,
+        secret=settings.secret,
+        model_name=model_name,
+        link_gbps=settings.link_gbps,
+        delay_s=settings.delay_ms / 1e3,
+        max_queue=max_queue,
     )
     return node, profile_note
 
 
 def build_decode_node(
-    settings: NodeSettings, prefill: list[tuple[str, int]], scheme: str, speculative_ratio: float,
-    model_name: str, max_batch: int, max_tokens: int, max_waiting: int,
+    settings: NodeSettings,
+    prefill: list[tuple[str, int]],
+    scheme: str,
+    speculative_ratio: float,
+    model_name: str,
+    max_batch: int,
+    max_tokens: int,
+    max_waiting: int,
 ) -> DecodeNode:
     from transformers import AutoTokenizer
 
@@ -105,7 +130,17 @@ def build_decode_node(
     # budgeted schemes ask for the "profile" strategy; a prefill node without a profile falls back to its own
     policy = get_policy(scheme, speculative_ratio=speculative_ratio)
     return DecodeNode(
-        model, tokenizer, selector, layout, policy, prefill, secret=settings.secret, model_name=model_name,
-        max_batch=max_batch, max_tokens=max_tokens, link_gbps=settings.link_gbps, delay_s=settings.delay_ms / 1e3,
+        model,
+        tokenizer,
+        selector,
+        layout,
+        policy,
+        prefill,
+        secret=settings.secret,
+        model_name=model_name,
+        max_batch=max_batch,
+        max_tokens=max_tokens,
+        link_gbps=settings.link_gbps,
+        delay_s=settings.delay_ms / 1e3,
         max_waiting=max_waiting,
     )

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -62,13 +62,19 @@ class NodePlanner:
         self.last_match = match
         if match is not None:
             planner = Planner(
-                self.layout.num_layers, self.layout.num_blocks, match.importance,
-                match.prefill_seconds_per_token, match.transfer_seconds_per_token,
+                self.layout.num_layers,
+                self.layout.num_blocks,
+                match.importance,
+                match.prefill_seconds_per_token,
+                match.transfer_seconds_per_token,
             )
             return planner.plan(length, mode, strategy, request_counts)
         if strategy == "profile":
             if not self._warned and mode == "budget":
-                log.warning("no profile for this model: planning with the %r strategy (run `smartgen profile`)", self.fallback_strategy)
+                log.warning(
+                    "no profile for this model: planning with the %r strategy (run `smartgen profile`)",
+                    self.fallback_strategy,
+                )
                 self._warned = True
             strategy = self.fallback_strategy
         with self._lock:

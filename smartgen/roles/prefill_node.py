@@ -43,7 +43,13 @@ def node_identity(model: PreTrainedModel, layout: KVLayout, model_name: str) -> 
     return {
         "fingerprint": model_fingerprint(model),
         "model": model_name,
-        "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."), layout.num_blocks],
+        "layout": [
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            str(layout.dtype).removeprefix("torch."),
+            layout.num_blocks,
+        ],
     }
 
 
@@ -123,7 +129,12 @@ class PrefillNode:
                 log.warning("decode node sent no pool geometry; closing its link")
                 link.close()
                 continue
-            log.info("decode node %s connected (%d slots of %d tokens)", hello.get("node", "?"), geometry.num_slots, geometry.max_tokens)
+            log.info(
+                "decode node %s connected (%d slots of %d tokens)",
+                hello.get("node", "?"),
+                geometry.num_slots,
+                geometry.max_tokens,
+            )
             self.engine.attach(link, geometry)
 
     def _work_loop(self) -> None:
@@ -138,7 +149,7 @@ class PrefillNode:
             started = time.monotonic()
             try:
                 output = self.runner.run(
-                    request.prompt, on_layer=lambda layer, k, v, meta: self._hand_off(rid, layer, k, v, meta)
+                    request.prompt, on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
                 )
             except KeyError:
                 continue  # released or aborted while prefilling (the decode node gave up on it)

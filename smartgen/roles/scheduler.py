@@ -98,7 +98,8 @@ class DecodeScheduler:
         if len(prompt_ids) + params.max_tokens > self.engine.pool.max_tokens:
             raise ServiceError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"{self.engine.pool.max_tokens} tokens a pool slot holds", 413,
+                f"{self.engine.pool.max_tokens} tokens a pool slot holds",
+                413,
             )
         try:
             policy = get_policy(params.scheme) if params.scheme else self.default_policy
@@ -137,7 +138,7 @@ class DecodeScheduler:
                 continue
             entry = engine.metrics(rid).snapshot()
             try:
-                entry["masks"] = [{"pad": p, "local": l, "remote": r} for p, l, r in engine.mask_summary(rid)]
+                entry["masks"] = [{"pad": p, "local": loc, "remote": r} for p, loc, r in engine.mask_summary(rid)]
             except Exception:  # a request failing right now has no masks to show
                 entry["masks"] = []
             entry["scheme"] = active.policy.name
@@ -147,7 +148,10 @@ class DecodeScheduler:
             "model": self.model_name,
             "health": self.health(),
             "paths": engine.counters.snapshot(),
-            "links": [{"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()} for link in engine._links],
+            "links": [
+                {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
+                for link in engine._links
+            ],
             "requests": requests,
             "recent": list(self._recent),
         }
@@ -190,8 +194,11 @@ class DecodeScheduler:
                 continue
             try:
                 self.engine.open(
-                    active.prompt_ids.numel(), active.policy, max_new_tokens=active.params.max_tokens,
-                    request_id=active.handle.request_id, prompt_ids=active.prompt_ids,
+                    active.prompt_ids.numel(),
+                    active.policy,
+                    max_new_tokens=active.params.max_tokens,
+                    request_id=active.handle.request_id,
+                    prompt_ids=active.prompt_ids,
                 )
             except (PoolFull, RuntimeError) as exc:
                 self._finish(active, "error", str(exc))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Protocol
+from typing import Any, Protocol
 
 __all__ = ["GenerationParams", "TokenEvent", "FinishEvent", "RequestHandle", "DecodeService", "ServiceError"]
 

@@ -83,7 +83,7 @@ class EngineCache(Cache):
 
 
 class _DecodeHandler:
-    def __init__(self, runner: "DecodeRunner", batch: DecodeBatch) -> None:
+    def __init__(self, runner: DecodeRunner, batch: DecodeBatch) -> None:
         self.runner = runner
         self.batch = batch
         self.pending: dict[int, Future] = {}
@@ -107,9 +107,14 @@ class _DecodeHandler:
             assembled = runner.assemble(layer, batch, query[:, :, -1], None)
         batch_size, num_kv_heads, _, head_dim = key.shape
         out = sparse_decode_attention(
-            query[:, :, -1], assembled.k.to(query.device), assembled.v.to(query.device), assembled.num_valid.to(query.device),
-            scaling, extra_key=key[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
-            extra_value=value[:, :, -1].reshape(batch_size * num_kv_heads, head_dim), softcap=softcap,
+            query[:, :, -1],
+            assembled.k.to(query.device),
+            assembled.v.to(query.device),
+            assembled.num_valid.to(query.device),
+            scaling,
+            extra_key=key[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
+            extra_value=value[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
+            softcap=softcap,
         )
         self._look_ahead(layer)
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
@@ -118,7 +123,11 @@ class _DecodeHandler:
         """With a lookahead selector, start layer l+1's selection and fetch now, under layer l's FFN."""
         runner = self.runner
         next_layer = layer + 1
-        if runner.selector.lookahead and next_layer < runner.num_layers and runner.ranges(next_layer, self.batch) is None:
+        if (
+            runner.selector.lookahead
+            and next_layer < runner.num_layers
+            and runner.ranges(next_layer, self.batch) is None
+        ):
             hidden = runner.capture.get(layer)[:, -1]  # [B, D] this layer's attention input
             self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, self.batch, hidden)
 
@@ -126,7 +135,9 @@ class _DecodeHandler:
 class DecodeRunner:
     """Runs decode steps of a batch over a DecodeEngine's pool."""
 
-    def __init__(self, model: PreTrainedModel, selector: Selector, engine: DecodeEngine, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, selector: Selector, engine: DecodeEngine, sampler: Sampler | None = None
+    ) -> None:
         self.model = model
         self.selector = selector
         self.engine = engine
@@ -143,7 +154,9 @@ class DecodeRunner:
         if self.capture is not None:
             self.capture.remove()
 
-    def index(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
+    def index(
+        self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         """The KV index [B·H, k] of one layer: prompt selection plus every earlier generated token."""
         heads = self.num_kv_heads
         window = self.kinds.windows[layer]
@@ -183,7 +196,9 @@ class DecodeRunner:
         starts, stops = ranges
         return self.engine.local_spans(layer, batch.request_ids, starts, [stop + 1 for stop in stops])
 
-    def assemble(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> Assembled:
+    def assemble(
+        self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
+    ) -> Assembled:
         index = self.index(layer, batch, query, hidden)
         return self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
 
@@ -202,10 +217,17 @@ class DecodeRunner:
             self.capture.start()
         try:
             with torch.no_grad(), use_handler(handler):
-                logits = self.model(
-                    input_ids=batch.last_tokens.view(-1, 1).to(device), position_ids=batch.positions.view(-1, 1).to(device),
-                    cache=cache, use_cache=True, logits_to_keep=1,
-                ).logits[:, -1].float()
+                logits = (
+                    self.model(
+                        input_ids=batch.last_tokens.view(-1, 1).to(device),
+                        position_ids=batch.positions.view(-1, 1).to(device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    .logits[:, -1]
+                    .float()
+                )
         finally:
             for future in handler.pending.values():
                 future.cancel()

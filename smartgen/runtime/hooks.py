@@ -10,8 +10,9 @@ K/V off to the engine, the decode handler attends over the selected local and re
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -25,8 +26,13 @@ ATTENTION_NAME = "smartgen"
 
 class AttentionHandler(Protocol):
     def attend(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        attention_mask: torch.Tensor | None, **kwargs: Any,
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, None]: ...
 
 
@@ -34,8 +40,12 @@ _ACTIVE: ContextVar[AttentionHandler | None] = ContextVar("smartgen_attention_ha
 
 
 def dense_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, **kwargs: Any,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Ordinary attention (SDPA, or eager when the model soft-caps logits): out [B, q_len, Hq, d]."""
     if kwargs.get("softcap") is not None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -13,7 +13,16 @@ from smartgen.layout import DEFAULT_NUM_BLOCKS, KVLayout
 from smartgen.runtime.hooks import ATTENTION_NAME, register
 from smartgen.selectors.base import ModelInfo
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelLoadError", "LayerKinds", "load_model", "model_from_config", "layer_kinds", "model_info", "kv_layout"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ModelLoadError",
+    "LayerKinds",
+    "load_model",
+    "model_from_config",
+    "layer_kinds",
+    "model_info",
+    "kv_layout",
+]
 
 # Families with a standard attention module whose forward goes through transformers' attention interface.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3")
@@ -109,6 +118,8 @@ def rope_function(model: PreTrainedModel) -> Callable[[torch.Tensor, torch.Tenso
     return rope_from_model(model)
 
 
-def kv_layout(model: PreTrainedModel, dtype: torch.dtype | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS) -> KVLayout:
+def kv_layout(
+    model: PreTrainedModel, dtype: torch.dtype | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS
+) -> KVLayout:
     info = model_info(model)
     return KVLayout(info.num_layers, info.num_kv_heads, info.head_dim, dtype or model.dtype, num_blocks)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -70,10 +70,14 @@ class InprocPipeline:
         info = model_info(model)
         self.selector = make_selector(selector, info, **(selector_params or {}))
         self.layout = kv_layout(model, num_blocks=num_blocks)
-        planner = Planner(info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token)
+        planner = Planner(
+            info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token
+        )
         self.prefill_engine = PrefillEngine(self.layout, planner)
         # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
-        self.decode_engine = DecodeEngine(self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device))
+        self.decode_engine = DecodeEngine(
+            self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device)
+        )
         prefill_end, decode_end = inproc_link(gbps)
         self._prefill_link = prefill_end
         self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
@@ -86,7 +90,7 @@ class InprocPipeline:
         self.decode_engine.close()
         self.prefill_engine.close()
 
-    def __enter__(self) -> "InprocPipeline":
+    def __enter__(self) -> InprocPipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -99,8 +103,12 @@ class InprocPipeline:
                 return
             rid = request.request_id
             try:
-                output = self.prefill_runner.run(prompts[rid], on_layer=lambda layer, k, v, meta: self._hand_off(rid, layer, k, v, meta))
-                if self.policy.drop_remote:  # what is dropped must not depend on thread timing: the proactive set lands first
+                output = self.prefill_runner.run(
+                    prompts[rid], on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
+                )
+                if (
+                    self.policy.drop_remote
+                ):  # what is dropped must not depend on thread timing: the proactive set lands first
                     self._prefill_link.push.flush(timeout=600)
                 self.prefill_engine.finish_prefill(rid, output.first_token)
             except BaseException as exc:  # reported to the caller, never swallowed
@@ -130,10 +138,10 @@ class InprocPipeline:
             for rid in request_ids:
                 try:
                     first.append(self.decode_engine.wait_first_token(rid, timeout=600))
-                except Exception:
+                except Exception as exc:
                     worker.join(timeout=1)
                     if errors:
-                        raise errors[0]
+                        raise errors[0] from exc
                     raise
             if self.policy.wait_for_all:
                 for rid in request_ids:
@@ -165,7 +173,9 @@ class InprocPipeline:
         """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch."""
         batch, first = self.prepare(prompts, max_new_tokens)
         request_ids = list(batch.request_ids)
-        results = {rid: GenerationResult(rid, [tok], self.decode_engine.metrics(rid)) for rid, tok in zip(request_ids, first)}
+        results = {
+            rid: GenerationResult(rid, [tok], self.decode_engine.metrics(rid)) for rid, tok in zip(request_ids, first)
+        }
         try:
             if eos_token_id is not None:
                 batch.drop([b for b, tok in enumerate(first) if tok != eos_token_id])
@@ -192,6 +202,7 @@ class InprocPipeline:
             raise
         self.release(request_ids)
         return [results[rid] for rid in request_ids]
+
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout

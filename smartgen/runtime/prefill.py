@@ -6,8 +6,9 @@ so the engine can push a layer's planned blocks while later layers compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -34,7 +35,9 @@ class PrefillOutput:
 
 
 class _PrefillHandler:
-    def __init__(self, selector: Selector | None, kinds: LayerKinds, on_layer: LayerSink, capture: HiddenCapture | None) -> None:
+    def __init__(
+        self, selector: Selector | None, kinds: LayerKinds, on_layer: LayerSink, capture: HiddenCapture | None
+    ) -> None:
         self.selector = selector
         self.kinds = kinds
         self.on_layer = on_layer
@@ -97,7 +100,9 @@ class _CaptureQK:
         return dense_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def capture_qk(model: PreTrainedModel, input_ids: torch.Tensor | list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def capture_qk(
+    model: PreTrainedModel, input_ids: torch.Tensor | list[int]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Post-RoPE queries [Hq, n, d] and keys [H, n, d] of every layer for one prompt (offline calibration)."""
     ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(model.device)
     handler = _CaptureQK()
@@ -114,4 +119,4 @@ def infinigen_skewing(model: PreTrainedModel, input_ids: torch.Tensor | list[int
     queries, keys = capture_qk(model, input_ids)
     kinds = layer_kinds(model.config)
     sparse = [layer for layer in queries if layer >= DENSE_LAYERS and kinds.is_full(layer)]
-    return compute_skewing(model_info(model), {l: queries[l] for l in sparse}, {l: keys[l] for l in sparse})
+    return compute_skewing(model_info(model), {i: queries[i] for i in sparse}, {i: keys[i] for i in sparse})

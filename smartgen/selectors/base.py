@@ -9,8 +9,8 @@ prompt (0 < budget <= 1) or a token count (budget > 1).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -38,7 +38,7 @@ Choices of ours:
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
