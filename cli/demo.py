@@ -42,6 +42,7 @@ def demo(
     from rich.table import Table
 
     from smartgen.demo import DemoConfig, run_demo
+    from smartgen.store import StoreError
 
     if not (model / "config.json").exists():
         fail(f"no model at {model} (the sample model lives in samples/sample-model)")
@@ -60,7 +61,7 @@ def demo(
     )
     try:
         results, setup = run_demo(config, say=lambda line: console.print(f"[dim]{line}[/]"))
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError, OSError, StoreError) as exc:
         fail(str(exc), code=1)
     table = Table(
         title=f"{setup['model']}, {setup['prompt_tokens']} prompt tokens, {setup['selector']}, "

@@ -205,6 +205,16 @@ def _run(
     from smartgen.store import StoreError
     from smartgen.sysinfo import default_db_path
 
+    wants_profiles = any(c.scheme in ("smartgen", "proactive-only") for c in conditions) and (
+        db is not None or default_db_path().exists()
+    )
+    if wants_profiles:  # a bad database fails now, before the model loads
+        try:
+            from smartgen.store import ProfileStore
+
+            ProfileStore(db, create=False).close()
+        except StoreError as exc:
+            fail(str(exc))
     try:
         hf_model = load_model(model_path)
     except ModelLoadError as exc:
@@ -217,9 +227,7 @@ def _run(
         )
     console = Console()
     profiles = None
-    if any(c.scheme in ("smartgen", "proactive-only") for c in conditions) and (
-        db is not None or default_db_path().exists()
-    ):
+    if wants_profiles:
         try:
             profiles = StoreProfiles(db, hf_model, blocks)
         except StoreError as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -43,13 +42,9 @@ class ExportFormat(str, Enum):
 def open_store(db: Path | None, *, create: bool) -> ProfileStore:
     """The store at --db, $SMARTGEN_DB or the XDG default (whose folder is created on first use); fails in one line."""
     from smartgen.store import ProfileStore, StoreError
-    from smartgen.sysinfo import default_db_path
 
-    path = db if db is not None else default_db_path()
-    if db is None and not os.environ.get("SMARTGEN_DB") and create:
-        path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return ProfileStore(path, create=create)
+        return ProfileStore(db, create=create)
     except StoreError as exc:
         fail(str(exc))
 
@@ -77,7 +72,15 @@ def list_profiles(
     from smartgen.cli.profile import duration
     from smartgen.fingerprint import short
     from smartgen.store import StoreError
+    from smartgen.sysinfo import default_db_path
 
+    path = db if db is not None else default_db_path()
+    if not path.exists():  # a first run: nothing stored yet is not an error
+        if as_json:
+            typer.echo("[]")
+        else:
+            typer.echo(f"no profiles yet; `smartgen profile` stores them in {path}")
+        return
     with open_store(db, create=False) as store:
         try:
             profiles = store.list()

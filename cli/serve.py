@@ -149,6 +149,14 @@ def serve(
             min=0.0, help="Emulated one-way link delay in milliseconds (same-host clocks).", rich_help_panel=PANEL_NET
         ),
     ] = 0.0,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            help='Once listening, write the bound addresses here as JSON ({"listen"|"http": "HOST:PORT", ...}); '
+            "with port 0 the system picks free ports and this file says which.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
     secret: Annotated[
         str,
         typer.Option(
@@ -172,14 +180,14 @@ def serve(
         if role == Role.prefill:
             host, port = parse_address(listen)
             node, profile_note = build_prefill_node(settings, host, port, db, fallback_strategy, model_name, max_queue)
-            _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None)
+            _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file)
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
             node = build_decode_node(
                 settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting
             )
-            _run_decode(node, host, port, prefill, scheme)
+            _run_decode(node, host, port, prefill, scheme, ready_file)
     except (ModelLoadError, ValueError) as exc:
         fail(str(exc))
     except ConnectionError as exc:
@@ -192,7 +200,10 @@ def serve(
         raise
 
 
-def _run_prefill(node, profile_note: str, link_gbps: float, status: tuple[str, int] | None) -> None:
+def _run_prefill(
+    node, profile_note: str, link_gbps: float, status: tuple[str, int] | None, ready_file: Path | None
+) -> None:
+    from smartgen.roles.processes import write_ready_file
     from smartgen.roles.status import StatusServer
 
     stop = threading.Event()
@@ -206,6 +217,11 @@ def _run_prefill(node, profile_note: str, link_gbps: float, status: tuple[str, i
         f"prefill node listening on {host}:{port} (model {node.identity['model']}, link {rate}, profiles: {profile_note})",
         err=True,
     )
+    if ready_file is not None:
+        ready = {"role": "prefill", "listen": f"{host}:{port}"}
+        if status_server is not None:
+            ready["status"] = "{}:{}".format(*status_server.address)
+        write_ready_file(ready_file, ready)
     stop.wait()
     typer.echo("prefill node stopping", err=True)
     if status_server is not None:
@@ -213,10 +229,13 @@ def _run_prefill(node, profile_note: str, link_gbps: float, status: tuple[str, i
     node.stop()
 
 
-def _run_decode(node, host: str, port: int, prefill: str, scheme: str) -> None:
+def _run_decode(node, host: str, port: int, prefill: str, scheme: str, ready_file: Path | None) -> None:
+    import socket
+
     import uvicorn
 
     from smartgen.roles.http_api import create_app
+    from smartgen.roles.processes import write_ready_file
 
     app = create_app(node.scheduler)
 
@@ -226,12 +245,24 @@ def _run_decode(node, host: str, port: int, prefill: str, scheme: str) -> None:
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3))
+    sock = socket.create_server((host, port))  # bound here, so port 0 works and the ready file can say which
+    host, port = sock.getsockname()[:2]
     node.start()
-    typer.echo(
-        f"decode node: OpenAI API on http://{host}:{port}/v1 (prefill nodes {prefill}, scheme {scheme})", err=True
-    )
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            threading.Event().wait(0.02)
+        if server.started:
+            typer.echo(
+                f"decode node: OpenAI API on http://{host}:{port}/v1 (prefill nodes {prefill}, scheme {scheme})",
+                err=True,
+            )
+            if ready_file is not None:
+                write_ready_file(ready_file, {"role": "decode", "http": f"{host}:{port}"})
+
+    threading.Thread(target=announce, name="announce", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         node.stop()
         typer.echo("decode node stopped", err=True)

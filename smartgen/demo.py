@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
+import shutil
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,34 +57,23 @@ class SchemeResult:
         return statistics.mean(values) if values else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
-
-
 def _post_json(url: str, body: dict, timeout: float = 600) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
-def _wait_for(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the {what} exited early: {process.stderr.read().strip().splitlines()[-1:]}")
-        try:
-            _get_json(url)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"the {what} did not come up within {timeout:.0f} s")
+def _wait_ready(ready_file: Path, process: subprocess.Popen, timeout: float, what: str) -> dict:
+    """The node's ready file (its bound addresses), or a RuntimeError with the node's last log line."""
+    from smartgen.roles.processes import read_ready_file
+
+    try:
+        return read_ready_file(ready_file, timeout, alive=lambda: process.poll() is None)
+    except (RuntimeError, TimeoutError):
+        if process.poll() is None:
+            raise RuntimeError(f"the {what} did not come up within {timeout:.0f} s") from None
+        last = process.stderr.read().strip().splitlines()[-1:] if process.stderr else []
+        raise RuntimeError(f"the {what} exited early: {' '.join(last) or 'no output'}") from None
 
 
 def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
@@ -97,9 +85,9 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
     from smartgen.runtime.models import load_model
     from smartgen.store import NoProfileError, ProfileStore
 
+    store = ProfileStore(config.db)  # a bad database fails now, before the model loads
     model = load_model(config.model)
     tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-    store = ProfileStore(config.db)
     fingerprint = model_fingerprint(model)
     try:
         return store.best(fingerprint, config.selector, config.blocks, config.length).profile, model, tokenizer
@@ -159,7 +147,7 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         f"{setup['transfer_s']:.2f} s vs {prefill_seconds:.2f} s of prefill ({config.transfer_ratio:g}x)"
     )
     del model
-    prefill_port, status_port, http_port = _free_port(), _free_port(), _free_port()
+    run_dir = Path(tempfile.mkdtemp(prefix="smartgen-demo-"))
     common = [
         "--model",
         str(config.model),
@@ -175,6 +163,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET", "smartgen-demo")}
     if config.db is not None:
         env["SMARTGEN_DB"] = str(config.db)
+    from smartgen.roles.processes import stop_processes
+
     launch = [sys.executable, "-m", "smartgen", "serve"]
     processes = []
     try:
@@ -184,9 +174,11 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
                 "--role",
                 "prefill",
                 "--listen",
-                f"127.0.0.1:{prefill_port}",
+                "127.0.0.1:0",
                 "--status",
-                f"127.0.0.1:{status_port}",
+                "127.0.0.1:0",
+                "--ready-file",
+                str(run_dir / "prefill.json"),
                 *common,
             ],
             stdout=subprocess.DEVNULL,
@@ -195,16 +187,18 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
             env=env,
         )
         processes.append(prefill)
-        _wait_for(f"http://127.0.0.1:{status_port}/status", prefill, 120, "prefill node")
+        prefill_address = _wait_ready(run_dir / "prefill.json", prefill, 120, "prefill node")["listen"]
         decode = subprocess.Popen(
             [
                 *launch,
                 "--role",
                 "decode",
                 "--prefill",
-                f"127.0.0.1:{prefill_port}",
+                prefill_address,
                 "--http",
-                f"127.0.0.1:{http_port}",
+                "127.0.0.1:0",
+                "--ready-file",
+                str(run_dir / "decode.json"),
                 "--max-tokens",
                 str(config.length * 2 + 64),
                 *common,
@@ -215,8 +209,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
             env=env,
         )
         processes.append(decode)
-        _wait_for(f"http://127.0.0.1:{http_port}/health", decode, 120, "decode node")
-        say(f"prefill node on 127.0.0.1:{prefill_port}, decode node on http://127.0.0.1:{http_port}/v1")
+        http_address = _wait_ready(run_dir / "decode.json", decode, 120, "decode node")["http"]
+        say(f"prefill node on {prefill_address}, decode node on http://{http_address}/v1")
         results = []
         for scheme in config.schemes:
             result = SchemeResult(scheme)
@@ -228,7 +222,7 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
                     "scheme": scheme,
                 }
                 try:
-                    answer = _post_json(f"http://127.0.0.1:{http_port}/v1/completions", body)
+                    answer = _post_json(f"http://{http_address}/v1/completions", body)
                 except OSError as exc:
                     result.errors.append(str(exc))
                     continue
@@ -241,11 +235,5 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
             results.append(result)
         return results, setup
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in processes:
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
+        shutil.rmtree(run_dir, ignore_errors=True)

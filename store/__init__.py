@@ -1,9 +1,9 @@
-"""smartgen.store package."""
+"""The profile store: calibration profiles in one SQLite file, with migrations and errors a user can act on."""
 
 from smartgen.store.compare import Overlap, compare, top_blocks
 from smartgen.store.database import DEFAULT_TIMEOUT_S, Match, ProfileStore, default_timeout
 from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
-from smartgen.store.migrations import MIGRATIONS, migrate, schema
+from smartgen.store.migrations import MIGRATIONS, applied_migrations, migrate, pending_migrations, schema
 from smartgen.store.profile import Profile
 
 __all__ = [
@@ -15,6 +15,8 @@ __all__ = [
     "top_blocks",
     "MIGRATIONS",
     "migrate",
+    "applied_migrations",
+    "pending_migrations",
     "schema",
     "StoreError",
     "NewerSchemaError",

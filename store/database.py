@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +26,8 @@ from typing import Any, NamedTuple
 from sqlite_utils import Database
 
 from smartgen.fingerprint import short
-from smartgen.store.errors import NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
-from smartgen.store.migrations import migrate
+from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
+from smartgen.store.migrations import migrate, pending_migrations
 from smartgen.store.profile import Profile
 from smartgen.sysinfo import default_db_path
 
@@ -49,6 +51,11 @@ def default_timeout() -> float:
     return seconds
 
 
+def _cannot_write(exc: StoreError) -> bool:
+    text = str(exc)
+    return "read-only" in text or "cannot open" in text
+
+
 class Match(NamedTuple):
     """The profile `best` chose; `nearest` is True when the length fell outside every stored range."""
 
@@ -57,33 +64,100 @@ class Match(NamedTuple):
 
 
 class ProfileStore:
-    """Profiles in one SQLite file; `create=False` refuses to make a new file (read-only commands)."""
+    """Profiles in one SQLite file; `create=False` refuses to make a new file (read-only commands).
+
+    The default location's folder is made on first use (private to the user); a folder the user
+    named (`path` or $SMARTGEN_DB) must exist. With `create=False` a database that cannot be
+    written (read-only folder or file) is opened read-only, so listing and exporting still work.
+    """
 
     def __init__(self, path: str | Path | None = None, *, timeout: float | None = None, create: bool = True) -> None:
         self.memory = str(path) == ":memory:"
+        explicit = path is not None or bool(os.environ.get("SMARTGEN_DB"))
         self.path = Path(path).expanduser() if path is not None else default_db_path()
         self.timeout = default_timeout() if timeout is None else timeout
+        self.read_only = False
         if not self.memory:
-            if not self.path.exists():
-                if not create:
-                    raise StoreError(f"no profile database at {self.path} (`smartgen profile` creates it)")
-                if not self.path.parent.is_dir():
-                    raise StoreError(
-                        f"cannot create the profile database {self.path}: directory {self.path.parent} does not exist"
-                    )
-            elif self.path.is_dir():
-                raise StoreError(f"the profile database path {self.path} is a directory")
-        with self._guard():
-            conn = sqlite3.connect(":memory:" if self.memory else str(self.path), timeout=self.timeout)
-        self.db = Database(conn, execute_plugins=False)
+            self._check_path(create=create, explicit=explicit)
         try:
-            with self._guard():
-                if not self.memory:
-                    self.db.enable_wal()
-                migrate(self.db)
-        except BaseException:
+            self.db = self._open(create=create)
+        except NewerSchemaError as exc:
+            raise NewerSchemaError(f"{self.path}: {exc}") from None
+
+    def _check_path(self, *, create: bool, explicit: bool) -> None:
+        if self.path.is_dir():
+            raise StoreError(f"the profile database path {self.path} is a directory")
+        if self.path.exists():
+            return
+        if not create:
+            raise StoreError(f"no profile database at {self.path} (`smartgen profile` creates it)")
+        folder = self.path.parent
+        if folder.is_dir():
+            return
+        if explicit:
+            raise StoreError(f"cannot create the profile database {self.path}: folder {folder} does not exist")
+        try:  # the XDG default: ours to make, parents included, readable by this user only
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise StoreError(f"cannot create the profile folder {folder}: {exc.strerror or exc}") from None
+
+    def _open(self, *, create: bool) -> Database:
+        """Connects, switches to WAL and migrates, retrying while another process holds a lock.
+
+        Several processes opening one new file at once race for the WAL switch and the first
+        migration; SQLite answers some of those races with SQLITE_BUSY at once, without waiting
+        on the busy handler, so the whole opening is retried until `timeout` has really passed.
+        """
+        started = time.monotonic()
+        while True:
+            conn: sqlite3.Connection | None = None
+            try:
+                with self._guard(started):
+                    conn = sqlite3.connect(":memory:" if self.memory else str(self.path), timeout=self.timeout)
+                    db = Database(conn, execute_plugins=False)
+                    if not self.memory:
+                        db.enable_wal()
+                    migrate(db)
+                    return db
+            except StoreLockedError:
+                if conn is not None:
+                    conn.close()
+                if time.monotonic() - started >= self.timeout:
+                    raise
+                time.sleep(random.uniform(0.005, 0.05))
+            except StoreError as exc:
+                if conn is not None:
+                    conn.close()
+                if self.memory or not _cannot_write(exc):
+                    raise
+                if create:
+                    raise StoreError(
+                        f"the profile database {self.path} is read-only (its folder or the file cannot be written)"
+                    ) from None
+                return self._open_read_only()
+            except BaseException:
+                if conn is not None:
+                    conn.close()
+                raise
+
+    def _open_read_only(self) -> Database:
+        """The file as it is, for reading: no WAL switch, no migration (one that is due is an error)."""
+        self.read_only = True
+        with self._guard(time.monotonic()):
+            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+            db = Database(conn, execute_plugins=False)
+            try:
+                pending = pending_migrations(db)
+            except BaseException:
+                conn.close()
+                raise
+        if pending:
             conn.close()
-            raise
+            raise StoreError(
+                f"the profile database {self.path} is read-only and needs upgrading (migrations {', '.join(pending)}): "
+                "open it once where it can be written"
+            )
+        return db
 
     # -- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -96,19 +170,22 @@ class ProfileStore:
         self.close()
 
     @contextmanager
-    def _guard(self) -> Iterator[None]:
+    def _guard(self, started: float | None = None) -> Iterator[None]:
         """Turns sqlite errors into StoreErrors that name the file and what to do."""
+        started = time.monotonic() if started is None else started
         try:
             yield
         except sqlite3.OperationalError as exc:
             message = str(exc)
             if "locked" in message or "busy" in message:
                 raise StoreLockedError(
-                    f"the profile database {self.path} is locked by another process; gave up after {self.timeout:g} s "
-                    "(set $SMARTGEN_DB_TIMEOUT to wait longer)"
+                    f"the profile database {self.path} is locked by another process; gave up after "
+                    f"{time.monotonic() - started:.1f} s (set $SMARTGEN_DB_TIMEOUT to wait longer)"
                 ) from None
             if "readonly" in message:
                 raise StoreError(f"the profile database {self.path} is read-only") from None
+            if "unable to open" in message:
+                raise StoreError(f"cannot open the profile database {self.path}: {message}") from None
             raise StoreError(f"cannot use the profile database {self.path}: {message}") from None
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path} is not a SmartGen profile database ({exc})") from None

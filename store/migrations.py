@@ -16,7 +16,7 @@ from sqlite_utils import Database
 
 from smartgen.store.errors import NewerSchemaError
 
-__all__ = ["MIGRATIONS", "MIGRATIONS_TABLE", "applied_migrations", "migrate", "schema"]
+__all__ = ["MIGRATIONS", "MIGRATIONS_TABLE", "applied_migrations", "migrate", "pending_migrations", "schema"]
 
 MIGRATIONS_TABLE = "_migrations"
 MIGRATIONS: list[Callable[[Database], None]] = []
@@ -98,14 +98,20 @@ def _check_not_newer(db: Database, done: list[str]) -> None:
         )
 
 
+def pending_migrations(db: Database) -> list[str]:
+    """Migrations this SmartGen would still apply; a NewerSchemaError for a database from a newer SmartGen."""
+    done = applied_migrations(db)
+    _check_not_newer(db, done)
+    return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in done]
+
+
 def migrate(db: Database) -> list[str]:
     """Applies the pending migrations in one write transaction; returns their names.
 
     Safe against another process migrating the same file at the same time: the pending list
     is re-read under the write lock (BEGIN IMMEDIATE), so each migration runs once.
     """
-    _check_not_newer(db, applied_migrations(db))
-    if all(fn.__name__ in applied_migrations(db) for fn in MIGRATIONS):
+    if not pending_migrations(db):
         return []
     conn = db.conn
     conn.execute("BEGIN IMMEDIATE")

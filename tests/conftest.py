@@ -1,13 +1,121 @@
-"""Shared pytest set-up: quiet tokenizer threads, and Triton's interpreter on machines without CUDA."""
+"""Shared pytest set-up and helpers: an isolated data home, Triton's interpreter without CUDA, waiting, real nodes."""
 
+from __future__ import annotations
+
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The tests never touch the user's real profile database or data folders: every process they start
+# inherits these. Tests of the default location set XDG_DATA_HOME / SMARTGEN_DB themselves.
+_DATA_ROOT = Path(tempfile.mkdtemp(prefix="smartgen-tests-"))
+os.environ["XDG_DATA_HOME"] = str(_DATA_ROOT / "data")
+os.environ["XDG_CONFIG_HOME"] = str(_DATA_ROOT / "config")
+os.environ["SMARTGEN_DB"] = str(_DATA_ROOT / "profiles.db")
 
 # triton.jit reads TRITON_INTERPRET when a function is decorated, including triton.language's own
 # helpers (tl.cumsum's combine function), so it must be set before anything imports triton. It
 # only matters where SMARTGEN_FORCE_TRITON=1 too (tests/test_kernels.py); on CUDA the kernels run natively.
 import torch  # noqa: E402
 
+from smartgen.roles.processes import stop_processes  # noqa: E402
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_unconfigure(config: Any) -> None:
+    shutil.rmtree(_DATA_ROOT, ignore_errors=True)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Polls `condition` until it returns something truthy (returned); OSError counts as not yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def get_json(url: str, timeout: float = 5) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class Nodes:
+    """A prefill node and a decode node as two `smartgen serve` processes on ports the system picks."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        run_dir: Path,
+        secret: str = "test-secret",
+        decode_secret: str | None = None,
+        decode_model: Path | None = None,
+        extra: tuple[str, ...] = ("--blocks", "16", "--link-gbps", "1"),
+    ) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        launch = [sys.executable, "-m", "smartgen", "serve"]
+        env = {**os.environ, "SMARTGEN_DB": str(run_dir / "none.db")}
+        self.prefill = subprocess.Popen(
+            [*launch, "--role", "prefill", "--model", str(model_dir), "--listen", "127.0.0.1:0"]
+            + ["--status", "127.0.0.1:0", "--ready-file", str(run_dir / "prefill.json"), "--secret", secret, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.decode: subprocess.Popen | None = None
+        ready = self._ready("prefill.json", self.prefill)
+        self.prefill_address, self.status_address = ready["listen"], ready["status"]
+        self.decode = subprocess.Popen(
+            [*launch, "--role", "decode", "--model", str(decode_model or model_dir)]
+            + ["--prefill", self.prefill_address, "--http", "127.0.0.1:0", "--ready-file", str(run_dir / "decode.json")]
+            + ["--secret", decode_secret or secret, "--max-tokens", "512", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def _ready(self, name: str, process: subprocess.Popen) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            if process.poll() is not None:
+                raise AssertionError(f"{name} node exited: {process.stderr.read() if process.stderr else ''}")
+            path = self.run_dir / name
+            return json.loads(path.read_text()) if path.exists() else None
+
+        return wait_until(ready, 60, f"the node to write {name}")
+
+    @property
+    def status_url(self) -> str:
+        return f"http://{self.status_address}/status"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http_address}"
+
+    def wait_ready(self) -> None:
+        assert self.decode is not None
+        self.http_address = self._ready("decode.json", self.decode)["http"]
+        wait_until(lambda: get_json(self.url + "/health")["ready"], 60, "the decode node to be ready")
+
+    def stop(self) -> None:
+        stop_processes(p for p in (self.decode, self.prefill) if p is not None)

@@ -218,7 +218,11 @@ def test_default_database_from_the_environment(tmp_path, monkeypatch, db):
     assert "1024-2048" in _ok(runner.invoke(app, ["profiles", "list"]))
     monkeypatch.delenv("SMARTGEN_DB")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    _error(runner.invoke(app, ["profiles", "list"]), "no profile database at")
+    first = _ok(runner.invoke(app, ["profiles", "list"]))  # a first run: nothing stored yet is not an error
+    assert (
+        f"no profiles yet; `smartgen profile` stores them in {tmp_path / 'xdg' / 'smartgen' / 'profiles.db'}" in first
+    )
+    _error(runner.invoke(app, ["profiles", "show", "1"]), "no profile database at")
 
 
 # -- smartgen profiles -----------------------------------------------------------------------------
@@ -275,7 +279,7 @@ def test_compare(db):
 
 
 def test_profiles_errors(db, tmp_path):
-    _error(runner.invoke(app, ["profiles", "list", "--db", str(tmp_path / "absent.db")]), "no profile database at")
+    _error(runner.invoke(app, ["profiles", "show", "1", "--db", str(tmp_path / "absent.db")]), "no profile database at")
     _error(runner.invoke(app, ["profiles", "show", "99", "--db", str(db)]), "no profile 99")
     (tmp_path / "junk.db").write_bytes(b"junk" * 1000)
     _error(

@@ -11,6 +11,14 @@ __all__ = ["train_tokenizer", "tokenizer_corpus"]
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 
+# The sample model was never trained on chat turns: a conversation is its messages' contents, one per
+# line, after <s>, so a chat request with one user message equals a completion of that message.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
+
+
 def tokenizer_corpus(seed: int = 0) -> list[str]:
     """Text the BPE is trained on: every variant's surface text, the key words many times over."""
     rng = random.Random(seed)
@@ -59,5 +67,10 @@ def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=16384
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=16384,
+        chat_template=CHAT_TEMPLATE,
     )

@@ -1,0 +1,48 @@
+"""Node processes from outside: the ready file a node writes once it listens (its bound addresses, so port 0
+works without races), and a graceful stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_ready_file", "read_ready_file", "stop_processes"]
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    """Writes `info` as JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def read_ready_file(path: Path, timeout: float, alive: Any = None) -> dict[str, Any]:
+    """Waits up to `timeout` s for a node's ready file; `alive()` returning False (the node exited) stops the wait."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if alive is not None and not alive():
+            raise RuntimeError(f"the node exited before it was ready (no {path.name})")
+        time.sleep(0.05)
+    raise TimeoutError(f"the node was not ready within {timeout:.0f} s (no {path.name})")
+
+
+def stop_processes(processes: Iterable[subprocess.Popen], timeout: float = 15) -> None:
+    """SIGINT to every process still running, then waits; one that does not stop within `timeout` s is killed."""
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+    for process in processes:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
