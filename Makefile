@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-slow demo bench clean FORCE
+.PHONY: venv test test-slow lint format demo bench clean FORCE
 
 venv: $(STAMP)
 
@@ -28,6 +28,16 @@ test: venv
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
+
+# ruff (lint + format check) and mypy, as configured in pyproject.toml; `make format` applies the formatter.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 demo: venv
 	$(VENV)/bin/smartgen demo

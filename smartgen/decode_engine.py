@@ -21,6 +21,7 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,14 +54,17 @@ class Assembled(NamedTuple):
     split: IndexSplit
 
 
-def _drop_remote(split: IndexSplit) -> IndexSplit:
-    """Proactive-only: remote entries turn into padding (rows local-first), so they are never fetched or attended."""
-    status = torch.where(split.status == REMOTE, torch.zeros_like(split.status), split.status)
+def _drop_remote_rows(split: IndexSplit, rows: torch.Tensor) -> IndexSplit:
+    """Proactive-only rows (`rows` [R] bool): remote entries turn into padding (rows local-first), so they
+    are never fetched or attended; the other rows are left as they are."""
+    dropped = rows.unsqueeze(1) & (split.status == REMOTE)
+    status = torch.where(dropped, torch.zeros_like(split.status), split.status)
     order = torch.sort(status.to(torch.int16), dim=1, descending=True, stable=True).indices
+    keep = ~rows.unsqueeze(1)
     return IndexSplit(
-        torch.gather(split.index, 1, order),
-        torch.gather(status, 1, order),
-        torch.zeros_like(split.num_remote),
+        torch.where(keep, split.index, torch.gather(split.index, 1, order)),
+        torch.where(keep, split.status, torch.gather(status, 1, order)),
+        torch.where(rows, torch.zeros_like(split.num_remote), split.num_remote),
         split.num_local,
     )
 
@@ -253,13 +257,19 @@ class DecodeEngine:
                 request.link.control.send(Message(MessageKind.IDLE, request_id, {"layer": layer}))
 
     def assemble(self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float = 60.0) -> Assembled:
-        """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows."""
+        """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows.
+
+        Every policy decision is the request's own, never the batch's: a drop-remote request's
+        remote entries turn into padding while its neighbours' are fetched, and a parallel
+        request gathers its local entries while the fetches are in flight, a sequential one after.
+        """
         requests = [self._require(rid) for rid in request_ids]
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
-        if requests and requests[0].policy.drop_remote:
-            split = _drop_remote(split)
+        drop_rows = self._rows_where(requests, index.device, lambda policy: policy.drop_remote)
+        if bool(drop_rows.any()):
+            split = _drop_remote_rows(split, drop_rows)
         num_rows, k = index.shape
         k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
         v_out = torch.zeros_like(k_out)
@@ -267,15 +277,16 @@ class DecodeEngine:
         fetches = self._send_fetches(layer, requests, split)
         local_start = num_remote
         local_stop = num_remote + num_local
+        parallel_rows = self._rows_where(requests, index.device, lambda policy: policy.parallel)
+        # local entries of parallel requests now, while their fetches are in flight; the others' after landing
+        early_stop = torch.where(parallel_rows, local_stop, local_start)
         started = time.monotonic()
-        if requests and requests[0].policy.parallel:
-            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, local_stop, k_out, v_out)
-            self.counters.add("local", seconds=time.monotonic() - started)
-            self._land_fetches(layer, fetches, timeout)
-        else:  # partial transfer: remote first, then local
-            self._land_fetches(layer, fetches, timeout)
+        gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, early_stop, k_out, v_out)
+        self.counters.add("local", seconds=time.monotonic() - started)
+        self._land_fetches(layer, fetches, timeout)
+        if not bool(parallel_rows.all()):
             local_started = time.monotonic()
-            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, local_stop, k_out, v_out)
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, early_stop, local_stop, k_out, v_out)
             self.counters.add("local", seconds=time.monotonic() - local_started)
         if fetches:
             zeros = torch.zeros_like(num_remote)
@@ -288,6 +299,13 @@ class DecodeEngine:
             request.metrics.selected_entries += int(local_stop[rows].sum())
             request.metrics.remote_entries += int(num_remote[rows].sum())
         return Assembled(k_out, v_out, local_stop, split)
+
+    def _rows_where(
+        self, requests: list[_Request], device: torch.device, test: Callable[[Policy], bool]
+    ) -> torch.Tensor:
+        """[B·H] bool: the index rows of the requests whose policy passes `test`."""
+        per_request = torch.tensor([test(r.policy) for r in requests], dtype=torch.bool, device=device)
+        return per_request.repeat_interleave(self.layout.num_kv_heads)
 
     def local_spans(
         self, layer: int, request_ids: list[str], starts: list[int], stops: list[int]

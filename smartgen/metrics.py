@@ -70,6 +70,8 @@ class RequestMetrics:
             "tbt": self.tbt,
             "on_demand_ratio": self.on_demand_ratio,
             "fetched_tokens": self.fetched_tokens,
+            "selected_entries": self.selected_entries,
+            "remote_entries": self.remote_entries,
             "error": self.error,
         }
 

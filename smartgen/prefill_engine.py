@@ -30,6 +30,8 @@ from smartgen.planning import Planner, TransferPlan, speculative_slice_size
 from smartgen.policy import Policy, get_policy
 from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
 
+FLUSH_TIMEOUT_S = 600.0
+
 __all__ = ["PrefillEngine", "OpenedRequest", "pack_metadata", "unpack_metadata"]
 
 
@@ -202,10 +204,16 @@ class PrefillEngine:
     def finish_prefill(
         self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None
     ) -> None:
-        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step."""
+        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step.
+
+        Under a policy that drops remote entries (proactive-only) what the decode node attends must
+        not depend on thread timing, so the proactive set lands before FIRST_TOKEN leaves.
+        """
         request = self._get(request_id)
         if request is None:
             raise KeyError(f"request {request_id!r} is not open on this prefill node")
+        if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
+            raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
         payload = pack_metadata(metadata or [])
         message = Message(MessageKind.FIRST_TOKEN, request_id, {"token": int(first_token)}, payload)
         request.link.control.send(message, tag="metadata")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,12 +97,15 @@ def _prefill_worker(
 
 def simulate(
     config: SimulationConfig,
-    policy: Policy,
+    policy: Policy | Sequence[Policy],
     importance: torch.Tensor | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> SimulationResult:
-    """Runs one batch of requests (one per entry of `config.lengths`) under `policy`."""
+    """Runs one batch of requests (one per entry of `config.lengths`) under `policy`, or one policy per request."""
     layout = config.layout
+    policies = [policy] * len(config.lengths) if isinstance(policy, Policy) else list(policy)
+    if len(policies) != len(config.lengths):
+        raise ValueError(f"{len(policies)} policies for {len(config.lengths)} requests")
     trace = SyntheticTrace(layout.num_layers, layout.num_kv_heads, ratio=config.select_ratio)
     planner = Planner(
         layout.num_layers,
@@ -134,7 +137,7 @@ def simulate(
         for i, (rid, n) in enumerate(zip(request_ids, config.lengths))
     }
     for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
-        if policy.strategy == "optimal":
+        if policies[i].strategy == "optimal":
             prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
     # The selector's indices and the ground truth (prompt + generated KV) are made up front,
     # so the timed loop runs only the engine.
@@ -150,12 +153,12 @@ def simulate(
     worker.start()
     mismatches = 0
     try:
-        for rid, n in zip(request_ids, config.lengths):
-            decode.open(n, policy, max_new_tokens=config.steps, request_id=rid)
+        for rid, n, request_policy in zip(request_ids, config.lengths, policies):
+            decode.open(n, request_policy, max_new_tokens=config.steps, request_id=rid)
         for rid in request_ids:
             decode.wait_first_token(rid, timeout=600)
-        if policy.wait_for_all:
-            for rid in request_ids:
+        for rid, request_policy in zip(request_ids, policies):
+            if request_policy.wait_for_all:
                 decode.wait_all_local(rid, timeout=600)
         for step in range(1, config.steps):
             for layer in range(layout.num_layers):
@@ -175,8 +178,8 @@ def simulate(
             decode.end_step(request_ids)
             if on_step:
                 on_step(step)
-        if policy.speculative and config.drain_speculation:
-            _drain(decode, request_ids)
+        if config.drain_speculation:
+            _drain(decode, [rid for rid, p in zip(request_ids, policies) if p.speculative])
         all_local = all(
             decode.pool.masks.all_local(decode.slot_of(rid), n) for rid, n in zip(request_ids, config.lengths)
         )
@@ -193,7 +196,7 @@ def simulate(
         push = prefill_end.push.counters.snapshot()
         path_bytes = {path: prefill.counters.bytes.get(path, 0) for path in ("proactive", "speculative", "on_demand")}
         return SimulationResult(
-            policy=policy.name,
+            policy=" | ".join(dict.fromkeys(p.name for p in policies)),
             requests=[m.snapshot() for m in metrics],
             path_bytes=path_bytes,
             push_descriptors=push["num_descriptors"],

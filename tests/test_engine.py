@@ -290,3 +290,25 @@ def test_local_spans_only_when_every_token_is_local():
     decode.pool.masks.set_local(2, slot, 9, 10)
     [(k, v)] = decode.local_spans(2, [rid], [0], [10])
     assert k.shape == (10, 2, 8) and k.data_ptr() == decode.pool.k[2, slot].data_ptr()  # a view, no copy
+
+
+@pytest.fixture(scope="module")
+def alone(importance):
+    """Each policy's requests batched only with requests of their own scheme."""
+    return {name: simulate(config(), [policy, policy], importance) for name, policy in POLICIES.items()}
+
+
+@pytest.mark.parametrize("second", list(POLICIES))
+@pytest.mark.parametrize("first", list(POLICIES))
+def test_a_mixed_scheme_batch_treats_each_request_by_its_own_policy(first, second, importance, alone):
+    mixed = simulate(config(), [POLICIES[first], POLICIES[second]], importance)
+    assert mixed.mismatches == 0 and mixed.max_fetch_count <= 1 and mixed.prefill_requests_left == 0
+    for position, name in enumerate((first, second)):
+        got, want = mixed.requests[position], alone[name].requests[position]
+        assert got["error"] is None
+        # what the request attends: every selected entry, or (proactive-only) exactly its proactive set
+        assert got["selected_entries"] == want["selected_entries"], (name, position)
+        if POLICIES[name].drop_remote:
+            assert got["fetched_tokens"] == got["remote_entries"] == 0
+        else:  # what was remote was fetched (how much is remote at a step depends on when pushes land)
+            assert (got["fetched_tokens"] > 0) == (got["remote_entries"] > 0)

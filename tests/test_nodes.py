@@ -130,3 +130,21 @@ def test_status_shows_paths_lanes_and_recent_requests(cluster):
     assert status["paths"]["selected_entries"] > 0
     assert len(status["links"]) == 2
     assert status["recent"][-1]["completion_tokens"] == 6 and status["recent"][-1]["ttst"] is not None
+
+
+def test_requests_of_different_schemes_decode_together_as_they_do_alone(cluster):
+    _, decode = cluster
+    schemes = ("proactive-only", "smartgen", "partial", "proactive-only")
+    prompts = [_prompt(20 + i, n) for i, n in enumerate((80, 64, 72, 90))]
+    alone = [_run(decode, p, s, max_tokens=8)[0] for p, s in zip(prompts, schemes)]
+    results: list = [None] * len(prompts)
+
+    def worker(i):
+        results[i] = _run(decode, prompts[i], schemes[i], max_tokens=8)[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == alone, "a request's tokens must not depend on the schemes it is batched with"

@@ -106,10 +106,6 @@ class InprocPipeline:
                 output = self.prefill_runner.run(
                     prompts[rid], on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
                 )
-                if (
-                    self.policy.drop_remote
-                ):  # what is dropped must not depend on thread timing: the proactive set lands first
-                    self._prefill_link.push.flush(timeout=600)
                 self.prefill_engine.finish_prefill(rid, output.first_token)
             except BaseException as exc:  # reported to the caller, never swallowed
                 errors.append(exc)
