@@ -70,20 +70,26 @@ def _run(decode, prompt, scheme="smartgen", max_tokens=6):
     return [e.token_id for e in events[:-1]], events[-1]
 
 
-def test_concurrent_requests_batch_together_and_match_running_alone(cluster):
-    prefills, decode = cluster
-    prompts = [_prompt(i, n) for i, n in enumerate((70, 45, 90, 30))]
-    alone = [_run(decode, p)[0] for p in prompts]
-    results = [None] * len(prompts)
+def _run_concurrently(decode, prompts, schemes, max_tokens=6) -> list:
+    """Submits every prompt at once (so they share decode batches); returns each one's tokens."""
+    results: list = [None] * len(prompts)
 
     def worker(i):
-        results[i] = _run(decode, prompts[i])[0]
+        results[i] = _run(decode, prompts[i], schemes[i], max_tokens=max_tokens)[0]
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    return results
+
+
+def test_concurrent_requests_batch_together_and_match_running_alone(cluster):
+    prefills, decode = cluster
+    prompts = [_prompt(i, n) for i, n in enumerate((70, 45, 90, 30))]
+    alone = [_run(decode, p)[0] for p in prompts]
+    results = _run_concurrently(decode, prompts, ["smartgen"] * len(prompts))
     assert results == alone, "continuous batching must not change a request's tokens"
     # the decode node spread the requests over both prefill nodes (least loaded first)
     assert all(node.num_prefilled > 0 for node in prefills)
@@ -137,14 +143,5 @@ def test_requests_of_different_schemes_decode_together_as_they_do_alone(cluster)
     schemes = ("proactive-only", "smartgen", "partial", "proactive-only")
     prompts = [_prompt(20 + i, n) for i, n in enumerate((80, 64, 72, 90))]
     alone = [_run(decode, p, s, max_tokens=8)[0] for p, s in zip(prompts, schemes)]
-    results: list = [None] * len(prompts)
-
-    def worker(i):
-        results[i] = _run(decode, prompts[i], schemes[i], max_tokens=8)[0]
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = _run_concurrently(decode, prompts, schemes, max_tokens=8)
     assert results == alone, "a request's tokens must not depend on the schemes it is batched with"
