@@ -141,12 +141,14 @@ def simulate(
         config = SimulationConfig(**{**{f: getattr(config, f) for f in config.__slots__}, "gbps": rate})
     except ValueError as exc:
         fail(str(exc))
+    from smartgen.lanes.rate import transfer_seconds
+
     console = Console()
     total_kv = sum(layout.kv_bytes(n) for n in prompt_lengths)
     console.print(
         f"[bold]smartgen simulate[/]: {len(prompt_lengths)} requests ({', '.join(map(str, prompt_lengths))} tokens), "
         f"L={layers} H={kv_heads} d={head_dim} fp32, M={blocks}, {total_kv / 2**20:.1f} MiB of KV, "
-        f"link {rate:.3f} Gbit/s (full transfer {total_kv * 8 / (rate * 1e9):.2f} s vs prefill "
+        f"link {rate:.3f} Gbit/s (full transfer {transfer_seconds(total_kv, rate):.2f} s vs prefill "
         f"{config.prefill_seconds_per_token * max(prompt_lengths):.2f} s), {steps} output tokens"
     )
     with Progress(console=console, transient=True) as progress:

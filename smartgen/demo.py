@@ -120,6 +120,7 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
 def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[list[SchemeResult], dict]:
     """Runs the whole demo; returns per-scheme results and a description of the setup."""
     from smartgen.evalsuite import generate_task, score_sample
+    from smartgen.lanes.rate import gbps_for, transfer_seconds
     from smartgen.runtime.models import kv_layout
 
     stored, model, tokenizer = ensure_profile(config, say)
@@ -131,14 +132,14 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     mean_tokens = statistics.mean(len(tokenizer(s.prompt).input_ids) for s in samples)
     prefill_seconds = stored.prefill_seconds_per_token * mean_tokens
     kv_bytes = kv_layout(model, num_blocks=config.blocks).kv_bytes(int(mean_tokens))
-    gbps = kv_bytes * 8 / (config.transfer_ratio * prefill_seconds) / 1e9
+    gbps = gbps_for(kv_bytes, config.transfer_ratio * prefill_seconds)
     setup = {
         "model": config.model.name,
         "prompt_tokens": round(mean_tokens),
         "prefill_s": prefill_seconds,
         "kv_mib": kv_bytes / 2**20,
         "link_gbps": gbps,
-        "transfer_s": kv_bytes * 8 / (gbps * 1e9),
+        "transfer_s": transfer_seconds(kv_bytes, gbps),
         "selector": f"{config.selector} {config.budget:g}",
         "profile": stored.id,
     }

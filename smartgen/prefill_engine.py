@@ -114,7 +114,10 @@ class PrefillEngine:
                 return
             try:
                 self._handle(link, geometry, message)
-            except Exception as exc:  # a bad request must not take the node down
+            except ValueError as exc:  # a request this node refuses (busy, no profile, bad policy): say why
+                log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
+                link.control.send(Message(MessageKind.ERROR, message.request_id, {"reason": str(exc)}))
+            except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
                 log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
                 link.control.send(Message(MessageKind.ERROR, message.request_id, {"reason": str(exc)}))
 

@@ -28,6 +28,7 @@ import torch
 from smartgen.fingerprint import model_fingerprint
 from smartgen.lanes.base import WriteOp
 from smartgen.lanes.link import inproc_link
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.layout import DEFAULT_NUM_BLOCKS, KVLayout
 from smartgen.planning import ImportanceAccumulator
 from smartgen.policy import get_policy
@@ -178,7 +179,7 @@ def measure_transfer(layout: KVLayout, length: int, gbps: float) -> float:
         op = [WriteOp("kv", "kv", 0, 0, layer_bytes)]
         start = time.perf_counter()
         done = [prefill_end.push.post_writes("calibration", source, op, tag="full") for _ in range(layout.num_layers)]
-        timeout = 60 + 10 * layout.kv_bytes(length) * 8 / (gbps * 1e9)
+        timeout = 60 + 10 * transfer_seconds(layout.kv_bytes(length), gbps)
         if not all(c.wait(timeout) and c.applied for c in done):
             raise RuntimeError("the calibration transfer did not complete")
         return time.perf_counter() - start
@@ -353,7 +354,7 @@ def profile(
             continue
         mean_length = statistics.fmean(lengths[r])
         if link.kind == "rate":
-            transfer = layout.kv_bytes(1) * mean_length * 8 / (link.gbps * 1e9)
+            transfer = transfer_seconds(layout.kv_bytes(1) * mean_length, link.gbps)
         else:
             transfer = measure_transfer(layout, round(mean_length), link.gbps)
         profiles.append(

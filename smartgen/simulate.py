@@ -18,6 +18,7 @@ import torch
 
 from smartgen.decode_engine import DecodeEngine
 from smartgen.lanes.link import inproc_link
+from smartgen.lanes.rate import gbps_for, transfer_seconds
 from smartgen.layout import KVLayout
 from smartgen.planning import ImportanceAccumulator, Planner
 from smartgen.policy import Policy
@@ -217,7 +218,7 @@ def simulate(
 def _transfer_seconds_per_token(config: SimulationConfig) -> float:
     if config.gbps is None:
         return 0.0
-    return config.layout.kv_bytes(1) * 8 / (config.gbps * 1e9)
+    return transfer_seconds(config.layout.kv_bytes(1), config.gbps)
 
 
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:
@@ -303,7 +304,7 @@ def link_rate_for(config: SimulationConfig, transfer_ratio: float) -> float:
     if prefill_seconds <= 0:
         raise ValueError("deriving the link rate from a transfer ratio needs a non-zero prefill time")
     total_bytes = sum(config.layout.kv_bytes(n) for n in config.lengths)
-    return total_bytes * 8 / (transfer_ratio * prefill_seconds) / 1e9
+    return gbps_for(total_bytes, transfer_ratio * prefill_seconds)
 
 
 def compare(

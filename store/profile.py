@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import smartgen
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.planning import proactive_budget
 
 __all__ = ["Profile", "EXPORT_FORMAT", "EXPORT_VERSION", "importance_to_bytes", "importance_from_bytes"]
@@ -119,7 +120,7 @@ class Profile:
     def transfer_seconds_at(self, gbps: float, length: float | None = None) -> float:
         """T_t of a full KV transfer of `length` tokens (default the mean) at `gbps` Gbit/s."""
         tokens = self.mean_length if length is None else length
-        return self.kv_bytes_per_token * tokens * 8 / (gbps * 1e9)
+        return transfer_seconds(self.kv_bytes_per_token * tokens, gbps)
 
     def k_r(self, gbps: float | None = None) -> int:
         """K_r from the stored T_p and T_t (or T_t at another link rate); scale-free in the prompt length."""

@@ -66,7 +66,7 @@ def test_dense_with_kv_split_between_lanes_equals_all_local(family_model):
         # fetched (remote-first) rows sum in another order than local spans: equal up to rounding
         for x, y in zip(a.logits, b.logits):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-    if family != "gemma3":  # gemma's sliding layers keep only a window, which may all be local
+    if family not in ("gemma3", "gemma2"):  # gemma's sliding layers keep only a window, which may all be local
         assert any(r.metrics.remote_entries > 0 for r in split)
 
 
@@ -117,3 +117,59 @@ def test_half_precision_runs_and_stays_close_to_hf(dtype):
     assert result.tokens[0] == expected[0]  # the first token comes from the same prefill
     # our decode attention accumulates in fp32, SDPA in the model dtype: close, not equal
     torch.testing.assert_close(result.logits[0], expected_logits[1].float(), atol=0.15, rtol=0.05)
+
+
+def test_infinigen_reads_each_family_s_query(family_model):
+    """InfiniGen rebuilds the next layer's query from the attention input: q/k norms and fused projections too."""
+    family, model = family_model
+    policy = get_policy("smartgen", strategy="streaming")
+    with InprocPipeline(model, policy, "infinigen", {"budget": 0.5}, num_blocks=16) as pipeline:
+        [result] = pipeline.generate([_prompt(40, seed=8)], 4)
+    assert len(result.tokens) == 4, family
+
+
+def test_a_model_loaded_the_plain_way_is_refused_clearly():
+    from transformers import AutoModelForCausalLM
+
+    from smartgen.runtime.models import ModelLoadError
+
+    plain = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    with pytest.raises(ModelLoadError, match="not through SmartGen's hook: load it with"):
+        InprocPipeline(plain, get_policy("partial"), "dense", num_blocks=16)
+
+
+def test_a_family_without_what_the_runtime_needs_is_refused_on_every_path():
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from smartgen.runtime.decode import DecodeRunner
+    from smartgen.runtime.models import ModelLoadError
+    from smartgen.runtime.prefill import PrefillRunner
+
+    neox = AutoModelForCausalLM.from_config(
+        GPTNeoXConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    )
+    for entry in (
+        lambda: InprocPipeline(neox, get_policy("partial"), "dense", num_blocks=16),
+        lambda: PrefillRunner(neox, None),
+        lambda: DecodeRunner(neox, None, None),
+        lambda: model_from_config(neox.config),
+    ):
+        with pytest.raises(ModelLoadError, match="is not supported"):
+            entry()
+
+
+def test_a_policy_whose_budget_cannot_be_known_is_refused():
+    model = model_from_config(tiny_config("llama"))
+    with pytest.raises(ValueError, match="plans with a profile: pass importance="):
+        InprocPipeline(model, get_policy("smartgen"), "dense", num_blocks=16)
+    with pytest.raises(ValueError, match="pass prefill_seconds_per_token="):
+        InprocPipeline(model, get_policy("smartgen", strategy="streaming"), "dense", num_blocks=16, gbps=1.0)
+    with InprocPipeline(
+        model,
+        get_policy("smartgen", strategy="streaming"),
+        "dense",
+        num_blocks=16,
+        gbps=1.0,
+        prefill_seconds_per_token=1e-6,
+    ) as pipeline:  # the transfer time comes from the link rate (8x the prefill here): K_r is below every block
+        assert pipeline.prefill_engine.planner.budget(64, "budget") < pipeline.layout.num_layers * 16

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from transformers import (
+    Gemma2Config,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -21,6 +24,7 @@ COMMON = dict(
     max_position_embeddings=512,
     initializer_range=0.3,
     tie_word_embeddings=False,
+    eos_token_id=None,  # HF generate must run the full length, as the pipeline does
 )
 
 
@@ -42,12 +46,20 @@ def tiny_config(family: str):
             query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         )
+    if family == "gemma2":  # soft-capped logits: attention runs eager inside the hook
+        return Gemma2Config(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+    if family == "granite":  # scaled embeddings, residuals and logits
+        return GraniteConfig(
+            **COMMON, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.25
+        )
+    if family == "olmo2":  # q/k RMSNorm over the whole projection, not per head
+        return Olmo2Config(**COMMON)
     if family == "phi3":
         return Phi3Config(**{**COMMON, "num_key_value_heads": 2}, pad_token_id=0, sliding_window=None)
     raise ValueError(family)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "gemma2", "granite", "olmo2")
 
 
 def save_tiny_model(folder, family: str = "llama", seed: int = 0):

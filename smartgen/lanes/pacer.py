@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from smartgen.lanes.rate import bytes_per_second
+
 __all__ = ["Pacer"]
 
 # Sleeping is coarse (tens of µs); letting the virtual clock lag real time by this much
@@ -55,7 +57,7 @@ class Pacer:
 
     @property
     def bytes_per_second(self) -> float | None:
-        return None if self.gbps is None else self.gbps * 1e9 / 8
+        return None if self.gbps is None else bytes_per_second(self.gbps)
 
     def chunk_bytes(self) -> int:
         """How much a bulk lane books at a time: about 2 ms of link time (16 KiB to 1 MiB).

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from smartgen.fingerprint import model_fingerprint
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.planner import NodePlanner, ProfileMatch
@@ -73,7 +74,7 @@ def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
             match = per_thread.best(fingerprint, settings.selector, settings.blocks, length)
         profile = match.profile
         transfer = (
-            profile.kv_bytes_per_token * 8 / (settings.link_gbps * 1e9)
+            transfer_seconds(profile.kv_bytes_per_token, settings.link_gbps)
             if settings.link_gbps
             else profile.transfer_seconds_per_token
         )

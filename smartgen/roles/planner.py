@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.layout import KVLayout
 from smartgen.planning import Planner, TransferPlan
 
@@ -44,7 +45,7 @@ class NodePlanner:
         self.layout = layout
         self.lookup = lookup
         self.fallback_strategy = fallback_strategy
-        self.link_seconds_per_token = 0.0 if not link_gbps else layout.kv_bytes(1) * 8 / (link_gbps * 1e9)
+        self.link_seconds_per_token = transfer_seconds(layout.kv_bytes(1), link_gbps)
         self._prefill_seconds_per_token = 0.0
         self._lock = threading.Lock()
         self._warned = False

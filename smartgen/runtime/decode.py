@@ -27,7 +27,7 @@ from smartgen.attention import span_decode_attention, sparse_decode_attention
 from smartgen.decode_engine import Assembled, DecodeEngine
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import use_handler
-from smartgen.runtime.models import layer_kinds
+from smartgen.runtime.models import check_runnable, layer_kinds
 from smartgen.runtime.prefill import DENSE_LAYERS
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import Selector, StepQuery, pad_rows
@@ -138,6 +138,7 @@ class DecodeRunner:
     def __init__(
         self, model: PreTrainedModel, selector: Selector, engine: DecodeEngine, sampler: Sampler | None = None
     ) -> None:
+        check_runnable(model)
         self.model = model
         self.selector = selector
         self.engine = engine

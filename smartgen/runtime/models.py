@@ -14,7 +14,8 @@ from smartgen.runtime.hooks import ATTENTION_NAME, register
 from smartgen.selectors.base import ModelInfo
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "TESTED_MODEL_TYPES",
+    "check_runnable",
     "ModelLoadError",
     "LayerKinds",
     "load_model",
@@ -24,18 +25,56 @@ __all__ = [
     "kv_layout",
 ]
 
-# Families with a standard attention module whose forward goes through transformers' attention interface.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3")
+# Families tested against transformers' own generate (tests/test_runtime.py). Others pass if they have
+# what the runtime needs (`check_runnable`); these names are only what we have tried.
+TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "gemma2", "granite", "olmo2")
+
+_CONFIG_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 
 
 class ModelLoadError(RuntimeError):
     """The model cannot be loaded or is not one SmartGen supports; the message says why."""
 
 
-def _check_supported(config: PretrainedConfig) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+def _check_config(config: PretrainedConfig) -> None:
+    """What the runtime reads from a config: layer and head counts and the attention layout."""
+    missing = [name for name in _CONFIG_FIELDS if getattr(config, name, None) is None]
+    if missing:
         raise ModelLoadError(
-            f"model type {config.model_type!r} is not supported; SmartGen runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {config.model_type!r} is not supported: its config has no {', '.join(missing)}"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"model type {config.model_type!r} is an encoder-decoder; SmartGen runs decoder-only LMs")
+
+
+def check_runnable(model: torch.nn.Module) -> None:
+    """Refuses, with the reason, a model the runtime cannot drive: the capability check every entry path runs.
+
+    Needs: a decoder-only causal LM whose layers sit at `model.model.layers`, each attending
+    through transformers' attention interface (`self_attn` with q/k/v projections or Phi-3's
+    fused one), a rotary embedding at `model.model.rotary_emb`, GQA head counts in the config,
+    and the model loaded with `attn_implementation="smartgen"` (what `load_model` does):
+    under sdpa or eager the hook never runs, so the engine would see no KV.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ModelLoadError(f"{type(model).__name__} is not a transformers model (no config)")
+    _check_config(config)
+    name = f"model type {config.model_type!r}"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != config.num_hidden_layers:
+        raise ModelLoadError(f"{name} is not supported: its decoder layers are not at model.model.layers")
+    attn = getattr(layers[0], "self_attn", None)
+    if attn is None or not (all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
+        raise ModelLoadError(f"{name} is not supported: its attention has no q/k/v projections SmartGen can read")
+    if getattr(model.model, "rotary_emb", None) is None:
+        raise ModelLoadError(f"{name} is not supported: SmartGen needs a rotary position embedding (RoPE)")
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != ATTENTION_NAME:
+        raise ModelLoadError(
+            f"the model attends with {implementation!r}, not through SmartGen's hook: load it with "
+            "smartgen.runtime.models.load_model (or from_pretrained(..., attn_implementation='smartgen') after "
+            "smartgen.runtime.hooks.register())"
         )
 
 
@@ -47,7 +86,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         raise ModelLoadError(f"no model folder at {folder}")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        _check_supported(config)
+        _check_config(config)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
         )
@@ -55,16 +94,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
+    check_runnable(model)
     return model.to(device).eval()
 
 
 def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of a config (tests, benchmarks), attending through SmartGen's hook."""
     register()
-    _check_supported(config)
+    _check_config(config)
     config._attn_implementation = ATTENTION_NAME
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME)
+    check_runnable(model)
     return model.to(dtype).eval()
 
 
@@ -103,7 +144,7 @@ def model_info(model: PreTrainedModel) -> ModelInfo:
     return ModelInfo(
         num_layers=config.num_hidden_layers,
         num_q_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
         hidden_size=config.hidden_size,
         model=model,

@@ -17,13 +17,14 @@ from transformers import PreTrainedModel
 
 from smartgen.decode_engine import DecodeEngine
 from smartgen.lanes.link import inproc_link
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.layout import DEFAULT_NUM_BLOCKS
 from smartgen.metrics import RequestMetrics
 from smartgen.planning import Planner
 from smartgen.policy import Policy
 from smartgen.prefill_engine import PrefillEngine
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
-from smartgen.runtime.models import kv_layout, model_info
+from smartgen.runtime.models import check_runnable, kv_layout, model_info
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors import make_selector
@@ -64,12 +65,16 @@ class InprocPipeline:
     ) -> None:
         """`kv_transform(layer, k, v)` -> (k, v), [n, H, d] each, rewrites every layer's K/V at the
         prefill hand-off before it is stored and sent (the quantized-KV scheme)."""
+        check_runnable(model)  # before anything reads the config: a clear refusal, not an AttributeError
         self.model = model
         self.kv_transform = kv_transform
         self.policy = policy
         info = model_info(model)
         self.selector = make_selector(selector, info, **(selector_params or {}))
         self.layout = kv_layout(model, num_blocks=num_blocks)
+        if gbps and not transfer_seconds_per_token:  # the link's own rate, unless measured timings were given
+            transfer_seconds_per_token = transfer_seconds(self.layout.kv_bytes(1), gbps)
+        _check_timings(policy, importance, prefill_seconds_per_token, transfer_seconds_per_token)
         planner = Planner(
             info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token
         )
@@ -96,11 +101,15 @@ class InprocPipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prefill_worker(self, prompts: dict[str, torch.Tensor], errors: list[BaseException]) -> None:
-        for _ in prompts:
-            request = self.prefill_engine.next_request(timeout=60)
+    def _prefill_worker(
+        self, prompts: dict[str, torch.Tensor], errors: list[BaseException], stop: threading.Event
+    ) -> None:
+        served = 0
+        while served < len(prompts) and not stop.is_set():
+            request = self.prefill_engine.next_request(timeout=0.05)
             if request is None:
-                return
+                continue
+            served += 1
             rid = request.request_id
             try:
                 output = self.prefill_runner.run(
@@ -127,7 +136,10 @@ class InprocPipeline:
         lengths = [int(p.numel()) for p in ids]
         request_ids = [self.decode_engine.open(n, self.policy, max_new_tokens=max_new_tokens) for n in lengths]
         errors: list[BaseException] = []
-        worker = threading.Thread(target=self._prefill_worker, args=(dict(zip(request_ids, ids)), errors), daemon=True)
+        stop = threading.Event()
+        worker = threading.Thread(
+            target=self._prefill_worker, args=(dict(zip(request_ids, ids)), errors, stop), daemon=True
+        )
         worker.start()
         try:
             first = []
@@ -135,7 +147,8 @@ class InprocPipeline:
                 try:
                     first.append(self.decode_engine.wait_first_token(rid, timeout=600))
                 except Exception as exc:
-                    worker.join(timeout=1)
+                    stop.set()
+                    worker.join(timeout=5)
                     if errors:
                         raise errors[0] from exc
                     raise
@@ -147,6 +160,7 @@ class InprocPipeline:
                 self.decode_engine.abort(rid, "prefill failed")
             raise
         finally:
+            stop.set()
             worker.join(timeout=10)
         metadata = [self.decode_engine.request_metadata(rid) for rid in request_ids]
         batch = DecodeBatch(request_ids, lengths, metadata, torch.tensor(first))
@@ -198,6 +212,24 @@ class InprocPipeline:
             raise
         self.release(request_ids)
         return [results[rid] for rid in request_ids]
+
+
+def _check_timings(
+    policy: Policy, importance: torch.Tensor | None, prefill_seconds_per_token: float, transfer_seconds_per_token: float
+) -> None:
+    """Refuses a policy whose proactive budget K_r cannot be known from what was given."""
+    if policy.proactive != "budget":
+        return
+    if policy.strategy == "profile" and importance is None:
+        raise ValueError(
+            f"scheme {policy.name!r} plans with a profile: pass importance= (a stored profile's), "
+            "or choose another proactive-set strategy (get_policy(name, strategy='streaming'))"
+        )
+    if transfer_seconds_per_token > 0 and prefill_seconds_per_token <= 0:
+        raise ValueError(
+            f"scheme {policy.name!r} sizes its proactive set from prefill and transfer time: with a paced link, "
+            "pass prefill_seconds_per_token= too (a profile's, or measured)"
+        )
 
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:

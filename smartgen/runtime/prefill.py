@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import dense_attention, use_handler
-from smartgen.runtime.models import LayerKinds, layer_kinds
+from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import PrefillLayer, Selector
 
@@ -63,6 +63,7 @@ class PrefillRunner:
     """Runs prefill one request at a time (batch 1, no padding) on the prefill node."""
 
     def __init__(self, model: PreTrainedModel, selector: Selector | None, sampler: Sampler | None = None) -> None:
+        check_runnable(model)
         self.model = model
         self.selector = selector
         self.sampler = sampler or Sampler()

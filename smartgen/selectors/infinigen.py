@@ -175,8 +175,11 @@ class InfiniGenSelector(Selector):
             if attn.qkv_proj.bias is not None:
                 bias = attn.qkv_proj.bias[: hq * dim]
         q = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).view(-1, hq, 1, dim)  # [B, Hq, 1, d]
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3 / Gemma 3 normalise q per head before RoPE
-            q = attn.q_norm(q)
+        norm = getattr(attn, "q_norm", None)
+        if norm is not None and norm.weight.numel() == hq * dim:  # OLMo 2 normalises the whole projection
+            q = norm(q.reshape(-1, hq * dim)).view(-1, hq, 1, dim)
+        elif norm is not None:  # Qwen3 / Gemma 3 normalise q per head before RoPE
+            q = norm(q)
         if self._rope is None:
             raise ValueError("InfiniGenSelector needs ModelInfo.rope (or a model with a rotary module)")
         return self._rope(q, positions[:, None]).squeeze(2)
