@@ -7,6 +7,7 @@ selector metadata is handed over directly. Used by tests, `smartgen eval` and be
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -70,10 +71,10 @@ class InprocPipeline:
         info = model_info(model)
         self.selector = make_selector(selector, info, **(selector_params or {}))
         self.layout = kv_layout(model, num_blocks=num_blocks)
-        planner = Planner(
+        self.planner = Planner(
             info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token
         )
-        self.prefill_engine = PrefillEngine(self.layout, planner)
+        self.prefill_engine = PrefillEngine(self.layout, self.planner)
         # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
         self.decode_engine = DecodeEngine(
             self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device)
@@ -103,9 +104,7 @@ class InprocPipeline:
                 return
             rid = request.request_id
             try:
-                output = self.prefill_runner.run(
-                    prompts[rid], on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
-                )
+                output = self.prefill_runner.run(prompts[rid], on_layer=functools.partial(self._hand_off, rid))
                 if (
                     self.policy.drop_remote
                 ):  # what is dropped must not depend on thread timing: the proactive set lands first
