@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from smartgen.cli.errors import fail
+from .errors import fail
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "samples" / "sample-model"
 

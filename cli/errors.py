@@ -1,4 +1,8 @@
-"""One way for every command to fail on a user mistake: a one-line message and a non-zero exit, no traceback."""
+"""One way for every command to fail on a user mistake: a one-line message and a non-zero exit, no traceback.
+
+Commands import `fail` relatively (`from .errors import fail`): mypy checks this folder as the package `cli`,
+where `smartgen.cli` does not resolve, and only a resolved `fail` is known to be NoReturn.
+"""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smartgen.cli.errors import fail
 from smartgen.cli.profiles import DbOption
+
+from .errors import fail
 
 if TYPE_CHECKING:
     from smartgen.evaluation import EvalReport

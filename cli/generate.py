@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from smartgen.cli.errors import fail
+from .errors import fail
 
 __all__ = ["GenerateError", "stream_generate", "generate"]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smartgen.cli.errors import fail
+from .errors import fail
 
 if TYPE_CHECKING:
     from smartgen.store import ProfileStore

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from smartgen.cli.errors import fail
+from .errors import fail
 
 PANEL_MODEL = "Model and selection"
 PANEL_NET = "Network"
@@ -184,10 +184,10 @@ def serve(
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
-            node = build_decode_node(
+            decode_node = build_decode_node(
                 settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting
             )
-            _run_decode(node, host, port, prefill, scheme, ready_file)
+            _run_decode(decode_node, host, port, prefill, scheme, ready_file)
     except (ModelLoadError, ValueError) as exc:
         fail(str(exc))
     except ConnectionError as exc:

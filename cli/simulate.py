@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from smartgen.cli.errors import fail
+from .errors import fail
 
 PANEL_WORK = "Workload"
 PANEL_LINK = "Link and compute"

@@ -36,6 +36,8 @@ def sparse_decode_attention(
     padding = torch.arange(k, device=keys.device).unsqueeze(0) >= num_valid.unsqueeze(1).long()  # [R, k]
     vals = values.float()
     if extra_key is not None:
+        if extra_value is None:
+            raise ValueError("extra_key needs extra_value: the extra entry is attended with its value")
         extra = torch.bmm(q, extra_key.float().unsqueeze(2)) * scale  # [R, G, 1]
         scores = torch.cat([scores, extra], dim=2)
         padding = torch.cat([padding, torch.zeros_like(padding[:, :1])], dim=1)

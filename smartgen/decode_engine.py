@@ -77,8 +77,8 @@ class _Request:
     link: LinkEnd
     policy: Policy
     metrics: RequestMetrics
+    fetch_counts: torch.Tensor  # [L, n] int32: how often each token was fetched
     first_token: Future = field(default_factory=Future)
-    fetch_counts: torch.Tensor | None = None  # [L, n] int32: how often each token was fetched
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
 
@@ -443,4 +443,5 @@ class DecodeEngine:
     def mask_summary(self, request_id: str) -> list[tuple[int, int, int]]:
         """Per layer (pad, local, remote) counts of one request's mask."""
         slot = self._require(request_id).slot
-        return [tuple(self.pool.masks.summary(layer, slot)) for layer in range(self.layout.num_layers)]
+        summaries = (self.pool.masks.summary(layer, slot) for layer in range(self.layout.num_layers))
+        return [(pad, local, remote) for pad, local, remote in summaries]

@@ -301,9 +301,7 @@ def evaluate(
                     results[i] = _result(tokenizer, samples[i], len(ids[i]), out)
                     if chosen.proactive == "budget":  # K_r over all blocks of this prompt
                         total = pipeline.layout.num_layers * effective_blocks(len(ids[i]), blocks)
-                        run.proactive_shares.append(
-                            pipeline.prefill_engine.planner.budget(len(ids[i]), "budget") / total
-                        )
+                        run.proactive_shares.append(pipeline.planner.budget(len(ids[i]), "budget") / total)
                 if on_progress is not None:
                     on_progress(len(results), len(samples), cond.label)
     run.results = [results[i] for i in range(len(samples))]

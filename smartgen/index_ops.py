@@ -30,7 +30,8 @@ __all__ = [
 class IndexSplit(NamedTuple):
     """A KV index reordered remote-first, with the mask value of each entry."""
 
-    index: torch.Tensor  # [R, k] int64: remote entries, then local, then padding (stable)
+    # a field named `index` shadows tuple.index (never called on an IndexSplit); renaming it would change the API
+    index: torch.Tensor  # type: ignore[assignment]  # [R, k] int64: remote entries, then local, then padding (stable)
     status: torch.Tensor  # [R, k] int8: mask value of each reordered entry
     num_remote: torch.Tensor  # [R] int32
     num_local: torch.Tensor  # [R] int32

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,7 @@ __all__ = [
     "strategy_scores",
     "speculative_slice_size",
     "Planner",
+    "TransferPlanner",
 ]
 
 ALWAYS_SENT_LAYERS = 2  # layers 0 and 1 attend densely on the decode node, so they always go whole
@@ -185,6 +187,14 @@ def strategy_scores(
         acc.add(request_counts)
         return acc.importance()
     raise ValueError(f"unknown proactive strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+class TransferPlanner(Protocol):
+    """What the prefill engine plans with: a Planner, or the prefill node's NodePlanner (profile per length)."""
+
+    def plan(
+        self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None
+    ) -> TransferPlan: ...
 
 
 @dataclass(frozen=True, slots=True)

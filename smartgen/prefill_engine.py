@@ -26,7 +26,7 @@ from smartgen.lanes.base import Completion, Message, MessageKind
 from smartgen.lanes.link import LinkEnd
 from smartgen.layout import KVLayout
 from smartgen.metrics import PathCounters
-from smartgen.planning import Planner, TransferPlan, speculative_slice_size
+from smartgen.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.policy import Policy, get_policy
 from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
 
@@ -79,7 +79,7 @@ class OpenedRequest:
 class PrefillEngine:
     """Serves the decode nodes attached to it; `prefill_layer` is called by the model runtime."""
 
-    def __init__(self, layout: KVLayout, planner: Planner, max_queue: int = 64) -> None:
+    def __init__(self, layout: KVLayout, planner: TransferPlanner, max_queue: int = 64) -> None:
         self.layout = layout
         self.max_queue = max_queue
         self.planner = planner

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from transformers import PreTrainedModel
 
 from smartgen.fingerprint import model_fingerprint
 from smartgen.lanes.base import WriteOp
@@ -91,7 +92,11 @@ def load_calibration(path: str | Path) -> CalibrationSet:
 
 
 def _inline_set(prompts: Sequence[str] | Sequence[Sequence[int]]) -> CalibrationSet:
-    items = tuple(p if isinstance(p, str) else tuple(int(t) for t in p) for p in prompts)
+    texts = tuple(p for p in prompts if isinstance(p, str))
+    token_ids = tuple(tuple(int(t) for t in p) for p in prompts if not isinstance(p, str))
+    if texts and token_ids:
+        raise CalibrationError("calibration prompts must be all text or all token ids, not both")
+    items = texts or token_ids
     if not items:
         raise CalibrationError("no calibration prompts")
     return CalibrationSet("inline", hashlib.sha256(json.dumps(items).encode()).hexdigest(), items)
@@ -198,7 +203,7 @@ def _json_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def _tokenize(tokenizer: Any, calibration: CalibrationSet) -> list[list[int]]:
     if not calibration.prompts or isinstance(calibration.prompts[0], tuple):
-        return [list(p) for p in calibration.prompts]
+        return [list(p) for p in calibration.prompts if isinstance(p, tuple)]  # all of them: a set is one kind
     if tokenizer is None:
         raise ValueError("text prompts need a tokenizer")
     return [list(tokenizer(text, add_special_tokens=True)["input_ids"]) for text in calibration.prompts]
@@ -233,7 +238,7 @@ class _Calibrator:
     """An InprocPipeline under the "full" policy whose selector is counted and whose prefill is timed."""
 
     def __init__(
-        self, model: torch.nn.Module, selector: str | Selector, params: dict[str, Any], num_blocks: int, max_tokens: int
+        self, model: PreTrainedModel, selector: str | Selector, params: dict[str, Any], num_blocks: int, max_tokens: int
     ) -> None:
         full = get_policy("full")
         if isinstance(selector, str):
@@ -255,7 +260,8 @@ class _Calibrator:
         self.pipeline.selector = runner.selector = self.pipeline.decode_runner.selector = self.counter
         self._prefill = runner.run
         self._prefill_seconds: list[float] = []
-        runner.run = self._timed_prefill
+        # wraps this runner's bound method (the pipeline made the runner); a subclass would need a second runner
+        runner.run = self._timed_prefill  # type: ignore[method-assign]
 
     def _timed_prefill(self, ids, on_layer=None):
         start = time.perf_counter()
@@ -279,7 +285,7 @@ class _Calibrator:
 
 
 def profile(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tokenizer: Any,
     prompts: CalibrationSet | Sequence[str] | Sequence[Sequence[int]],
     selector: str | Selector,

@@ -214,6 +214,7 @@ class ProfileStore:
         with self._write() as db:
             table = db.table(TABLE)
             table.insert(profile.to_row())
+            assert table.last_pk is not None  # sqlite-utils sets it on every insert
             return int(table.last_pk)
 
     def get(self, profile_id: int) -> Profile:

@@ -118,6 +118,8 @@ def test_profile_errors(llama):
         profile(llama, None, _prompts(16), "dense", length_ranges=[(8, 64)])
     with pytest.raises(ValueError, match="unknown selector"):
         profile(llama, None, _prompts(16), "nope", length_ranges=[(8, 64)])
+    with pytest.raises(CalibrationError, match="all text or all token ids"):
+        profile(llama, None, ["some text", *_prompts(16)], "topk", length_ranges=[(8, 64)])
     with pytest.raises(ValueError, match="tokenizer"):
         profile(llama, None, ["text needs a tokenizer"], "topk", length_ranges=[(1, 64)])
 

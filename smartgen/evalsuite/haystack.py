@@ -63,6 +63,7 @@ def assemble(
         if abs(error) <= tolerance * target_tokens or step == 0 or (num_items == 0 and step < 0):
             break
         num_items = max(0, num_items + step)
+    assert best is not None  # the loop above runs at least once
     return best
 
 
@@ -82,12 +83,12 @@ def _join(head: str, items: list[str], inserts: list[Insert], tail: str, sep: st
     length = len(head)
     spans: list[tuple[int, int]] = []
     previous_is_item = False
-    for text, insert in pieces:
-        is_item = insert is None or insert.joins_as_item
+    for text, piece_insert in pieces:
+        is_item = piece_insert is None or piece_insert.joins_as_item
         if is_item and previous_is_item:
             out.append(sep)
             length += len(sep)
-        if insert is not None and insert.is_answer:
+        if piece_insert is not None and piece_insert.is_answer:
             stripped = text.strip()
             start = length + text.index(stripped)
             spans.append((start, start + len(stripped)))

@@ -12,6 +12,7 @@ Every question ends in its task's answer prefix ("... for {key} is:"), the way R
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 __all__ = [
     "VARIANTS",
@@ -384,6 +385,7 @@ def train_filler_sentences() -> tuple[str, ...]:
 def filler_stream(variant: str, rng: random.Random):
     """An endless filler sentence stream: eval and calibration cycle their block like RULER's noise;
     train either cycles a random small block or draws sentences freely."""
+    block: Sequence[str]
     if variant in ("eval", "calibration"):
         block = filler_sentences(variant)
         while True:

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (no copy)."""
     flat = tensor.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())
+    # numpy's stubs give ndarray.__buffer__ only for Python >= 3.12; ndarrays are buffers on every version
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -198,7 +199,8 @@ class TcpLane(QueuedLane):
             for dst, offset, length in frame.meta["ops"]:
                 region = self._regions.get(dst) if land else None
                 if region is not None and region.device.type == "cpu":
-                    recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])
+                    # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only (see _bytes_view)
+                    recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])  # type: ignore[arg-type]
                 else:
                     staging = bytearray(length)
                     recv_into_exact(self._sock, memoryview(staging))

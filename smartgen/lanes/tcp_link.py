@@ -43,7 +43,7 @@ class TcpListener:
         self.pacer = pacer or Pacer(None)
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.2)
-        self.address = self._server.getsockname()[:2]
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
         self._half: dict[str, dict[str, TcpLane]] = {}
         self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
         self._cond = threading.Condition()

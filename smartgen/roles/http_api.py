@@ -178,6 +178,7 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
         if gen.done is None:  # this handler was cancelled (server shutting down): free the request
             handle.cancel("request cancelled")
     done = gen.done
+    assert done is not None  # set when gen.pieces() ran to its end
     if done.error is not None:
         return _error(done.error, 503 if done.reason == "aborted" else 500)
     text = "".join(pieces)
@@ -191,7 +192,7 @@ async def _sse(gen: _Generation, head: dict[str, Any], chat: bool, include_usage
     """OpenAI's server-sent events; the finally cancels the request when the client goes away mid-stream."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(payload: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(payload: dict[str, Any] | str, finish: str | None = None) -> str:
         choice = {"index": 0, ("delta" if chat else "text"): payload, "logprobs": None, "finish_reason": finish}
         event = {**head, "object": kind, "choices": [choice]}
         if include_usage:
@@ -204,6 +205,7 @@ async def _sse(gen: _Generation, head: dict[str, Any], chat: bool, include_usage
         async for piece in gen.pieces():
             yield chunk({"content": piece} if chat else piece)
         done = gen.done
+        assert done is not None  # set when gen.pieces() ran to its end
         if done.error is not None:
             error = _error_body(done.error, 503 if done.reason == "aborted" else 500)
             yield f"data: {json.dumps(error)}\n\n"

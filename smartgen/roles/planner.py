@@ -33,7 +33,7 @@ class ProfileMatch:
 
 
 class NodePlanner:
-    """Duck-types `Planner.plan`: picks the profile for each request's length, then plans."""
+    """A TransferPlanner: picks the profile for each request's length, then plans."""
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ A request's life on a prefill node:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -148,9 +149,7 @@ class PrefillNode:
                 continue
             started = time.monotonic()
             try:
-                output = self.runner.run(
-                    request.prompt, on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
-                )
+                output = self.runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
             except KeyError:
                 continue  # released or aborted while prefilling (the decode node gave up on it)
             except Exception as exc:  # a failed prefill fails its request, not the node

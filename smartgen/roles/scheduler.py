@@ -247,8 +247,13 @@ class DecodeScheduler:
             batch.positions = torch.cat([batch.positions, position])
         self._running.append(active)
 
+    def _running_batch(self) -> DecodeBatch:
+        """The decode batch of the running requests: _join_batch makes it before the first one runs."""
+        assert self._batch is not None, "requests are running without a decode batch"
+        return self._batch
+
     def _step(self) -> None:
-        batch = self._batch
+        batch = self._running_batch()
         try:
             _, logits = self.runner.step(batch)
         except RequestFailed as exc:
@@ -280,7 +285,7 @@ class DecodeScheduler:
             for active in self._running:
                 self._abort(active, reason)
             keep = []
-        self._batch.drop(keep)
+        self._running_batch().drop(keep)
         self._running = [self._running[b] for b in keep]
 
     # -- per request ---------------------------------------------------------------------
@@ -339,7 +344,7 @@ class DecodeScheduler:
                 self._abort(active, active.handle.cancel_reason)
                 if group is self._running:
                     index = self._running.index(active)
-                    self._batch.drop([b for b in range(len(self._running)) if b != index])
+                    self._running_batch().drop([b for b in range(len(self._running)) if b != index])
                 group.remove(active)
 
     def _fail_all(self, reason: str) -> None:

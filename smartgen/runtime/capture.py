@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 __all__ = ["HiddenCapture"]
 
@@ -18,7 +19,7 @@ __all__ = ["HiddenCapture"]
 class HiddenCapture:
     """Installs pre-hooks on a model's attention modules; `get(layer)` returns [B, T, D]."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self._local = threading.local()
         self._handles = []
         for layer, block in enumerate(model.model.layers):

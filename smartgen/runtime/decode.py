@@ -16,7 +16,7 @@ worker runs on its own stream).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from smartgen.selectors.dense import DenseSelector
 __all__ = ["DecodeBatch", "EngineCache", "DecodeRunner"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # the __init__ below: `positions` is optional there, never None after it
 class DecodeBatch:
     """Requests decoding together; each has its prompt length, metadata and current position."""
 
@@ -44,11 +44,21 @@ class DecodeBatch:
     prompt_lengths: list[int]
     metadata: list[list[dict[str, torch.Tensor]]]  # [request][layer]
     last_tokens: torch.Tensor  # [B] the token to feed next
-    positions: torch.Tensor = field(default=None)  # [B] its position; defaults to the prompt length
+    positions: torch.Tensor  # [B] its position; defaults to the prompt length
 
-    def __post_init__(self) -> None:
-        if self.positions is None:
-            self.positions = torch.tensor(self.prompt_lengths, dtype=torch.int64)
+    def __init__(
+        self,
+        request_ids: list[str],
+        prompt_lengths: list[int],
+        metadata: list[list[dict[str, torch.Tensor]]],
+        last_tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        self.request_ids = request_ids
+        self.prompt_lengths = prompt_lengths
+        self.metadata = metadata
+        self.last_tokens = last_tokens
+        self.positions = torch.tensor(prompt_lengths, dtype=torch.int64) if positions is None else positions
         if not (len(self.request_ids) == len(self.prompt_lengths) == len(self.metadata) == len(self.last_tokens)):
             raise ValueError("a decode batch needs one id, length, metadata list and last token per request")
 
@@ -128,7 +138,11 @@ class _DecodeHandler:
             and next_layer < runner.num_layers
             and runner.ranges(next_layer, self.batch) is None
         ):
-            hidden = runner.capture.get(layer)[:, -1]  # [B, D] this layer's attention input
+            capture = runner.capture
+            assert capture is not None  # DecodeRunner makes one for every lookahead selector
+            captured = capture.get(layer)
+            assert captured is not None  # step() started the capture and this layer's pre-hook has just run
+            hidden = captured[:, -1]  # [B, D] this layer's attention input
             self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, self.batch, hidden)
 
 

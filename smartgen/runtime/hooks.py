@@ -46,7 +46,7 @@ def dense_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Ordinary attention (SDPA, or eager when the model soft-caps logits): out [B, q_len, Hq, d]."""
     if kwargs.get("softcap") is not None:
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward

@@ -95,7 +95,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     check_runnable(model)
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps(Module.to); typeshed's _Wrapped is no descriptor,
+    # so mypy binds `device` to `self`
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:

@@ -7,6 +7,7 @@ selector metadata is handed over directly. Used by tests, `smartgen eval` and be
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -75,10 +76,10 @@ class InprocPipeline:
         if gbps and not transfer_seconds_per_token:  # the link's own rate, unless measured timings were given
             transfer_seconds_per_token = transfer_seconds(self.layout.kv_bytes(1), gbps)
         _check_timings(policy, importance, prefill_seconds_per_token, transfer_seconds_per_token)
-        planner = Planner(
+        self.planner = Planner(
             info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token
         )
-        self.prefill_engine = PrefillEngine(self.layout, planner)
+        self.prefill_engine = PrefillEngine(self.layout, self.planner)
         # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
         self.decode_engine = DecodeEngine(
             self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device)
@@ -112,9 +113,7 @@ class InprocPipeline:
             served += 1
             rid = request.request_id
             try:
-                output = self.prefill_runner.run(
-                    prompts[rid], on_layer=lambda layer, k, v, meta, rid=rid: self._hand_off(rid, layer, k, v, meta)
-                )
+                output = self.prefill_runner.run(prompts[rid], on_layer=functools.partial(self._hand_off, rid))
                 self.prefill_engine.finish_prefill(rid, output.first_token)
             except BaseException as exc:  # reported to the caller, never swallowed
                 errors.append(exc)

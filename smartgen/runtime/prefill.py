@@ -23,8 +23,8 @@ __all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinig
 
 DENSE_LAYERS = 2  # layers 0 and 1 attend densely on the decode node and need no metadata
 
-# on_layer(layer, k [n, H, d], v [n, H, d], metadata)
-LayerSink = Callable[[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
+# on_layer(layer, k [n, H, d], v [n, H, d], metadata); what it returns is ignored
+LayerSink = Callable[[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], object]
 
 
 @dataclass(slots=True)

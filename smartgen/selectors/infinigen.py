@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 
@@ -52,7 +53,7 @@ FIRST_SPARSE_LAYER = 2  # layers 0-1 are dense in InfiniGen and in SmartGen
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layer list of a HF causal LM (text-only or a multimodal wrapper's language model)."""
     for path in ("model.layers", "model.language_model.layers", "language_model.layers", "layers"):
-        module = model
+        module: object = model
         for part in path.split("."):
             module = getattr(module, part, None)
             if module is None:
@@ -160,7 +161,7 @@ class InfiniGenSelector(Selector):
     def _attention(self, layer: int) -> torch.nn.Module:
         if self.info.model is None:
             raise ValueError("InfiniGenSelector needs ModelInfo.model to speculate queries from hidden states")
-        return decoder_layers(self.info.model)[layer].self_attn
+        return decoder_layers(self.info.model)[layer].get_submodule("self_attn")
 
     @torch.no_grad()  # selection never needs gradients through the model's weights
     def query_from_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -171,9 +172,10 @@ class InfiniGenSelector(Selector):
         if proj is not None:
             weight, bias = proj.weight, proj.bias
         else:  # Phi-3's fused projection: the first Hq·d output rows are q
-            weight, bias = attn.qkv_proj.weight[: hq * dim], None
-            if attn.qkv_proj.bias is not None:
-                bias = attn.qkv_proj.bias[: hq * dim]
+            qkv_proj = cast(torch.nn.Linear, attn.qkv_proj)
+            weight, bias = qkv_proj.weight[: hq * dim], None
+            if qkv_proj.bias is not None:
+                bias = qkv_proj.bias[: hq * dim]
         q = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).view(-1, hq, 1, dim)  # [B, Hq, 1, d]
         norm = getattr(attn, "q_norm", None)
         if norm is not None and norm.weight.numel() == hq * dim:  # OLMo 2 normalises the whole projection
