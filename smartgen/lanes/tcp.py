@@ -19,20 +19,23 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Message, MessageKind, WriteOp
+from smartgen.lanes.base import Completion, Message, WriteOp
+from smartgen.lanes.framing import bytes_view, message_frame, recv_message
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.wire import ConnectionClosed, FrameType, recv_header, recv_into_exact, send_frame, send_header
+from smartgen.lanes.wire import (
+    ConnectionClosed,
+    FrameType,
+    hang_up,
+    recv_header,
+    recv_into_exact,
+    send_frame,
+    send_header,
+)
 
 __all__ = ["TcpLane"]
 
 log = logging.getLogger(__name__)
-
-
-def _bytes_view(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU tensor's memory (no copy)."""
-    flat = tensor.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())
 
 
 @dataclass(slots=True)
@@ -95,16 +98,7 @@ class TcpLane(QueuedLane):
             return
         self._closed.set()
         self._outbox.put(STOP)
-        try:
-            with self._send_lock:
-                send_frame(self._sock, FrameType.BYE)
-        except OSError:
-            pass
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        hang_up(self._sock, self._send_lock)
         self._fail_pending()
         self._inbox.put(STOP)
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
@@ -142,7 +136,7 @@ class TcpLane(QueuedLane):
                 started = time.monotonic()
                 stamp = {"t": time.time()} if self._pacer.delay_s else {}
                 if isinstance(item, _Batch):
-                    views = {name: _bytes_view(t) for name, t in item.sources.items()}
+                    views = {name: bytes_view(t) for name, t in item.sources.items()}
                     parts = [views[op.src][op.src_offset : op.src_offset + op.length] for op in item.ops]
                     meta = {"seq": item.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in item.ops], **stamp}
                     # The send lock covers the whole frame: ACKs from the receive thread share the socket.
@@ -156,14 +150,12 @@ class TcpLane(QueuedLane):
             self._on_broken(f"send failed: {exc}")
 
     def _send_message(self, message: Message, stamp: dict) -> None:
-        names = list(message.payload)
-        tensors = [message.payload[n].detach().contiguous().cpu() for n in names]
-        spec = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in zip(names, tensors)]
-        meta = {"kind": int(message.kind), "meta": message.meta, "payload": spec, **stamp}
+        meta, parts = message_frame(message)
         urgent = not self.bulk
         try:
             with self._send_lock:
-                send_frame(self._sock, FrameType.MESSAGE, message.request_id, meta, [_bytes_view(t) for t in tensors])
+                send_header(self._sock, FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
+                self._paced_send(parts)  # a fetch reply's KV pays the link like a push does
         finally:
             if urgent:
                 self._pacer.urgent_booked()
@@ -208,13 +200,7 @@ class TcpLane(QueuedLane):
             send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": land})
 
     def _receive_message(self, frame) -> None:
-        payload = {}
-        for name, dtype, shape in frame.meta["payload"]:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            if tensor.numel():
-                recv_into_exact(self._sock, _bytes_view(tensor))
-            payload[name] = tensor
-        self._inbox.put(Message(MessageKind(frame.meta["kind"]), frame.request_id, frame.meta["meta"], payload))
+        self._inbox.put(recv_message(self._sock, frame))
 
     def _on_ack(self, seq: int, applied: bool) -> None:
         # ACKs come in order, one per WRITE, so `applied` belongs to `seq` alone
