@@ -11,3 +11,23 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# -- lanes: every contract test runs on every lane this machine has --------------------------------
+import pytest  # noqa: E402
+
+# NIXL's UCX backend over loopback TCP: there is no RDMA device here, and shared memory would skip the network
+os.environ.setdefault("UCX_TLS", "tcp,self")
+
+LANE_KINDS = ("inproc", "tcp", "mooncake", "nixl", "rdma")
+
+
+@pytest.fixture(params=LANE_KINDS)
+def lane_kind(request) -> str:
+    """A lane backend by name; skipped, with the reason, where its package or device is missing."""
+    from smartgen.lanes.backends import unavailable
+
+    reason = unavailable(request.param)
+    if reason:
+        pytest.skip(f"{request.param} lane unavailable: {reason}")
+    return request.param
