@@ -22,12 +22,22 @@ os.environ.setdefault("UCX_TLS", "tcp,self")
 LANE_KINDS = ("inproc", "tcp", "mooncake", "nixl", "rdma")
 
 
+def _available(name: str) -> str:
+    from smartgen.lanes.backends import unavailable
+
+    reason = unavailable(name)
+    if reason:
+        pytest.skip(f"{name} lane unavailable: {reason}")
+    return name
+
+
 @pytest.fixture(params=LANE_KINDS)
 def lane_kind(request) -> str:
     """A lane backend by name; skipped, with the reason, where its package or device is missing."""
-    from smartgen.lanes.backends import unavailable
+    return _available(request.param)
 
-    reason = unavailable(request.param)
-    if reason:
-        pytest.skip(f"{request.param} lane unavailable: {reason}")
-    return request.param
+
+@pytest.fixture(params=LANE_KINDS[1:])
+def socket_lane_kind(request) -> str:
+    """The lanes whose links are made over authenticated sockets (all but in-process)."""
+    return _available(request.param)
