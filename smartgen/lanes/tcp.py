@@ -185,10 +185,18 @@ class TcpLane(QueuedLane):
         return self._pacer.delay_s
 
     def _receive_write(self, frame) -> None:
+        ops = frame.meta["ops"]
+        if sum(int(length) for _, _, length in ops) != frame.payload_length:
+            raise ConnectionError("WRITE frame: its descriptors do not add up to its payload")
         with self._apply_lock:
             land = frame.request_id in self._accepted
-            for dst, offset, length in frame.meta["ops"]:
+            applied = land
+            for dst, offset, length in ops:
                 region = self._regions.get(dst) if land else None
+                if region is not None and not 0 <= offset <= offset + length <= region.numel():
+                    region = None  # out of bounds: read off the wire and dropped, like an unknown region
+                if land and region is None:
+                    applied = False
                 if region is not None and region.device.type == "cpu":
                     recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])
                 else:
@@ -197,7 +205,7 @@ class TcpLane(QueuedLane):
                     if region is not None:  # device memory: land through a host buffer
                         region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
         with self._send_lock:
-            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": land})
+            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": applied})
 
     def _receive_message(self, frame) -> None:
         self._inbox.put(recv_message(self._sock, frame))
