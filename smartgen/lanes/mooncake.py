@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from smartgen.lanes.extras import require
-from smartgen.lanes.onesided import OneSidedLane
+from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
@@ -81,9 +81,4 @@ class MooncakeTransport(Transport):
 
 def mooncake_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
     """A lane factory for TcpListener/tcp_connect: Mooncake for the writes, `sock` as the side channel."""
-    transport = MooncakeTransport(host=sock.getsockname()[0])
-    try:
-        return OneSidedLane(sock, transport, name, pacer, bulk)
-    except BaseException:
-        transport.close()
-        raise
+    return one_sided_lane(MooncakeTransport(host=sock.getsockname()[0]), sock, name, pacer, bulk)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from smartgen.lanes.extras import require
-from smartgen.lanes.onesided import OneSidedLane
+from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
@@ -107,9 +107,4 @@ class NixlTransport(Transport):
 
 def nixl_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
     """A lane factory for TcpListener/tcp_connect: NIXL for the writes, `sock` as the side channel."""
-    transport = NixlTransport()
-    try:
-        return OneSidedLane(sock, transport, name, pacer, bulk)
-    except BaseException:
-        transport.close()
-        raise
+    return one_sided_lane(NixlTransport(), sock, name, pacer, bulk)

@@ -36,7 +36,7 @@ from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportE
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, recv_header, send_frame, send_header
 from smartgen.lanes.write_plan import chunk_ops, region_runs
 
-__all__ = ["OneSidedLane"]
+__all__ = ["OneSidedLane", "one_sided_lane"]
 
 log = logging.getLogger(__name__)
 CONFIRM_TIMEOUT = 10.0
@@ -308,3 +308,14 @@ class OneSidedLane(QueuedLane):
                 item.batch.completion.set(False)
         elif isinstance(item, _Marker):
             item.completion.set(False)
+
+
+def one_sided_lane(
+    transport: Transport, sock: socket.socket, name: str, pacer: Pacer | None, bulk: bool
+) -> OneSidedLane:
+    """Wraps a fresh transport and its side channel into a lane; the transport is closed if that fails."""
+    try:
+        return OneSidedLane(sock, transport, name, pacer, bulk)
+    except BaseException:
+        transport.close()
+        raise
