@@ -16,7 +16,8 @@ __all__ = ["bytes_view", "message_frame", "recv_message"]
 def bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (no copy)."""
     flat = tensor.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())
+    array = (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+    return memoryview(array)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python >= 3.12
 
 
 def message_frame(message: Message) -> tuple[dict[str, Any], list[memoryview]]:

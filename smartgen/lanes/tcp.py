@@ -198,7 +198,7 @@ class TcpLane(QueuedLane):
                 if land and region is None:
                     applied = False
                 if region is not None and region.device.type == "cpu":
-                    recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])
+                    recv_into_exact(self._sock, bytes_view(region)[offset : offset + length])
                 else:
                     staging = bytearray(length)
                     recv_into_exact(self._sock, memoryview(staging))

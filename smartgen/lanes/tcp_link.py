@@ -58,7 +58,7 @@ class TcpListener:
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.2)
         self.address = self._server.getsockname()[:2]
-        self._half: dict[str, dict[str, TcpLane]] = {}
+        self._half: dict[str, dict[str, Lane]] = {}
         self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._closed = threading.Event()
@@ -168,9 +168,8 @@ def loopback_tcp_link(
     identity = {"fingerprint": "loopback", "model": "loopback", "layout": None}
     listener = TcpListener("127.0.0.1", 0, secret, identity, Pacer(gbps, delay_s), lane_factory)
     try:
-        decode_end = tcp_connect(
-            *listener.address, secret, identity, gbps=gbps, delay_s=delay_s, lane_factory=lane_factory
-        )
+        host, port = listener.address
+        decode_end = tcp_connect(host, port, secret, identity, gbps=gbps, delay_s=delay_s, lane_factory=lane_factory)
         accepted = listener.accept(timeout=10)
         if accepted is None:
             decode_end.close()

@@ -90,7 +90,7 @@ class VerbsEndpoint:
         for wr in reversed(batch):
             flags = e.IBV_SEND_SIGNALED if wr.signaled else 0
             sge = wr_mod.SGE(wr.sge.addr, wr.sge.length, wr.sge.lkey)
-            kwargs = {"next_wr": head} if head is not None else {}
+            kwargs: dict[str, Any] = {"next_wr": head} if head is not None else {}
             send = wr_mod.SendWR(
                 wr_id=wr.wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=flags, **kwargs
             )
