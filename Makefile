@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-slow lint format demo bench clean FORCE
+.PHONY: venv test test-slow lint format demo bench lanes pyverbs-debian clean FORCE
 
 venv: $(STAMP)
 
@@ -46,6 +46,21 @@ bench: venv
 	$(PY) bench/engine_ops.py --quick
 	$(PY) bench/decode_step.py --lengths 1024,8192
 	$(PY) bench/tcp_lane.py
+	$(PY) bench/lanes.py
+
+# The optional lanes: Mooncake (needs libibverbs1 from Debian) and NIXL, into .venv.
+lanes: venv
+	command -v apt-get >/dev/null && (dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update && apt-get install -y libibverbs1)) || true
+	$(PY) -m pip install -e '.[mooncake,nixl]'
+
+# Debian's pyverbs (built for Debian's python3, matching its rdma-core) made visible to .venv; only when
+# .venv's Python has the same minor version as /usr/bin/python3 (3.11 on Debian 12). See docs/lanes.md.
+pyverbs-debian: venv
+	apt-get install -y python3-pyverbs
+	@test "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" = "$$(/usr/bin/python3 -c 'import sys; print(sys.version_info[:2])')" \
+		|| (echo "pyverbs-debian: .venv's Python differs from /usr/bin/python3; rebuild .venv with PYTHON=/usr/bin/python3" && false)
+	mkdir -p $(VENV)/debian-pyverbs && ln -sfn /usr/lib/python3/dist-packages/pyverbs $(VENV)/debian-pyverbs/pyverbs
+	echo "$(abspath $(VENV))/debian-pyverbs" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/debian-pyverbs.pth
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

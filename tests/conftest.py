@@ -26,6 +26,7 @@ os.environ["SMARTGEN_DB"] = str(_DATA_ROOT / "profiles.db")
 # triton.jit reads TRITON_INTERPRET when a function is decorated, including triton.language's own
 # helpers (tl.cumsum's combine function), so it must be set before anything imports triton. It
 # only matters where SMARTGEN_FORCE_TRITON=1 too (tests/test_kernels.py); on CUDA the kernels run natively.
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from smartgen.roles.processes import stop_processes  # noqa: E402
@@ -119,3 +120,32 @@ class Nodes:
 
     def stop(self) -> None:
         stop_processes(p for p in (self.decode, self.prefill) if p is not None)
+
+
+# -- lanes: every contract test runs on every lane this machine has --------------------------------
+
+# NIXL's UCX backend over loopback TCP: there is no RDMA device here, and shared memory would skip the network
+os.environ.setdefault("UCX_TLS", "tcp,self")
+
+LANE_KINDS = ("inproc", "tcp", "mooncake", "nixl", "rdma")
+
+
+def _available(name: str) -> str:
+    from smartgen.lanes.backends import unavailable
+
+    reason = unavailable(name)
+    if reason:
+        pytest.skip(f"{name} lane unavailable: {reason}")
+    return name
+
+
+@pytest.fixture(params=LANE_KINDS)
+def lane_kind(request) -> str:
+    """A lane backend by name; skipped, with the reason, where its package or device is missing."""
+    return _available(request.param)
+
+
+@pytest.fixture(params=LANE_KINDS[1:])
+def socket_lane_kind(request) -> str:
+    """The lanes whose links are made over authenticated sockets (all but in-process)."""
+    return _available(request.param)

@@ -1,13 +1,14 @@
-"""The lane contract on the in-process lane: coalescing, ordering, revocation, pacing, shutdown."""
+"""The lane contract on every lane this machine has: coalescing, ordering, revocation, pacing, shutdown."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from smartgen.descriptors import block_runs, block_write_ops
 from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
-from smartgen.lanes.inproc import InprocLane
+from smartgen.lanes.backends import loopback_link
 from smartgen.layout import KVLayout
 from smartgen.pool import DecodePool, PrefillStore
 
@@ -44,15 +45,16 @@ def test_block_runs_and_a_whole_layer_is_three_descriptors():
 
 
 @pytest.fixture
-def lane_pair():
-    a, b = InprocLane.pair("test")
-    yield a, b
-    a.close()
-    b.close()
+def link(lane_kind):
+    prefill, decode = loopback_link(lane_kind)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
 
 
-def test_writes_land_in_order_and_messages_follow_them(lane_pair):
-    a, b = lane_pair
+def test_writes_land_in_order_and_messages_follow_them(link):
+    prefill, decode = link
+    a, b = prefill.push, decode.push
     region = torch.zeros(64, dtype=torch.uint8)
     b.register_region("x", region)
     b.accept("r1")
@@ -70,8 +72,28 @@ def test_writes_land_in_order_and_messages_follow_them(lane_pair):
     assert a.counters.snapshot()["bytes_by_tag"]["t"] == 20 * 32
 
 
-def test_revoked_requests_never_land(lane_pair):
-    a, b = lane_pair
+def test_a_mask_write_never_lands_before_its_data(link):
+    prefill, decode = link
+    kv = torch.zeros(4 * 2**20, dtype=torch.uint8)
+    mask = torch.zeros(64, dtype=torch.uint8)
+    decode.push.register_region("kv", kv)
+    decode.push.register_region("mask", mask)
+    decode.push.accept("r")
+    data = torch.full((kv.numel(),), 7, dtype=torch.uint8)
+    ones = torch.ones(64, dtype=torch.uint8)
+    for i in range(8):  # each batch: 4 MiB of data, then the block's mask byte; watch for a mask without data
+        kv.zero_()
+        ops = [WriteOp("d", "kv", 0, 0, kv.numel()), WriteOp("o", "mask", 0, i, 1)]
+        done = prefill.push.post_writes("r", {"d": data, "o": ones}, ops, tag="t")
+        while not done.done():
+            if mask[i]:
+                assert int(kv[-1]) == 7, "the mask landed before the end of its data"
+        assert done.applied and int(mask[i]) == 1 and int(kv.min()) == 7
+
+
+def test_revoked_requests_never_land(link):
+    prefill, decode = link
+    a, b = prefill.push, decode.push
     region = torch.zeros(16, dtype=torch.uint8)
     b.register_region("x", region)
     src = torch.full((16,), 9, dtype=torch.uint8)
@@ -95,27 +117,41 @@ def test_pacer_books_the_link_like_a_virtual_clock():
         Pacer(0)
 
 
-def test_paced_lane_takes_at_least_the_wire_time():
-    import time
-
-    a, b = InprocLane.pair("paced", Pacer(gbps=0.08))  # 10 MB/s
+def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
+    prefill, decode = loopback_link(lane_kind, gbps=0.08)  # 10 MB/s
     try:
         region = torch.zeros(200_000, dtype=torch.uint8)
-        b.register_region("x", region)
-        b.accept("r")
+        decode.push.register_region("x", region)
+        decode.push.accept("r")
         started = time.monotonic()
-        a.post_writes(
+        prefill.push.post_writes(
             "r", {"s": torch.ones(200_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 200_000)], tag="t"
         ).wait(10)
         # functional lower bound (20 ms of wire time), never an upper bound: the machine is shared
         assert time.monotonic() - started >= 0.019
+        assert int(region.sum()) == 200_000
     finally:
-        a.close()
-        b.close()
+        prefill.close()
+        decode.close()
 
 
-def test_close_wakes_receivers_and_drops_pending_work():
-    a, b = InprocLane.pair("closing", Pacer(gbps=0.001))
+def test_message_payloads_pay_the_pacer_too(lane_kind):
+    """A fetch reply's KV crosses the same link as a push: it must take its wire time."""
+    prefill, decode = loopback_link(lane_kind, gbps=0.08)  # 10 MB/s
+    try:
+        started = time.monotonic()
+        prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(50_000)}))  # 200 kB
+        reply = decode.control.recv(timeout=10)
+        assert reply is not None and reply.payload["k"].sum() == 50_000
+        assert time.monotonic() - started >= 0.019
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_close_wakes_receivers_and_drops_pending_work(lane_kind):
+    prefill, decode = loopback_link(lane_kind, gbps=0.001)
+    a, b = prefill.push, decode.push
     b.register_region("x", torch.zeros(10**6, dtype=torch.uint8))
     b.accept("r")
     got = []
@@ -129,4 +165,5 @@ def test_close_wakes_receivers_and_drops_pending_work():
     waiter.join(10)
     assert not waiter.is_alive() and got == [None]
     assert all(p.wait(10) for p in pending)
-    b.close()
+    prefill.close()
+    decode.close()

@@ -1,11 +1,13 @@
-"""The TCP lane and its handshake over 127.0.0.1: in-place writes, ordering, refusals, peer death, the engine on top."""
+"""Socket lanes (TCP, Mooncake, NIXL, RDMA) over 127.0.0.1: in-place writes, ordering, refusals, peer death, the engine on top."""
 
 import time
 
 import pytest
 import torch
 
+import smartgen.lanes.tcp_link as tcp_link
 from smartgen.lanes import Message, MessageKind, WriteOp
+from smartgen.lanes.backends import lane_factory, loopback_link
 from smartgen.lanes.tcp_link import TcpListener, loopback_tcp_link, parse_address, tcp_connect
 from smartgen.lanes.wire import HandshakeError
 from smartgen.layout import KVLayout
@@ -17,8 +19,8 @@ IDENTITY = {"fingerprint": "f00d", "model": "tiny", "layout": [4, 2, 8, "float32
 
 
 @pytest.fixture
-def link():
-    prefill, decode = loopback_tcp_link()
+def link(socket_lane_kind):
+    prefill, decode = loopback_link(socket_lane_kind)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -73,12 +75,13 @@ def test_revoked_writes_are_read_off_the_wire_and_dropped(link):
         ("s", IDENTITY, 9, "protocol version mismatch"),
     ],
 )
-def test_handshake_refusals_say_which_check_failed(secret, identity, version, reason):
-    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY)
+def test_handshake_refusals_say_which_check_failed(socket_lane_kind, secret, identity, version, reason):
+    factory = lane_factory(socket_lane_kind)
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY, lane_factory=factory)
     try:
         kwargs = {} if version is None else {"version": version}
         with pytest.raises(HandshakeError, match=reason):
-            tcp_connect(*listener.address, secret, identity, **kwargs)
+            tcp_connect(*listener.address, secret, identity, lane_factory=factory, **kwargs)
         assert listener.accept(timeout=0.2) is None
     finally:
         listener.close()
@@ -122,7 +125,12 @@ def test_parse_address():
 
 
 @pytest.mark.parametrize("name", ["full", "partial", "smartgen"])
-def test_the_engine_over_tcp_assembles_the_true_kv(name):
+def test_the_engine_over_tcp_assembles_the_true_kv(socket_lane_kind, name, monkeypatch):
+    # simulate() builds its "tcp" link with loopback_tcp_link; the same link with another lane factory
+    factory = lane_factory(socket_lane_kind)
+    monkeypatch.setattr(
+        tcp_link, "loopback_tcp_link", lambda *args, **kwargs: loopback_tcp_link(*args, **kwargs, lane_factory=factory)
+    )
     layout = KVLayout(4, 2, 8, torch.float32, num_blocks=16)
     config = SimulationConfig(
         layout, lengths=(100, 37), steps=5, select_ratio=0.2, gbps=0.2, prefill_seconds_per_token=2e-5, transport="tcp"

@@ -133,7 +133,7 @@ class InprocLane(QueuedLane):
         while True:
             arrival, item = self._in_flight.get()
             if item is STOP:
-                self._drain()
+                self._drain(self._outbox, self._in_flight)
                 return
             self._sleep_until(arrival)
             if isinstance(item, _WriteBatch):
@@ -145,21 +145,6 @@ class InprocLane(QueuedLane):
             elif isinstance(item, _Marker):
                 item.completion.set(True)
 
-    def _sleep_until(self, deadline: float) -> None:
-        """Sleeps like the wire would, but wakes at once when the lane closes."""
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            self._closed.wait(remaining)
-
-    def _drain(self) -> None:
-        """Releases every waiter on what was still queued when the lane closed."""
-        for source in (self._outbox, self._in_flight):
-            while True:
-                try:
-                    item = source.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(item, tuple):
-                    item = item[1]
-                if isinstance(item, (_WriteBatch, _Marker)):
-                    item.completion.set(False)
+    def _fail(self, item: object) -> None:
+        if isinstance(item, (_WriteBatch, _Marker)):
+            item.completion.set(False)

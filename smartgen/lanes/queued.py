@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -82,3 +83,23 @@ class QueuedLane(Lane):
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+    # -- for the backends' threads ------------------------------------------------------
+    def _sleep_until(self, deadline: float) -> None:
+        """Sleeps like the wire would, but wakes at once when the lane closes."""
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            self._closed.wait(remaining)
+
+    def _fail(self, item: object) -> None:
+        """Releases whoever waits on a queued item that will never go out (the backend knows its items)."""
+
+    def _drain(self, *queues: queue.Queue) -> None:
+        """Fails everything still queued when the lane closed; (arrival, item) pairs count as their item."""
+        for source in queues:
+            while True:
+                try:
+                    item = source.get_nowait()
+                except queue.Empty:
+                    break
+                self._fail(item[1] if isinstance(item, tuple) else item)

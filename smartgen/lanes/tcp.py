@@ -19,21 +19,23 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.lanes.base import Completion, Message, MessageKind, WriteOp
+from smartgen.lanes.base import Completion, Message, WriteOp
+from smartgen.lanes.framing import bytes_view, message_frame, recv_message
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.wire import ConnectionClosed, FrameType, recv_header, recv_into_exact, send_frame, send_header
+from smartgen.lanes.wire import (
+    ConnectionClosed,
+    FrameType,
+    hang_up,
+    recv_header,
+    recv_into_exact,
+    send_frame,
+    send_header,
+)
 
 __all__ = ["TcpLane"]
 
 log = logging.getLogger(__name__)
-
-
-def _bytes_view(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU tensor's memory (no copy)."""
-    flat = tensor.detach().reshape(-1)
-    # numpy's stubs give ndarray.__buffer__ only for Python >= 3.12; ndarrays are buffers on every version
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.dtype != torch.uint8 else memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -96,16 +98,7 @@ class TcpLane(QueuedLane):
             return
         self._closed.set()
         self._outbox.put(STOP)
-        try:
-            with self._send_lock:
-                send_frame(self._sock, FrameType.BYE)
-        except OSError:
-            pass
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        hang_up(self._sock, self._send_lock)
         self._fail_pending()
         self._inbox.put(STOP)
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
@@ -143,7 +136,7 @@ class TcpLane(QueuedLane):
                 started = time.monotonic()
                 stamp = {"t": time.time()} if self._pacer.delay_s else {}
                 if isinstance(item, _Batch):
-                    views = {name: _bytes_view(t) for name, t in item.sources.items()}
+                    views = {name: bytes_view(t) for name, t in item.sources.items()}
                     parts = [views[op.src][op.src_offset : op.src_offset + op.length] for op in item.ops]
                     meta = {"seq": item.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in item.ops], **stamp}
                     # The send lock covers the whole frame: ACKs from the receive thread share the socket.
@@ -157,14 +150,12 @@ class TcpLane(QueuedLane):
             self._on_broken(f"send failed: {exc}")
 
     def _send_message(self, message: Message, stamp: dict) -> None:
-        names = list(message.payload)
-        tensors = [message.payload[n].detach().contiguous().cpu() for n in names]
-        spec = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in zip(names, tensors)]
-        meta = {"kind": int(message.kind), "meta": message.meta, "payload": spec, **stamp}
+        meta, parts = message_frame(message)
         urgent = not self.bulk
         try:
             with self._send_lock:
-                send_frame(self._sock, FrameType.MESSAGE, message.request_id, meta, [_bytes_view(t) for t in tensors])
+                send_header(self._sock, FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
+                self._paced_send(parts)  # a fetch reply's KV pays the link like a push does
         finally:
             if urgent:
                 self._pacer.urgent_booked()
@@ -194,29 +185,30 @@ class TcpLane(QueuedLane):
         return self._pacer.delay_s
 
     def _receive_write(self, frame) -> None:
+        ops = frame.meta["ops"]
+        if sum(int(length) for _, _, length in ops) != frame.payload_length:
+            raise ConnectionError("WRITE frame: its descriptors do not add up to its payload")
         with self._apply_lock:
             land = frame.request_id in self._accepted
-            for dst, offset, length in frame.meta["ops"]:
+            applied = land
+            for dst, offset, length in ops:
                 region = self._regions.get(dst) if land else None
+                if region is not None and not 0 <= offset <= offset + length <= region.numel():
+                    region = None  # out of bounds: read off the wire and dropped, like an unknown region
+                if land and region is None:
+                    applied = False
                 if region is not None and region.device.type == "cpu":
-                    # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only (see _bytes_view)
-                    recv_into_exact(self._sock, memoryview(region.numpy())[offset : offset + length])  # type: ignore[arg-type]
+                    recv_into_exact(self._sock, bytes_view(region)[offset : offset + length])
                 else:
                     staging = bytearray(length)
                     recv_into_exact(self._sock, memoryview(staging))
                     if region is not None:  # device memory: land through a host buffer
                         region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
         with self._send_lock:
-            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": land})
+            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": applied})
 
     def _receive_message(self, frame) -> None:
-        payload = {}
-        for name, dtype, shape in frame.meta["payload"]:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            if tensor.numel():
-                recv_into_exact(self._sock, _bytes_view(tensor))
-            payload[name] = tensor
-        self._inbox.put(Message(MessageKind(frame.meta["kind"]), frame.request_id, frame.meta["meta"], payload))
+        self._inbox.put(recv_message(self._sock, frame))
 
     def _on_ack(self, seq: int, applied: bool) -> None:
         # ACKs come in order, one per WRITE, so `applied` belongs to `seq` alone

@@ -10,8 +10,10 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+from smartgen.lanes.base import Lane
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp import TcpLane
@@ -20,6 +22,9 @@ from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError, client_handsha
 __all__ = ["TcpListener", "tcp_connect", "parse_address"]
 
 CHANNELS = ("push", "control")
+
+# Wraps an authenticated socket into a lane endpoint: TcpLane, or a one-sided lane using it as side channel.
+LaneFactory = Callable[[socket.socket, str, Pacer, bool], Lane]
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -37,14 +42,23 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
 class TcpListener:
     """The prefill node's side: accepts decode nodes; `accept()` returns one paired LinkEnd at a time."""
 
-    def __init__(self, host: str, port: int, secret: str, identity: dict[str, Any], pacer: Pacer | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        identity: dict[str, Any],
+        pacer: Pacer | None = None,
+        lane_factory: LaneFactory = TcpLane,
+    ) -> None:
         self.secret = secret
+        self.lane_factory = lane_factory
         self.identity = identity
         self.pacer = pacer or Pacer(None)
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._half: dict[str, dict[str, TcpLane]] = {}
+        self._half: dict[str, dict[str, Lane]] = {}
         self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._closed = threading.Event()
@@ -77,7 +91,13 @@ class TcpListener:
         if channel not in CHANNELS:
             sock.close()
             return
-        lane = TcpLane(sock, f"prefill.{channel}.{session[:8]}", self.pacer, bulk=channel == "push")
+        try:
+            lane = self.lane_factory(sock, f"prefill.{channel}.{session[:8]}", self.pacer, channel == "push")
+        except (OSError, ConnectionError, ImportError) as exc:
+            with self._cond:
+                self.rejections.append(f"{channel} lane did not come up: {exc}")
+            sock.close()
+            return
         with self._cond:
             half = self._half.setdefault(session, {})
             half[channel] = lane
@@ -114,6 +134,7 @@ def tcp_connect(
     delay_s: float = 0.0,
     timeout: float = 10.0,
     version: int = PROTOCOL_VERSION,
+    lane_factory: LaneFactory = TcpLane,
 ) -> LinkEnd:
     """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
     session = uuid.uuid4().hex
@@ -128,7 +149,11 @@ def tcp_connect(
                 sock.close()
                 raise
             sock.settimeout(None)
-            lanes[channel] = TcpLane(sock, f"decode.{channel}.{session[:8]}", pacer, bulk=False)
+            try:
+                lanes[channel] = lane_factory(sock, f"decode.{channel}.{session[:8]}", pacer, False)
+            except BaseException:
+                sock.close()
+                raise
     except BaseException:
         for lane in lanes.values():
             lane.close()
@@ -137,13 +162,14 @@ def tcp_connect(
 
 
 def loopback_tcp_link(
-    gbps: float | None = None, delay_s: float = 0.0, secret: str = "loopback"
+    gbps: float | None = None, delay_s: float = 0.0, secret: str = "loopback", lane_factory: LaneFactory = TcpLane
 ) -> tuple[LinkEnd, LinkEnd]:
-    """A real TCP link over 127.0.0.1 inside one process; returns (prefill end, decode end)."""
+    """A real link over 127.0.0.1 (port 0) inside one process; returns (prefill end, decode end)."""
     identity = {"fingerprint": "loopback", "model": "loopback", "layout": None}
-    listener = TcpListener("127.0.0.1", 0, secret, identity, Pacer(gbps, delay_s))
+    listener = TcpListener("127.0.0.1", 0, secret, identity, Pacer(gbps, delay_s), lane_factory)
     try:
-        decode_end = tcp_connect(*listener.address, secret, identity, gbps=gbps, delay_s=delay_s)
+        host, port = listener.address
+        decode_end = tcp_connect(host, port, secret, identity, gbps=gbps, delay_s=delay_s, lane_factory=lane_factory)
         accepted = listener.accept(timeout=10)
         if accepted is None:
             decode_end.close()

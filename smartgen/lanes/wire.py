@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "recv_header",
     "server_handshake",
     "client_handshake",
+    "hang_up",
 ]
 
 PROTOCOL_VERSION = 1
@@ -52,6 +54,12 @@ class FrameType(IntEnum):
     MESSAGE = 7  # a two-sided message: meta {"kind", "meta", "payload": [[name, dtype, shape], ...]}, payload
     FLUSH = 8  # sender -> receiver: answer with ACK once everything before this is applied
     BYE = 9  # orderly close
+    # one-sided lanes (Mooncake, NIXL, RDMA): the bytes move through the transport, this socket is the side channel
+    LANE_INFO = 10  # both ways, once: how to reach this endpoint's transport (session, agent metadata, QP)
+    REGION = 11  # owner -> writer: a registered region, meta {"name", "addr", "length", "key"}
+    ACCEPT = 12  # owner -> writer: meta {"token"}; the writer may now write for this request
+    REVOKE = 13  # owner -> writer: meta {"token"}; the writer stops writing for this request
+    CONFIRM = 14  # writer -> owner: meta {"token"}; the ACCEPT/REVOKE is in force (nothing in flight for a REVOKE)
 
 
 class HandshakeError(RuntimeError):
@@ -121,6 +129,20 @@ def recv_header(sock: socket.socket) -> Frame:
     request_id = recv_exact(sock, rid_length).decode() if rid_length else ""
     meta = json.loads(recv_exact(sock, meta_length)) if meta_length else {}
     return Frame(FrameType(frame_type), request_id, meta, payload_length)
+
+
+def hang_up(sock: socket.socket, send_lock: threading.Lock) -> None:
+    """Says BYE (if the socket still takes it) and closes it, waking a thread blocked reading it."""
+    try:
+        with send_lock:
+            send_frame(sock, FrameType.BYE)
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _mac(secret: str, nonce: str) -> str:

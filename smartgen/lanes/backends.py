@@ -1,0 +1,58 @@
+"""Lane backends by name, imported lazily: in-process, TCP, and the one-sided Mooncake, NIXL and RDMA lanes."""
+
+from __future__ import annotations
+
+import importlib
+
+from smartgen.lanes.extras import MissingExtra
+from smartgen.lanes.link import LinkEnd, inproc_link
+from smartgen.lanes.tcp_link import LaneFactory, loopback_tcp_link
+
+__all__ = ["LANES", "lane_factory", "unavailable", "loopback_link"]
+
+# name -> "module:factory"; every factory wraps an authenticated socket (see tcp_link.LaneFactory)
+LANES = {
+    "tcp": "smartgen.lanes.tcp:TcpLane",
+    "mooncake": "smartgen.lanes.mooncake:mooncake_lane",
+    "nixl": "smartgen.lanes.nixl:nixl_lane",
+    "rdma": "smartgen.lanes.rdma.lane:rdma_lane",
+}
+
+
+def lane_factory(name: str) -> LaneFactory:
+    """The factory for a lane by name; MissingExtra (naming the extra) when its package is not installed."""
+    if name not in LANES:
+        raise ValueError(f"unknown lane {name!r}; choose one of {', '.join(LANES)}")
+    module, attr = LANES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def unavailable(name: str) -> str | None:
+    """Why a lane cannot run on this machine (a missing package or device), or None when it can."""
+    if name in ("inproc", "tcp"):
+        return None
+    try:
+        if name == "mooncake":
+            from smartgen.lanes.mooncake import MooncakeTransport
+
+            MooncakeTransport.probe()
+        elif name == "nixl":
+            from smartgen.lanes.nixl import NixlTransport
+
+            NixlTransport.probe()
+        elif name == "rdma":
+            from smartgen.lanes.rdma.device import probe
+
+            probe()
+        else:
+            return f"unknown lane {name!r}"
+    except (MissingExtra, RuntimeError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def loopback_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> tuple[LinkEnd, LinkEnd]:
+    """Both ends of a link of this kind inside one process, over 127.0.0.1; returns (prefill end, decode end)."""
+    if name == "inproc":
+        return inproc_link(gbps, delay_s)
+    return loopback_tcp_link(gbps, delay_s, lane_factory=lane_factory(name))

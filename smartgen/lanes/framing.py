@@ -1,0 +1,46 @@
+"""Two-sided messages on a socket: one MESSAGE frame (JSON meta, then the payload tensors' raw bytes)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+
+from smartgen.lanes.base import Message, MessageKind
+from smartgen.lanes.wire import Frame, recv_into_exact
+
+__all__ = ["bytes_view", "message_frame", "recv_message"]
+
+
+def bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a CPU tensor's memory (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    array = (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+    return memoryview(array)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python >= 3.12
+
+
+def message_frame(message: Message) -> tuple[dict[str, Any], list[memoryview]]:
+    """A message's frame meta and payload parts; the caller sends the header, then the parts (paced or not)."""
+    names = list(message.payload)
+    tensors = [message.payload[n].detach().contiguous().cpu() for n in names]
+    spec = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in zip(names, tensors)]
+    meta = {"kind": int(message.kind), "meta": message.meta, "payload": spec}
+    return meta, [bytes_view(t) for t in tensors]
+
+
+def recv_message(sock: socket.socket, frame: Frame) -> Message:
+    """Reads a MESSAGE frame's payload into fresh tensors; the declared shapes must add up to the payload length."""
+    tensors = {}
+    for name, dtype, shape in frame.meta["payload"]:
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype):
+            raise ConnectionError(f"unknown payload dtype {dtype!r}")
+        tensors[name] = torch.empty(shape, dtype=kind)
+    declared = sum(t.numel() * t.element_size() for t in tensors.values())
+    if declared != frame.payload_length:
+        raise ConnectionError(f"message payload of {frame.payload_length} bytes, its tensors need {declared}")
+    for tensor in tensors.values():
+        if tensor.numel():
+            recv_into_exact(sock, bytes_view(tensor))
+    return Message(MessageKind(frame.meta["kind"]), frame.request_id, frame.meta["meta"], tensors)

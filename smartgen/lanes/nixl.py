@@ -1,0 +1,110 @@
+"""NIXL as a one-sided transport: one agent per endpoint (UCX backend), host memory, WRITE transfers.
+
+The endpoints swap agent metadata in LANE_INFO; every REGION frame carries the owner's fresh
+metadata too, since NIXL learns a peer's registrations from it. Writes are one
+`initialize_xfer("WRITE")` per run, polled to DONE. UCX picks its transports from the
+environment: `UCX_TLS=tcp,self` on a machine without RDMA, its defaults on a cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from smartgen.lanes.extras import require
+from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.transport import Segment, Transport, TransportError
+
+__all__ = ["NixlTransport", "nixl_lane"]
+
+XFER_TIMEOUT = 60.0
+
+
+class NixlTransport(Transport):
+    """One NIXL agent per endpoint."""
+
+    name = "nixl"
+
+    @staticmethod
+    def probe() -> Any:
+        """The nixl._api module, or MissingExtra naming the extra."""
+        return require("nixl._api", "nixl")
+
+    def __init__(self, backend: str = "UCX") -> None:
+        api = self.probe()
+        self.agent_name = f"smartgen-{uuid.uuid4().hex[:12]}"
+        self._agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=[backend]))
+        self._peer: str | None = None
+        self._registrations: dict[int, Any] = {}
+
+    def _metadata(self) -> str:
+        return base64.b64encode(self._agent.get_agent_metadata()).decode()
+
+    def info(self) -> dict[str, Any]:
+        return {"agent": self.agent_name, "metadata": self._metadata()}
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        self._peer = self._agent.add_remote_agent(base64.b64decode(peer["metadata"])).decode()
+
+    def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
+        addr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        try:
+            self._registrations[addr] = self._agent.register_memory([(addr, size, 0, "")], "DRAM")
+        except Exception as exc:  # nixl raises its own exception classes
+            raise TransportError(f"NIXL register_memory failed: {exc}") from exc
+        return addr, self._metadata()
+
+    def peer_region(self, key: Any) -> Any:
+        self._agent.add_remote_agent(base64.b64decode(key))  # the peer's metadata now includes the region
+        return None
+
+    def deregister(self, handle: Any) -> None:
+        registration = self._registrations.pop(handle, None)
+        if registration is not None:
+            self._agent.deregister_memory(registration)
+
+    def write(self, segments: Sequence[Segment]) -> None:
+        if self._peer is None:
+            raise TransportError("NIXL transport is not connected")
+        try:
+            local = self._agent.get_xfer_descs([(s.src_addr, s.length, 0) for s in segments], "DRAM")
+            remote = self._agent.get_xfer_descs([(s.dst_addr, s.length, 0) for s in segments], "DRAM")
+            handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer)
+        except Exception as exc:
+            raise TransportError(f"NIXL could not set up a write of {len(segments)} segments: {exc}") from exc
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + XFER_TIMEOUT
+            spins = 0
+            while state == "PROC":
+                state = self._agent.check_xfer_state(handle)
+                spins += 1
+                if spins > 64:  # spin briefly for small writes, then stop burning a shared core
+                    time.sleep(20e-6)
+                if time.monotonic() > deadline:
+                    raise TransportError(f"NIXL write to {self._peer} still running after {XFER_TIMEOUT} s")
+            if state != "DONE":
+                raise TransportError(f"NIXL write to {self._peer} ended in state {state}")
+        finally:
+            self._agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        for handle in list(self._registrations):
+            self.deregister(handle)
+        if self._peer is not None:
+            try:
+                self._agent.remove_remote_agent(self._peer)
+            except Exception:  # the agent may already have dropped it
+                pass
+
+
+def nixl_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
+    """A lane factory for TcpListener/tcp_connect: NIXL for the writes, `sock` as the side channel."""
+    return one_sided_lane(NixlTransport(), sock, name, pacer, bulk)

@@ -1,0 +1,81 @@
+"""The RDMA lane: one RC queue pair per endpoint, set up over the authenticated TCP side channel.
+
+The side channel (the TCP lane's handshake: shared secret, model, layout) carries LANE_INFO
+with each end's QPN, PSN, LID, GID and MTU, then REGION frames with each region's address and
+rkey. A push is one ordered WRITE list, posted in doorbell batches with selective signalling;
+RC delivers it in order, so no fence is needed between data and mask (`ordered = True`).
+Two-sided messages (the fetch RPC included) ride the side channel for now; verbs.py has the
+SEND/RECV with per-row scatter lists that a verbs-native fetch path will use.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.rdma.handshake import QpInfo
+from smartgen.lanes.rdma.plan import SendQueue, plan_writes
+from smartgen.lanes.rdma.verbs import VerbsEndpoint
+from smartgen.lanes.transport import Segment, Transport, TransportError
+
+__all__ = ["RdmaTransport", "rdma_lane"]
+
+COMPLETION_TIMEOUT = 30.0
+
+
+class RdmaTransport(Transport):
+    """Verbs WRITEs on one RC queue pair."""
+
+    name = "rdma"
+    ordered = True
+
+    def __init__(self, device: str | None = None, port: int | None = None, gid_index: int | None = None) -> None:
+        self.endpoint = VerbsEndpoint(device, port, gid_index)
+        self._queue = SendQueue(self.endpoint.limits.max_send_wr)
+        self._next_wr_id = 1
+
+    def info(self) -> dict[str, Any]:
+        return self.endpoint.info.to_meta()
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        self.endpoint.connect(QpInfo.from_meta(peer))
+
+    def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
+        mr = self.endpoint.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        return mr, mr.rkey
+
+    def deregister(self, handle: Any) -> None:
+        handle.close()
+
+    def write(self, segments: Sequence[Segment]) -> None:
+        keyed = [s._replace(src_key=s.src_key.lkey) for s in segments]
+        batches = plan_writes(keyed, self.endpoint.limits, self._next_wr_id)
+        self._next_wr_id += sum(len(b) for b in batches)
+        deadline = time.monotonic() + COMPLETION_TIMEOUT
+        for batch in batches:
+            while not self._queue.fits(batch):
+                self._retire(deadline)
+            self.endpoint.post_writes(batch)
+            self._queue.posted(batch)
+        while self._queue.in_use:  # the list's last WRITE is signalled: this returns once all have landed
+            self._retire(deadline)
+
+    def _retire(self, deadline: float) -> None:
+        for wr_id in self.endpoint.poll():
+            self._queue.completed(wr_id)
+        if time.monotonic() > deadline:
+            raise TransportError(f"RDMA WRITEs not completed after {COMPLETION_TIMEOUT} s")
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+def rdma_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
+    """A lane factory for TcpListener/tcp_connect: verbs WRITEs, `sock` as the authenticated side channel."""
+    return one_sided_lane(RdmaTransport(), sock, name, pacer, bulk)

@@ -1,0 +1,84 @@
+"""Lane backends by name: write planning for one-sided transports, missing extras, bad descriptors."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from smartgen.lanes import WriteOp
+from smartgen.lanes.backends import lane_factory, loopback_link
+from smartgen.lanes.extras import MissingExtra, require
+from smartgen.lanes.write_plan import chunk_ops, region_runs
+
+ops_strategy = st.lists(
+    st.builds(
+        WriteOp,
+        st.sampled_from(["a", "b"]),
+        st.sampled_from(["k", "v", "mask"]),
+        st.integers(0, 10_000),
+        st.integers(0, 10_000),
+        st.integers(1, 5_000),
+    ),
+    max_size=20,
+)
+
+
+def _byte_map(ops):
+    return [(op.src, op.dst, op.src_offset + i, op.dst_offset + i) for op in ops for i in range(op.length)]
+
+
+@given(ops_strategy, st.integers(1, 7_000))
+def test_chunks_move_the_same_bytes_in_the_same_order(ops, chunk_bytes):
+    chunks = chunk_ops(ops, chunk_bytes)
+    assert all(0 < sum(op.length for op in chunk) <= chunk_bytes for chunk in chunks)
+    assert _byte_map([op for chunk in chunks for op in chunk]) == _byte_map(ops)
+
+
+def test_region_runs_fence_data_before_mask():
+    ops = [
+        WriteOp("s", "k", 0, 0, 1),
+        WriteOp("s", "k", 1, 1, 1),
+        WriteOp("s", "v", 0, 0, 1),
+        WriteOp("o", "mask", 0, 0, 1),
+    ]
+    assert region_runs(list(range(4)), ops) == [[0, 1], [2], [3]]
+
+
+def test_a_missing_package_names_the_extra():
+    with pytest.raises(MissingExtra, match=r"pip install 'smartgen\[mooncake\]'"):
+        require("no_such_module_here", "mooncake")
+    with pytest.raises(ValueError, match="unknown lane"):
+        lane_factory("carrier-pigeon")
+
+
+def test_the_base_package_imports_without_the_lane_packages():
+    blocked = "import sys\nfor name in ('mooncake', 'nixl', 'pyverbs'): sys.modules[name] = None\n"
+    script = blocked + (
+        "import smartgen.lanes, smartgen.lanes.backends as b, smartgen.lanes.mooncake, smartgen.lanes.nixl\n"
+        "for name in ('mooncake', 'nixl', 'rdma'): print(b.unavailable(name))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for line, extra in zip(lines, ("mooncake", "nixl", "rdma")):
+        assert f"pip install 'smartgen[{extra}]'" in line
+
+
+@pytest.mark.parametrize("bad", [WriteOp("s", "nowhere", 0, 0, 8), WriteOp("s", "kv", 0, 60, 8)])
+def test_a_bad_descriptor_fails_its_batch_not_the_lane(socket_lane_kind, bad):
+    prefill, decode = loopback_link(socket_lane_kind)
+    try:
+        region = torch.zeros(64, dtype=torch.uint8)
+        decode.push.register_region("kv", region)
+        decode.push.accept("r")
+        src = torch.ones(8, dtype=torch.uint8)
+        done = prefill.push.post_writes("r", {"s": src}, [bad], tag="t")
+        assert done.wait(5) and not done.applied
+        done = prefill.push.post_writes("r", {"s": src}, [WriteOp("s", "kv", 0, 0, 8)], tag="t")
+        assert done.wait(5) and done.applied and int(region.sum()) == 8
+    finally:
+        prefill.close()
+        decode.close()
