@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from smartgen.policy import get_policy
+from smartgen.engine.policy import get_policy
 from smartgen.runtime.models import model_from_config
 from smartgen.runtime.pipeline import InprocPipeline
 

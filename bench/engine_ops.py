@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from smartgen.attention import sparse_decode_attention
-from smartgen.index_ops import gather_kv, split_reorder
-from smartgen.mask import LOCAL, REMOTE
+from smartgen.engine.attention import sparse_decode_attention
+from smartgen.engine.index_ops import gather_kv, split_reorder
+from smartgen.engine.mask import LOCAL, REMOTE
 
 
 def _time(fn, repeat: int) -> float:

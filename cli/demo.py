@@ -41,7 +41,7 @@ def demo(
     from rich.console import Console
     from rich.table import Table
 
-    from smartgen.demo import DemoConfig, run_demo
+    from smartgen.apps.demo import DemoConfig, run_demo
     from smartgen.store import StoreError
 
     if not (model / "config.json").exists():

@@ -13,7 +13,7 @@ from smartgen.cli.profiles import DbOption
 from .errors import fail
 
 if TYPE_CHECKING:
-    from smartgen.evaluation import EvalReport
+    from smartgen.apps.evaluation import EvalReport
 
 PANEL_SUITE = "Suite"
 PANEL_SCHEMES = "Schemes"
@@ -131,9 +131,9 @@ def eval_command(
     the table shows accuracy (%) per task and length, over all prompts, and relative to the
     full cache. docs/eval.md explains the schemes.
     """
-    from smartgen.evalsuite import TASKS
-    from smartgen.evaluation import SCHEMES, Condition
-    from smartgen.quantization import KVQuantConfig
+    from smartgen.apps.evalsuite import TASKS
+    from smartgen.apps.evaluation import SCHEMES, Condition
+    from smartgen.apps.quantization import KVQuantConfig
 
     names = _split(schemes)
     if not names or any(name not in SCHEMES for name in names):
@@ -200,8 +200,8 @@ def _run(
     )
     from transformers import AutoTokenizer
 
-    from smartgen.evalsuite import generate_suite
-    from smartgen.evaluation import StoreProfiles, evaluate_conditions
+    from smartgen.apps.evalsuite import generate_suite
+    from smartgen.apps.evaluation import StoreProfiles, evaluate_conditions
     from smartgen.runtime.models import ModelLoadError, load_model
     from smartgen.store import StoreError
     from smartgen.sysinfo import default_db_path

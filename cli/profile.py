@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smartgen.cli.profiles import DbOption, open_store
-
 from .errors import fail
+from .store_options import DbOption, open_store
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -109,7 +108,7 @@ def profile(
     """
     from rich.console import Console
 
-    from smartgen.profiling import parse_ranges, write_heatmap_png
+    from smartgen.apps.profiling import parse_ranges, write_heatmap_png
 
     try:
         length_ranges = parse_ranges(ranges)
@@ -184,8 +183,8 @@ def _run(
         TimeRemainingColumn,
     )
 
-    from smartgen.profiling import CalibrationError, LinkSpec, load_calibration
-    from smartgen.profiling import profile as run_profile
+    from smartgen.apps.profiling import CalibrationError, LinkSpec, load_calibration
+    from smartgen.apps.profiling import profile as run_profile
     from smartgen.runtime.models import ModelLoadError, load_model
 
     try:
@@ -263,7 +262,7 @@ def heatmap(importance, width: int):
     """A rich Text: one row per layer, one cell per group of blocks (shade and colour by importance)."""
     from rich.text import Text
 
-    from smartgen.profiling import downsample_blocks
+    from smartgen.apps.profiling import downsample_blocks
 
     cells = downsample_blocks(importance, max(8, width - 6))
     top = float(cells[2:].max()) if cells.shape[0] > 2 else float(cells.max())

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from .errors import fail
+from .store_options import DbOption, open_store
 
 if TYPE_CHECKING:
     from smartgen.store import ProfileStore
@@ -20,15 +21,6 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-PANEL_STORE = "Storage"
-DbOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--db",
-        help="Profile database file (default: $SMARTGEN_DB, else $XDG_DATA_HOME/smartgen/profiles.db).",
-        rich_help_panel=PANEL_STORE,
-    ),
-]
 IdArgument = Annotated[
     int, typer.Argument(help="Profile id, as `smartgen profiles list` shows it.", show_default=False)
 ]
@@ -37,16 +29,6 @@ FRACTIONS = (0.05, 0.1, 0.25)  # compare also at these shares of the blocks beyo
 
 class ExportFormat(str, Enum):
     json = "json"
-
-
-def open_store(db: Path | None, *, create: bool) -> ProfileStore:
-    """The store at --db, $SMARTGEN_DB or the XDG default (whose folder is created on first use); fails in one line."""
-    from smartgen.store import ProfileStore, StoreError
-
-    try:
-        return ProfileStore(db, create=create)
-    except StoreError as exc:
-        fail(str(exc))
 
 
 def _get(store: ProfileStore, profile_id: int):
@@ -70,8 +52,8 @@ def list_profiles(
     from rich.table import Table
 
     from smartgen.cli.profile import duration
-    from smartgen.fingerprint import short
     from smartgen.store import StoreError
+    from smartgen.store.profile import short
     from smartgen.sysinfo import default_db_path
 
     path = db if db is not None else default_db_path()
@@ -225,15 +207,15 @@ def compare_profiles(
     from rich.console import Console
     from rich.table import Table
 
-    from smartgen.planning import ALWAYS_SENT_LAYERS
+    from smartgen.engine.layout import DENSE_LAYERS
     from smartgen.store import compare
 
     with open_store(db, create=False) as store:
         a, b = _get(store, first), _get(store, second)
     budgets: list[tuple[str, int | None]] = [("given", k_r)] if k_r is not None else [("each profile's own", None)]
     if k_r is None:
-        floor = ALWAYS_SENT_LAYERS * a.num_blocks
-        sparse = (a.num_layers - ALWAYS_SENT_LAYERS) * a.num_blocks
+        floor = DENSE_LAYERS * a.num_blocks
+        sparse = (a.num_layers - DENSE_LAYERS) * a.num_blocks
         budgets += [(f"{f:.0%} of layers >= 2", floor + max(1, round(f * sparse))) for f in FRACTIONS]
     table = Table(title=f"top-K_r overlap of profile {first} (A) and {second} (B)", title_justify="left")
     for column in ("K_r", "K_r A", "K_r B", "|A|", "|B|", "|A ∩ B|", "recall (B by A)", "Jaccard"):

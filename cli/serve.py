@@ -168,6 +168,7 @@ def serve(
 ) -> None:
     """Run a prefill node or a decode node until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.tcp_link import parse_address
+    from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
     from smartgen.runtime.models import ModelLoadError
 
@@ -188,16 +189,10 @@ def serve(
                 settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting
             )
             _run_decode(decode_node, host, port, prefill, scheme, ready_file)
-    except (ModelLoadError, ValueError) as exc:
-        fail(str(exc))
-    except ConnectionError as exc:
+    except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:
         fail(str(exc))
     except OSError as exc:
         fail(f"network error: {exc}")
-    except Exception as exc:  # a handshake refusal and the like: one line, no traceback
-        if type(exc).__name__ == "HandshakeError":
-            fail(str(exc))
-        raise
 
 
 def _run_prefill(

@@ -107,9 +107,9 @@ def simulate(
     from rich.console import Console
     from rich.progress import Progress
 
-    from smartgen.layout import KVLayout
-    from smartgen.policy import get_policy
-    from smartgen.simulate import SimulationConfig, compare, link_rate_for
+    from smartgen.apps.simulate import SimulationConfig, compare, link_rate_for
+    from smartgen.engine.layout import KVLayout
+    from smartgen.engine.policy import get_policy
 
     try:
         try:

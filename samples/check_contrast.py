@@ -23,7 +23,7 @@ import torch
 from sample_attention import Restriction
 from sample_runner import MODEL_DIR, answer, load
 
-from smartgen.evalsuite import generate_suite, score_sample
+from smartgen.apps.evalsuite import generate_suite, score_sample
 
 CONDITIONS = {
     "full": lambda layer: None,

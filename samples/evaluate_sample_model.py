@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from sample_runner import MODEL_DIR, answer, load, needle_mass
 
-from smartgen.evalsuite import TASKS, generate_suite, score_sample
+from smartgen.apps.evalsuite import TASKS, generate_suite, score_sample
 
 
 def main(argv=None) -> None:

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from smartgen.evalsuite import TASKS, generate_suite
+from smartgen.apps.evalsuite import TASKS, generate_suite
 
 ROOT = Path(__file__).resolve().parent
 
@@ -24,7 +24,7 @@ def load_tokenizer():
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_dir)
-    from smartgen.evalsuite.tokenizer import train_tokenizer
+    from smartgen.apps.evalsuite.tokenizer import train_tokenizer
 
     return train_tokenizer()
 

@@ -4,7 +4,7 @@
     python samples/train_sample_model.py --minutes 1 --out /tmp/m # smoke run
 
 Recipe (see /work/shared/SAMPLE-MODEL.md for why):
-1. Tokenizer: smartgen.evalsuite.tokenizer.train_tokenizer (vocab 1024, digits one per token).
+1. Tokenizer: smartgen.apps.evalsuite.tokenizer.train_tokenizer (vocab 1024, digits one per token).
 2. Model: LlamaForCausalLM, 6 layers, hidden 256 (MLP 512), 8 query / 2 KV heads of dim 32, RoPE (theta
    1e12), RMSNorm, tied embeddings, started from hand-made circuits (sample_circuits.py): a frozen
    previous-token head at layer 2 and an induction head at layer 3 (--trigram-head adds a 3-gram one),
@@ -33,9 +33,9 @@ import sample_circuits
 import torch
 import torch.nn.functional as F
 
-from smartgen.evalsuite import generate_task
-from smartgen.evalsuite.surface import TEMPLATES, filler_sentences
-from smartgen.evalsuite.tokenizer import train_tokenizer
+from smartgen.apps.evalsuite import generate_task
+from smartgen.apps.evalsuite.surface import TEMPLATES, filler_sentences
+from smartgen.apps.evalsuite.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent
 

@@ -94,7 +94,7 @@ def _device_name(dev: Any) -> str:
 
 
 def _triton_mode() -> str:
-    """How smartgen's Triton kernels would run here (see smartgen.kernels.use_triton)."""
+    """How smartgen's Triton kernels would run here (see smartgen.engine.kernels.use_triton)."""
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -2,7 +2,7 @@
 
 The sets are the blocks each profile would push proactively beyond layers 0 and 1 (those
 always go whole, so counting them would only inflate the overlap): the top K_r − 2·M
-blocks of layers >= 2, ranked and tie-broken exactly as `smartgen.planning.plan_transfer`
+blocks of layers >= 2, ranked and tie-broken exactly as `smartgen.engine.planning.plan_transfer`
 ranks them for a request.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.planning import ALWAYS_SENT_LAYERS, plan_transfer
+from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.engine.planning import plan_transfer
 from smartgen.store.profile import Profile
 
 __all__ = ["Overlap", "compare", "top_blocks"]
@@ -22,7 +23,7 @@ def top_blocks(importance: torch.Tensor, k_r: int) -> set[int]:
     """Flat ids (layer · M + block) of the blocks beyond layers 0-1 that a budget of K_r pushes proactively."""
     plan = plan_transfer(importance, k_r)
     chosen = plan.proactive.clone()
-    chosen[:ALWAYS_SENT_LAYERS] = False
+    chosen[:DENSE_LAYERS] = False
     return set(chosen.flatten().nonzero().flatten().tolist())
 
 
@@ -67,5 +68,5 @@ def compare(a: Profile, b: Profile, k_r: int | None = None) -> Overlap:
     k_a = a.k_r() if k_r is None else k_r
     k_b = b.k_r() if k_r is None else k_r
     set_a, set_b = top_blocks(a.importance, k_a), top_blocks(b.importance, k_b)
-    sparse = (a.num_layers - ALWAYS_SENT_LAYERS) * a.num_blocks
+    sparse = (a.num_layers - DENSE_LAYERS) * a.num_blocks
     return Overlap(k_a, k_b, len(set_a), len(set_b), len(set_a & set_b), sparse)

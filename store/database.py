@@ -25,10 +25,9 @@ from typing import Any, NamedTuple
 
 from sqlite_utils import Database
 
-from smartgen.fingerprint import short
 from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
 from smartgen.store.migrations import migrate, pending_migrations
-from smartgen.store.profile import Profile
+from smartgen.store.profile import Profile, short
 from smartgen.sysinfo import default_db_path
 
 __all__ = ["ProfileStore", "Match", "DEFAULT_TIMEOUT_S", "default_timeout"]

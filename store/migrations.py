@@ -35,7 +35,7 @@ def m001_initial(db: Database) -> None:
             "id": int,
             "created_at": str,  # ISO 8601, UTC
             "smartgen_version": str,
-            "model_fingerprint": str,  # smartgen.fingerprint.model_fingerprint, hex SHA-256
+            "model_fingerprint": str,  # smartgen.runtime.fingerprint.model_fingerprint, hex SHA-256
             "model": str,  # name or path the model was loaded from
             "selector": str,
             "selector_params": str,  # JSON object

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 import smartgen
+from smartgen.engine.planning import proactive_budget
 from smartgen.lanes.rate import transfer_seconds
-from smartgen.planning import proactive_budget
 
 __all__ = ["Profile", "EXPORT_FORMAT", "EXPORT_VERSION", "importance_to_bytes", "importance_from_bytes"]
 
@@ -224,3 +224,8 @@ class Profile:
             "link": self.link,
             "k_r": self.k_r(),
         }
+
+
+def short(fingerprint: str) -> str:
+    """A model fingerprint's first 12 hex digits, as `smartgen profiles list` shows them."""
+    return fingerprint[:12]

@@ -2,7 +2,7 @@
 
 import torch
 
-from smartgen.attention import sparse_decode_attention
+from smartgen.engine.attention import sparse_decode_attention
 
 
 def test_matches_dense_attention_on_the_selected_entries_in_any_order():

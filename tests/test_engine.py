@@ -5,16 +5,16 @@ import time
 import pytest
 import torch
 
-import smartgen.decode_engine as decode_module
-from smartgen.decode_engine import DecodeEngine, RequestFailed
+import smartgen.engine.decode as decode_module
+from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
+from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
+from smartgen.engine.decode import DecodeEngine, RequestFailed
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.mask import LOCAL
+from smartgen.engine.planning import Planner, speculative_slice_size
+from smartgen.engine.policy import POLICIES, get_policy
+from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
-from smartgen.layout import KVLayout
-from smartgen.mask import LOCAL
-from smartgen.planning import Planner, speculative_slice_size
-from smartgen.policy import POLICIES, get_policy
-from smartgen.prefill_engine import PrefillEngine
-from smartgen.simulate import SimulationConfig, calibrate, simulate
-from smartgen.synthetic import SyntheticTrace, synthetic_kv
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, num_blocks=16)
 
@@ -98,7 +98,7 @@ def test_full_transfer_sends_all_kv_once(importance):
 
 def _expected_proactive_bytes(planner: Planner, policy, length: int) -> int:
     plan = planner.plan(length, policy.proactive, policy.strategy)
-    from smartgen.layout import block_bounds
+    from smartgen.engine.layout import block_bounds
 
     sizes = block_bounds(length, LAYOUT.num_blocks)[1:] - block_bounds(length, LAYOUT.num_blocks)[:-1]
     tokens = int((plan.proactive.long() * sizes).sum())
@@ -195,7 +195,7 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
 
 def _blocks_of(ops, decode, request):
     """Flat block ids covered by the K descriptors of a batch."""
-    from smartgen.layout import block_bounds
+    from smartgen.engine.layout import block_bounds
 
     geometry = decode.pool.geometry
     bounds = block_bounds(request.length, LAYOUT.num_blocks).tolist()
@@ -260,7 +260,7 @@ def test_prefill_errors_reach_the_decode_node_as_a_reason(importance):
 
 
 def test_pool_refuses_what_it_cannot_hold():
-    from smartgen.pool import PoolFull
+    from smartgen.engine.pool import PoolFull
 
     decode = DecodeEngine(LAYOUT, num_slots=1, max_tokens=32)
     with pytest.raises(PoolFull, match="holds 32"):
@@ -312,3 +312,34 @@ def test_a_mixed_scheme_batch_treats_each_request_by_its_own_policy(first, secon
             assert got["fetched_tokens"] == got["remote_entries"] == 0
         else:  # what was remote was fetched (how much is remote at a step depends on when pushes land)
             assert (got["fetched_tokens"] > 0) == (got["remote_entries"] > 0)
+
+
+def test_typed_messages_round_trip_and_refuse_bad_fields():
+    from smartgen.engine import messages as msg
+    from smartgen.lanes.base import Message, MessageKind
+
+    positions = torch.tensor([3, 1, 4], dtype=torch.int64)
+    for typed in (
+        msg.Open("r", 2, 100, "smartgen", "profile", 0.1, torch.arange(5)),
+        msg.Fetch("r", 3, 7, positions),
+        msg.Idle("r", 4),
+        msg.Abort("r", "client went away"),
+        msg.FirstToken("r", 42, msg.pack_metadata([{}, {"pages": torch.ones(2)}])),
+    ):
+        back = msg.unpack(typed.pack())
+        assert type(back) is type(typed) and back.request_id == "r"
+    assert msg.unpack(msg.Fetch("r", 3, 7, positions).pack()).positions.tolist() == [3, 1, 4]
+    with pytest.raises(msg.MessageError, match="OPEN: missing 'scheme'"):
+        msg.unpack(Message(MessageKind.OPEN, "r", {"slot": 0, "length": 5}))
+    with pytest.raises(msg.MessageError, match="'layer' must be int, got str"):
+        msg.unpack(Message(MessageKind.IDLE, "r", {"layer": "4"}))
+    with pytest.raises(msg.MessageError, match="layer '9' of a 4-layer model"):
+        msg.unpack_metadata({"9/pages": torch.ones(1)}, 4)
+
+
+def test_a_policy_keeps_its_scheme_name_and_labels_its_strategy():
+    policy = get_policy("smartgen", strategy="streaming")
+    assert policy.name == "smartgen" and policy.label == "smartgen[streaming]" and policy.strategy == "streaming"
+    assert get_policy("full").label == "full" and f"{policy.proactive}" == "budget"
+    with pytest.raises(ValueError, match="unknown proactive strategy"):
+        policy.with_strategy("fastest")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from smartgen.layout import KVLayout
-from smartgen.policy import POLICIES, get_policy
-from smartgen.simulate import SimulationConfig, compare, link_rate_for
+from smartgen.apps.simulate import SimulationConfig, compare, link_rate_for
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.policy import POLICIES, get_policy
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from smartgen.evalsuite import (
+from smartgen.apps.evalsuite import (
     MAX_NEW_TOKENS,
     TASKS,
     Sample,
@@ -15,8 +15,8 @@ from smartgen.evalsuite import (
     string_match_part,
     task_depths,
 )
-from smartgen.evalsuite.surface import TEMPLATES
-from smartgen.evalsuite.tokenizer import train_tokenizer
+from smartgen.apps.evalsuite.surface import TEMPLATES
+from smartgen.apps.evalsuite.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_sample_checks_itself():
 
 
 def test_keywords_are_single_tokens(tokenizer):
-    from smartgen.evalsuite.surface import KEY_ADJECTIVES, KEY_NOUNS, TASK_KEYWORDS
+    from smartgen.apps.evalsuite.surface import KEY_ADJECTIVES, KEY_NOUNS, TASK_KEYWORDS
 
     assert len(tokenizer) <= 1024
     assert all(len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1 for w in KEY_ADJECTIVES)

@@ -10,18 +10,18 @@ import torch
 from tiny_models import save_tiny_model
 from typer.testing import CliRunner
 
+from smartgen.apps.evalsuite import generate_suite
+from smartgen.apps.evaluation import Condition, EvalReport, SampleResult, SchemeRun, evaluate
+from smartgen.apps.quantization import KVQuantConfig, KVQuantizer, quantize_kv
+from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
+from smartgen.apps.synthetic import SyntheticTrace
 from smartgen.cli.app import app
-from smartgen.evalsuite import generate_suite
-from smartgen.evaluation import Condition, EvalReport, SampleResult, SchemeRun, evaluate
-from smartgen.policy import POLICIES, get_policy
-from smartgen.quantization import KVQuantConfig, KVQuantizer, quantize_kv
+from smartgen.engine.policy import POLICIES, get_policy
 from smartgen.runtime.models import load_model
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import StepQuery
-from smartgen.simulate import SimulationConfig, calibrate, simulate
-from smartgen.synthetic import SyntheticTrace
 
 LENGTH = 256
 QUANT = KVQuantConfig(bits=2, group=8, residual=16)
@@ -106,7 +106,7 @@ def test_proactive_only_never_fetches_and_attends_less(tiny, samples):
 
 
 def test_proactive_only_in_the_engine_drops_exactly_the_unsent_entries():
-    from smartgen.layout import KVLayout
+    from smartgen.engine.layout import KVLayout
 
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, num_blocks=16)
     cfg = SimulationConfig(
@@ -303,8 +303,8 @@ def _stored_profile(fingerprint: str, budget: float, lo: int = 128, hi: int = 51
 
 
 def test_store_profiles_prefer_the_same_budget(tiny, tmp_path):
-    from smartgen.evaluation import StoreProfiles
-    from smartgen.fingerprint import model_fingerprint
+    from smartgen.apps.evaluation import StoreProfiles
+    from smartgen.runtime.fingerprint import model_fingerprint
     from smartgen.store import ProfileStore
 
     db = tmp_path / "profiles.db"

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartgen.index_ops import gather_kv_reference, split_reorder_reference
-from smartgen.mask import LOCAL, PAD, REMOTE
+from smartgen.engine.index_ops import gather_kv_reference, split_reorder_reference
+from smartgen.engine.mask import LOCAL, PAD, REMOTE
 
 
 @st.composite

@@ -17,12 +17,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
-import smartgen.kernels as kernels  # noqa: E402
-import smartgen.kernels.launch as launch  # noqa: E402
-from smartgen import index_ops  # noqa: E402
-from smartgen.index_ops import gather_kv_reference, split_reorder_reference  # noqa: E402
-from smartgen.kernels.launch import gather_kv_triton, split_reorder_triton  # noqa: E402
-from smartgen.mask import LOCAL, PAD, REMOTE  # noqa: E402
+import smartgen.engine.kernels as kernels  # noqa: E402
+import smartgen.engine.kernels.launch as launch  # noqa: E402
+from smartgen.engine import index_ops  # noqa: E402
+from smartgen.engine.index_ops import gather_kv_reference, split_reorder_reference  # noqa: E402
+from smartgen.engine.kernels.launch import gather_kv_triton, split_reorder_triton  # noqa: E402
+from smartgen.engine.mask import LOCAL, PAD, REMOTE  # noqa: E402
 
 # pytest imports every test module before running any, so the force flag is put back now and
 # set again only around this module's tests: other modules keep their CPU (reference) path.
@@ -45,8 +45,8 @@ def test_kernels_run_in_the_interpreter() -> None:
     """Fails clearly if some earlier module imported the kernels before TRITON_INTERPRET was set."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from smartgen.kernels.gather import gather_kv_kernel
-    from smartgen.kernels.index_split import split_reorder_kernel
+    from smartgen.engine.kernels.gather import gather_kv_kernel
+    from smartgen.engine.kernels.index_split import split_reorder_kernel
 
     for kernel in (split_reorder_kernel, gather_kv_kernel):
         assert isinstance(kernel, InterpretedFunction), "kernels were defined before TRITON_INTERPRET=1 was set"

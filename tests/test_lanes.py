@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from smartgen.descriptors import block_runs, block_write_ops
+from smartgen.engine.descriptors import block_runs, block_write_ops
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.pool import DecodePool, PrefillStore
 from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
 from smartgen.lanes.backends import loopback_link
-from smartgen.layout import KVLayout
-from smartgen.pool import DecodePool, PrefillStore
 
 
 def test_coalesce_merges_only_continuing_neighbours():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from smartgen.policy import get_policy
+from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.planner import NodePlanner
 from smartgen.roles.prefill_node import PrefillNode

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from smartgen.layout import KVLayout, block_bounds, effective_blocks, resample_importance, token_blocks
-from smartgen.planning import (
+from smartgen.engine.layout import KVLayout, block_bounds, effective_blocks, resample_importance, token_blocks
+from smartgen.engine.planning import (
     ImportanceAccumulator,
     Planner,
     plan_transfer,

@@ -8,9 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from smartgen.fingerprint import model_fingerprint
-from smartgen.layout import KVLayout
-from smartgen.profiling import (
+from smartgen.apps.profiling import (
     CalibrationError,
     LinkSpec,
     downsample_blocks,
@@ -20,6 +18,8 @@ from smartgen.profiling import (
     profile,
     write_heatmap_png,
 )
+from smartgen.engine.layout import KVLayout
+from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import load_model, model_from_config
 from smartgen.selectors.base import Selector, pad_rows
 

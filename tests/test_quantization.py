@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from smartgen.quantization import KVQuantConfig, KVQuantizer, fp16_kv_bytes, quantize_kv, quantized_kv_bytes
+from smartgen.apps.quantization import KVQuantConfig, KVQuantizer, fp16_kv_bytes, quantize_kv, quantized_kv_bytes
 
 
 def _kv(n=100, heads=2, dim=16, dtype=torch.float32, seed=0):

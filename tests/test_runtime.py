@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_config
 
-from smartgen.policy import get_policy
+from smartgen.engine.policy import get_policy
 from smartgen.runtime.models import ModelLoadError, load_model, model_from_config
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.sampling import Sampler

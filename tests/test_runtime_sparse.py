@@ -5,7 +5,7 @@ import torch
 from tiny_models import tiny_config
 from transformers import DynamicCache
 
-from smartgen.policy import get_policy
+from smartgen.engine.policy import get_policy
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner, capture_qk, infinigen_skewing

@@ -61,7 +61,7 @@ def test_tokenizer_is_the_suites(model_and_tokenizer):
 
 @pytest.mark.parametrize("task", ["passkey", "niah_single"])
 def test_answers_retrieval_prompts_at_1k(model_and_tokenizer, task):
-    from smartgen.evalsuite import generate_task, score_sample
+    from smartgen.apps.evalsuite import generate_task, score_sample
 
     model, tokenizer = model_and_tokenizer
     scores = [

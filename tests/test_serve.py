@@ -8,7 +8,7 @@ import torch
 from conftest import Nodes, get_json, wait_until
 from tiny_models import save_tiny_model
 
-from smartgen.policy import get_policy
+from smartgen.engine.policy import get_policy
 from smartgen.runtime.models import load_model
 from smartgen.runtime.pipeline import InprocPipeline
 

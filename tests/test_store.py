@@ -14,7 +14,7 @@ import pytest
 import torch
 from sqlite_utils import Database
 
-from smartgen.planning import proactive_budget
+from smartgen.engine.planning import proactive_budget
 from smartgen.store import (
     MIGRATIONS,
     NewerSchemaError,

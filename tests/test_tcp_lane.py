@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import smartgen.lanes.tcp_link as tcp_link
+from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
+from smartgen.apps.synthetic import SyntheticTrace
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.policy import POLICIES
 from smartgen.lanes import Message, MessageKind, WriteOp
 from smartgen.lanes.backends import lane_factory, loopback_link
 from smartgen.lanes.tcp_link import TcpListener, loopback_tcp_link, parse_address, tcp_connect
 from smartgen.lanes.wire import HandshakeError
-from smartgen.layout import KVLayout
-from smartgen.policy import POLICIES
-from smartgen.simulate import SimulationConfig, calibrate, simulate
-from smartgen.synthetic import SyntheticTrace
 
 IDENTITY = {"fingerprint": "f00d", "model": "tiny", "layout": [4, 2, 8, "float32", 16]}
 

@@ -11,11 +11,11 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from smartgen.decode_engine import DecodeEngine
+from smartgen.engine.decode import DecodeEngine
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.policy import Policy
 from smartgen.lanes.tcp_link import tcp_connect
-from smartgen.layout import KVLayout
-from smartgen.policy import Policy
-from smartgen.roles.prefill_node import node_identity
+from smartgen.roles.identity import node_identity
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector

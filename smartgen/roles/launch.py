@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from smartgen.fingerprint import model_fingerprint
+from smartgen.engine.policy import get_policy
 from smartgen.lanes.rate import transfer_seconds
-from smartgen.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
+from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout, load_model, model_info
 from smartgen.selectors import make_selector
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.planning import Planner, TransferPlan
 from smartgen.lanes.rate import transfer_seconds
-from smartgen.layout import KVLayout
-from smartgen.planning import Planner, TransferPlan
 
 __all__ = ["ProfileMatch", "NodePlanner"]
 

@@ -24,34 +24,19 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from smartgen.fingerprint import model_fingerprint
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.pool import PoolGeometry
+from smartgen.engine.prefill import PrefillEngine, RequestGone
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
-from smartgen.layout import KVLayout
-from smartgen.pool import PoolGeometry
-from smartgen.prefill_engine import PrefillEngine
+from smartgen.roles.identity import node_identity
 from smartgen.roles.planner import NodePlanner
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.selectors.base import Selector
 
-__all__ = ["PrefillNode", "node_identity"]
+__all__ = ["PrefillNode"]
 
 log = logging.getLogger(__name__)
-
-
-def node_identity(model: PreTrainedModel, layout: KVLayout, model_name: str) -> dict[str, Any]:
-    """What both sides must agree on before any KV moves."""
-    return {
-        "fingerprint": model_fingerprint(model),
-        "model": model_name,
-        "layout": [
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            str(layout.dtype).removeprefix("torch."),
-            layout.num_blocks,
-        ],
-    }
 
 
 class PrefillNode:
@@ -150,7 +135,7 @@ class PrefillNode:
             started = time.monotonic()
             try:
                 output = self.runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
-            except KeyError:
+            except RequestGone:
                 continue  # released or aborted while prefilling (the decode node gave up on it)
             except Exception as exc:  # a failed prefill fails its request, not the node
                 log.exception("prefill of %s failed", rid)
@@ -159,6 +144,6 @@ class PrefillNode:
             self.planner.record_prefill(request.length, time.monotonic() - started)
             try:
                 self.engine.finish_prefill(rid, output.first_token)
-            except KeyError:
+            except RequestGone:
                 continue
             self.num_prefilled += 1

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from smartgen.decode_engine import DecodeEngine, RequestFailed
-from smartgen.policy import Policy, get_policy
-from smartgen.pool import PoolFull
+from smartgen.engine.decode import DecodeEngine, RequestFailed
+from smartgen.engine.policy import Policy, get_policy
+from smartgen.engine.pool import PoolFull
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
 from smartgen.runtime.sampling import Sampler
@@ -141,7 +141,7 @@ class DecodeScheduler:
                 entry["masks"] = [{"pad": p, "local": loc, "remote": r} for p, loc, r in engine.mask_summary(rid)]
             except Exception:  # a request failing right now has no masks to show
                 entry["masks"] = []
-            entry["scheme"] = active.policy.name
+            entry["scheme"] = active.policy.label
             requests.append(entry)
         return {
             "role": "decode",
@@ -333,7 +333,7 @@ class DecodeScheduler:
             "ttft": times[0] - created if times else None,
             "ttst": times[1] - created if len(times) > 1 else None,
             "tbt": (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None,
-            "scheme": active.policy.name,
+            "scheme": active.policy.label,
         }
         self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
         active.handle.put(FinishEvent(reason, error, usage))

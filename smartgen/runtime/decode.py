@@ -23,12 +23,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from smartgen.attention import span_decode_attention, sparse_decode_attention
-from smartgen.decode_engine import Assembled, DecodeEngine
+from smartgen.engine.attention import span_decode_attention, sparse_decode_attention
+from smartgen.engine.decode import Assembled, DecodeEngine
+from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import use_handler
 from smartgen.runtime.models import check_runnable, layer_kinds
-from smartgen.runtime.prefill import DENSE_LAYERS
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import Selector, StepQuery, pad_rows
 from smartgen.selectors.dense import DenseSelector

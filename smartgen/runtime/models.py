@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from smartgen.layout import DEFAULT_NUM_BLOCKS, KVLayout
+from smartgen.engine.layout import DEFAULT_NUM_BLOCKS, KVLayout
 from smartgen.runtime.hooks import ATTENTION_NAME, register
 from smartgen.selectors.base import ModelInfo
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from smartgen.decode_engine import DecodeEngine
+from smartgen.engine.decode import DecodeEngine
+from smartgen.engine.layout import DEFAULT_NUM_BLOCKS
+from smartgen.engine.metrics import RequestMetrics
+from smartgen.engine.planning import Planner
+from smartgen.engine.policy import Policy
+from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import transfer_seconds
-from smartgen.layout import DEFAULT_NUM_BLOCKS
-from smartgen.metrics import RequestMetrics
-from smartgen.planning import Planner
-from smartgen.policy import Policy
-from smartgen.prefill_engine import PrefillEngine
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
 from smartgen.runtime.models import check_runnable, kv_layout, model_info
 from smartgen.runtime.prefill import PrefillRunner

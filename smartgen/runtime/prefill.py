@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
@@ -21,7 +22,6 @@ from smartgen.selectors.base import PrefillLayer, Selector
 
 __all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing"]
 
-DENSE_LAYERS = 2  # layers 0 and 1 attend densely on the decode node and need no metadata
 
 # on_layer(layer, k [n, H, d], v [n, H, d], metadata); what it returns is ignored
 LayerSink = Callable[[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], object]

@@ -15,7 +15,7 @@ PATHS = ("proactive", "on_demand", "speculative", "local", "metadata")
 
 
 class RequestState(str, Enum):
-    """Where a request is in its life on the decode node (see smartgen.decode_engine)."""
+    """Where a request is in its life on the decode node (see smartgen.engine.decode)."""
 
     ADMITTED = "admitted"
     DISPATCHED = "dispatched"

@@ -18,6 +18,7 @@ A request on the decode node:
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -28,17 +29,18 @@ from typing import NamedTuple
 
 import torch
 
-from smartgen.index_ops import IndexSplit, gather_kv, split_reorder
-from smartgen.lanes.base import Message, MessageKind
+from smartgen.engine import messages as msg
+from smartgen.engine.index_ops import IndexSplit, gather_kv, split_reorder
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.mask import LOCAL, REMOTE
+from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
+from smartgen.engine.policy import Policy
+from smartgen.engine.pool import DecodePool
 from smartgen.lanes.link import LinkEnd
-from smartgen.layout import KVLayout
-from smartgen.mask import LOCAL, REMOTE
-from smartgen.metrics import PathCounters, RequestMetrics, RequestState
-from smartgen.policy import Policy
-from smartgen.pool import DecodePool
-from smartgen.prefill_engine import unpack_metadata
 
 __all__ = ["DecodeEngine", "Assembled", "RequestFailed"]
+
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
@@ -121,23 +123,33 @@ class DecodeEngine:
             if message is None:
                 self._fail_link(link)
                 return
-            if message.kind == MessageKind.FETCH_REPLY:
+            try:
+                self._handle(msg.unpack(message))
+            except msg.MessageError as exc:  # a malformed message fails its request, not the listener
+                log.warning("decode: %s for %s refused: %s", message.kind.name, message.request_id, exc)
+                self._fail_request(message.request_id, f"bad {message.kind.name} from the prefill node: {exc}")
+
+    def _handle(self, message: msg.EngineMessage) -> None:
+        match message:
+            case msg.FetchReply():
                 with self._lock:
-                    future = self._fetches.pop(int(message.meta["fetch_id"]), None)
+                    future = self._fetches.pop(message.fetch_id, None)
                 if future is not None:
                     future.set_result(message)
-            elif message.kind == MessageKind.METADATA:
+            case msg.Metadata():
                 request = self._requests.get(message.request_id)
-                if request is not None:
-                    request.metadata[int(message.meta["layer"])] = message.payload
-            elif message.kind == MessageKind.FIRST_TOKEN:
+                if request is not None and 0 <= message.layer < self.layout.num_layers:
+                    request.metadata[message.layer] = message.tensors
+            case msg.FirstToken():
                 request = self._requests.get(message.request_id)
                 if request is not None and not request.first_token.done():
-                    for layer, entry in enumerate(unpack_metadata(message.payload, self.layout.num_layers)):
+                    for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
                         request.metadata[layer].update(entry)
-                    request.first_token.set_result(int(message.meta["token"]))
-            elif message.kind in (MessageKind.ERROR, MessageKind.ABORT):
-                self._fail_request(message.request_id, str(message.meta.get("reason", "prefill node failed")))
+                    request.first_token.set_result(message.token)
+            case msg.Error() | msg.Abort():
+                self._fail_request(message.request_id, message.reason or "prefill node failed")
+            case _:
+                raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
 
     def _fail_link(self, link: LinkEnd) -> None:
         """The prefill node is gone: every request it served fails, every waiter wakes up."""
@@ -196,15 +208,8 @@ class DecodeEngine:
         with self._lock:
             self._requests[request_id] = request
         link.push.accept(request_id)
-        meta = {
-            "slot": slot,
-            "length": length,
-            "policy": policy.name.split("[")[0],
-            "strategy": policy.strategy,
-            "speculative_ratio": policy.speculative_ratio,
-        }
-        payload = {} if prompt_ids is None else {"input_ids": prompt_ids.to(torch.int64).cpu()}
-        link.control.send(Message(MessageKind.OPEN, request_id, meta, payload))
+        message = msg.Open(request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids)
+        link.control.send(message.pack())
         request.metrics.state = RequestState.PREFILLING
         return request_id
 
@@ -254,7 +259,7 @@ class DecodeEngine:
         for request_id in request_ids:
             request = self._require(request_id)
             if request.policy.speculative and not request.released:
-                request.link.control.send(Message(MessageKind.IDLE, request_id, {"layer": layer}))
+                request.link.control.send(msg.Idle(request_id, layer).pack())
 
     def assemble(self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float = 60.0) -> Assembled:
         """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows.
@@ -344,25 +349,27 @@ class DecodeEngine:
             with self._lock:
                 fetch_id = next(self._fetch_ids)
                 self._fetches[fetch_id] = future
-            message = Message(
-                MessageKind.FETCH, request.request_id, {"layer": layer, "fetch_id": fetch_id}, {"positions": positions}
+            request.link.control.send(
+                msg.Fetch(request.request_id, layer, fetch_id, positions).pack(), tag="fetch_request"
             )
-            request.link.control.send(message, tag="fetch_request")
             fetches.append((request, positions, future, time.monotonic()))
         return fetches
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
         for request, positions, future, sent in fetches:
             try:
-                reply: Message = future.result(timeout=timeout)
+                reply: msg.FetchReply = future.result(timeout=timeout)
             except TimeoutError:
                 raise RequestFailed(
                     f"fetch for {request.request_id} layer {layer} timed out after {timeout} s"
                 ) from None
-            self.pool.write_tokens(layer, request.slot, positions, reply.payload["k"], reply.payload["v"])
+            expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
+            if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+                raise RequestFailed(f"fetch reply for {request.request_id} layer {layer}: K/V not of shape {expected}")
+            self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
             request.fetch_counts[layer, positions] += 1
             request.metrics.fetched_tokens += positions.numel()
-            self.counters.add("on_demand", reply.payload_bytes, time.monotonic() - sent)
+            self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
 
     def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
         """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
@@ -383,7 +390,7 @@ class DecodeEngine:
             if request.released or not request.policy.speculative:
                 continue
             if self.pool.masks.all_local(request.slot, request.length):
-                self._release(request, MessageKind.RELEASE)
+                self._release(request, msg.Release(request_id))
                 request.metrics.state = RequestState.FULLY_LOCAL
                 request.metrics.fully_local_at = time.monotonic()
                 released.append(request_id)
@@ -392,17 +399,17 @@ class DecodeEngine:
     def is_released(self, request_id: str) -> bool:
         return self._require(request_id).released
 
-    def _release(self, request: _Request, kind: MessageKind, reason: str = "") -> None:
+    def _release(self, request: _Request, message: msg.Release | msg.Abort) -> None:
         if request.released:
             return
         request.released = True
-        request.link.control.send(Message(kind, request.request_id, {"reason": reason} if reason else {}))
+        request.link.control.send(message.pack())
 
     def finish(self, request_id: str) -> RequestMetrics:
         """The request is done: stop its writes, free its slot, release it on the prefill node."""
         request = self._require(request_id)
         request.link.push.revoke(request_id)
-        self._release(request, MessageKind.RELEASE)
+        self._release(request, msg.Release(request_id))
         self.pool.free(request.slot)
         request.metrics.state = RequestState.FINISHED
         with self._lock:
@@ -415,7 +422,7 @@ class DecodeEngine:
         if request is None:
             return
         request.link.push.revoke(request_id)
-        self._release(request, MessageKind.ABORT, reason)
+        self._release(request, msg.Abort(request_id, reason))
         self.pool.free(request.slot)
         request.metrics.state = RequestState.ABORTED
         request.metrics.error = reason

@@ -21,36 +21,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smartgen.descriptors import ONES_SOURCE, block_write_ops
-from smartgen.lanes.base import Completion, Message, MessageKind
+from smartgen.engine import messages as msg
+from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.metrics import PathCounters
+from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
+from smartgen.engine.policy import Policy, get_policy
+from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
+from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
-from smartgen.layout import KVLayout
-from smartgen.metrics import PathCounters
-from smartgen.planning import TransferPlan, TransferPlanner, speculative_slice_size
-from smartgen.policy import Policy, get_policy
-from smartgen.pool import PoolGeometry, PrefillStore, RequestKV
 
 FLUSH_TIMEOUT_S = 600.0
 
-__all__ = ["PrefillEngine", "OpenedRequest", "pack_metadata", "unpack_metadata"]
-
-
-def pack_metadata(metadata: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-layer selector metadata as flat message payload: {"<layer>/<name>": tensor}."""
-    return {
-        f"{layer}/{name}": tensor.contiguous() for layer, entry in enumerate(metadata) for name, tensor in entry.items()
-    }
-
-
-def unpack_metadata(payload: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
-    metadata: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
-    for key, tensor in payload.items():
-        layer, _, name = key.partition("/")
-        metadata[int(layer)][name] = tensor
-    return metadata
+__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone"]
 
 
 log = logging.getLogger(__name__)
+
+
+class RequestGone(KeyError):
+    """A message for a request this node no longer holds (released, aborted, or never opened)."""
 
 
 @dataclass(slots=True)
@@ -113,28 +103,30 @@ class PrefillEngine:
                 self._drop_link(link)
                 return
             try:
-                self._handle(link, geometry, message)
-            except ValueError as exc:  # a request this node refuses (busy, no profile, bad policy): say why
+                self._handle(link, geometry, msg.unpack(message))
+            except RequestGone as exc:  # released or aborted meanwhile (a late fetch): nothing to serve
+                log.info("prefill: %s for %s dropped: %s", message.kind.name, message.request_id, exc)
+            except ValueError as exc:  # a request this node refuses (busy, no profile, bad message): say why
                 log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
-                link.control.send(Message(MessageKind.ERROR, message.request_id, {"reason": str(exc)}))
+                link.control.send(msg.Error(message.request_id, str(exc)).pack())
             except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
                 log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
-                link.control.send(Message(MessageKind.ERROR, message.request_id, {"reason": str(exc)}))
+                link.control.send(msg.Error(message.request_id, str(exc)).pack())
 
-    def _handle(self, link: LinkEnd, geometry: PoolGeometry, message: Message) -> None:
-        kind = message.kind
-        if kind == MessageKind.OPEN:
-            self._open(link, geometry, message)
-        elif kind == MessageKind.FETCH:
-            self._serve_fetch(link, message)
-        elif kind == MessageKind.IDLE:
-            request = self._get(message.request_id)
-            if request is not None:
-                self.push_speculative(request)
-        elif kind in (MessageKind.RELEASE, MessageKind.ABORT):
-            self.release(message.request_id)
-        else:
-            raise ValueError(f"unexpected {kind.name} on a prefill node")
+    def _handle(self, link: LinkEnd, geometry: PoolGeometry, message: msg.EngineMessage) -> None:
+        match message:
+            case msg.Open():
+                self._open(link, geometry, message)
+            case msg.Fetch():
+                self._serve_fetch(link, message)
+            case msg.Idle():
+                request = self._get(message.request_id)
+                if request is not None:
+                    self.push_speculative(request)
+            case msg.Release() | msg.Abort():
+                self.release(message.request_id)
+            case _:
+                raise msg.MessageError(f"a prefill node does not take {type(message).__name__.upper()} messages")
 
     def _drop_link(self, link: LinkEnd) -> None:
         """The decode node is gone: free every request it had here."""
@@ -144,19 +136,18 @@ class PrefillEngine:
             self.release(request_id)
 
     # -- request life -----------------------------------------------------------------
-    def _open(self, link: LinkEnd, geometry: PoolGeometry, message: Message) -> None:
+    def _open(self, link: LinkEnd, geometry: PoolGeometry, message: msg.Open) -> None:
         if self._opened.qsize() >= self.max_queue:
             raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
-        meta = message.meta
-        policy = get_policy(meta["policy"], meta.get("strategy"), meta.get("speculative_ratio"))
-        length = int(meta["length"])
+        policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
+        length = message.length
         plan = self.planner.plan(
             length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None)
         )
         kv = self.store.open(message.request_id, length)
         request = OpenedRequest(
             message.request_id,
-            int(meta["slot"]),
+            message.slot,
             length,
             policy,
             plan,
@@ -164,7 +155,7 @@ class PrefillEngine:
             geometry,
             kv,
             ones=torch.ones(length, dtype=torch.uint8),
-            prompt=message.payload.get("input_ids"),
+            prompt=message.prompt_ids,
         )
         with self._lock:
             self._requests[message.request_id] = request
@@ -185,7 +176,7 @@ class PrefillEngine:
         """Stores one prefilled layer ([n, H, d] each) and pushes its planned blocks; returns bytes posted."""
         request = self._get(request_id)
         if request is None:
-            raise KeyError(f"request {request_id!r} is not open on this prefill node")
+            raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         self.store.put_layer(request_id, layer, k, v)
         return self._push(request, [(layer, request.plan.proactive_blocks(layer))], tag="proactive")
 
@@ -198,9 +189,7 @@ class PrefillEngine:
         request = self._get(request_id)
         if request is None or not metadata:
             return
-        message = Message(
-            MessageKind.METADATA, request_id, {"layer": int(layer)}, {k: v.contiguous() for k, v in metadata.items()}
-        )
+        message = msg.Metadata(request_id, int(layer), metadata).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
 
@@ -214,11 +203,10 @@ class PrefillEngine:
         """
         request = self._get(request_id)
         if request is None:
-            raise KeyError(f"request {request_id!r} is not open on this prefill node")
+            raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
             raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
-        payload = pack_metadata(metadata or [])
-        message = Message(MessageKind.FIRST_TOKEN, request_id, {"token": int(first_token)}, payload)
+        message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or [])).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
 
@@ -226,7 +214,7 @@ class PrefillEngine:
         """Prefill of a request failed here: tell its decode node why, and free it."""
         request = self._get(request_id)
         if request is not None:
-            request.link.control.send(Message(MessageKind.ERROR, request_id, {"reason": reason}))
+            request.link.control.send(msg.Error(request_id, reason).pack())
         self.release(request_id)
 
     def push_speculative(self, request: OpenedRequest) -> int:
@@ -256,20 +244,21 @@ class PrefillEngine:
             request.spec_in_flight = completion
         return kv_bytes
 
-    def _serve_fetch(self, link: LinkEnd, message: Message) -> None:
+    def _serve_fetch(self, link: LinkEnd, message: msg.Fetch) -> None:
         request = self._get(message.request_id)
         if request is None:
-            raise KeyError(f"request {message.request_id!r} is not open on this prefill node")
-        layer = int(message.meta["layer"])
-        positions = message.payload["positions"]
+            raise RequestGone(f"request {message.request_id!r} is not open on this prefill node")
+        layer, positions = message.layer, message.positions
+        if not 0 <= layer < self.layout.num_layers:
+            raise msg.MessageError(f"FETCH: no layer {layer} in a {self.layout.num_layers}-layer model")
+        if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < request.length):
+            raise msg.MessageError(
+                f"FETCH: positions outside the {request.length}-token prompt of {message.request_id!r}"
+            )
         if request.kv.layers_ready <= layer:
             raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
-        reply = Message(
-            MessageKind.FETCH_REPLY,
-            message.request_id,
-            {"fetch_id": message.meta["fetch_id"]},
-            {"k": request.kv.k[layer, positions].contiguous(), "v": request.kv.v[layer, positions].contiguous()},
-        )
+        k, v = request.kv.k[layer, positions].contiguous(), request.kv.v[layer, positions].contiguous()
+        reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)
 

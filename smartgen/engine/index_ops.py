@@ -1,7 +1,7 @@
 """Splits a decode step's KV index by mask into remote and local lanes and gathers the selected KV.
 
 These PyTorch functions are the CPU path and the reference every Triton kernel in
-`smartgen.kernels` is tested against. Shapes, with R = B·H rows (row r is batch r // H,
+`smartgen.engine.kernels` is tested against. Shapes, with R = B·H rows (row r is batch r // H,
 KV head r % H), k selected entries per row, S pool slots, N tokens per slot:
 
     index   [R, k]     int64  token positions; -1 (or any position outside [0, N)) = no entry
@@ -12,11 +12,10 @@ KV head r % H), k selected entries per row, S pool slots, N tokens per slot:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from smartgen.mask import LOCAL, REMOTE
+from smartgen.engine.kernels import IndexSplit
+from smartgen.engine.mask import LOCAL, REMOTE
 
 __all__ = [
     "IndexSplit",
@@ -25,16 +24,6 @@ __all__ = [
     "split_reorder",
     "gather_kv",
 ]
-
-
-class IndexSplit(NamedTuple):
-    """A KV index reordered remote-first, with the mask value of each entry."""
-
-    # a field named `index` shadows tuple.index (never called on an IndexSplit); renaming it would change the API
-    index: torch.Tensor  # type: ignore[assignment]  # [R, k] int64: remote entries, then local, then padding (stable)
-    status: torch.Tensor  # [R, k] int8: mask value of each reordered entry
-    num_remote: torch.Tensor  # [R] int32
-    num_local: torch.Tensor  # [R] int32
 
 
 def entry_status(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -102,10 +91,10 @@ def gather_kv_reference(
 
 def split_reorder(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
     """Dispatches to the Triton kernel on CUDA (or when forced), else the PyTorch reference."""
-    from smartgen.kernels import use_triton
+    from smartgen.engine.kernels import use_triton
 
     if use_triton(index):
-        from smartgen.kernels.launch import split_reorder_triton
+        from smartgen.engine.kernels.launch import split_reorder_triton
 
         return split_reorder_triton(index, mask, slots, num_heads)
     return split_reorder_reference(index, mask, slots, num_heads)
@@ -122,10 +111,10 @@ def gather_kv(
     v_out: torch.Tensor,
 ) -> None:
     """Dispatches to the Triton kernel on CUDA (or when forced), else the PyTorch reference."""
-    from smartgen.kernels import use_triton
+    from smartgen.engine.kernels import use_triton
 
     if use_triton(k_pool):
-        from smartgen.kernels.launch import gather_kv_triton
+        from smartgen.engine.kernels.launch import gather_kv_triton
 
         gather_kv_triton(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
     else:

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from smartgen.evalsuite import TASKS, Sample, generate_task, score_sample
-from smartgen.layout import DEFAULT_NUM_BLOCKS, effective_blocks
-from smartgen.policy import Policy, get_policy
-from smartgen.quantization import KVQuantConfig, KVQuantizer
+from smartgen.apps.evalsuite import TASKS, Sample, generate_task, score_sample
+from smartgen.apps.quantization import KVQuantConfig, KVQuantizer
+from smartgen.engine.layout import DEFAULT_NUM_BLOCKS, effective_blocks
+from smartgen.engine.policy import Policy, get_policy
 from smartgen.runtime.pipeline import InprocPipeline
 
 __all__ = [
@@ -185,7 +185,7 @@ class StoreProfiles:
     """Profiles of one model from the profile store, for each (selector, budget) the evaluation runs."""
 
     def __init__(self, db: Path | str | None, model: torch.nn.Module, num_blocks: int) -> None:
-        from smartgen.fingerprint import model_fingerprint
+        from smartgen.runtime.fingerprint import model_fingerprint
         from smartgen.store import ProfileStore
 
         self.store = ProfileStore(db, create=False)

@@ -12,7 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_NUM_BLOCKS", "KVLayout", "effective_blocks", "block_bounds", "token_blocks", "resample_importance"]
+__all__ = [
+    "DEFAULT_NUM_BLOCKS",
+    "KVLayout",
+    "effective_blocks",
+    "block_bounds",
+    "token_blocks",
+    "resample_importance",
+    "DENSE_LAYERS",
+]
+
+# Layers 0 and 1 attend densely on the decode node: they are always sent whole during prefill, need no
+# selector metadata, and are never fetched. One constant for the engine's plans and the runtime's attention.
+DENSE_LAYERS = 2
 
 DEFAULT_NUM_BLOCKS = 1024
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import random
 
-from smartgen.evalsuite.surface import KEY_ADJECTIVES, KEY_NOUNS, TASK_KEYWORDS, TEMPLATES, VARIANTS, filler_sentences
+from smartgen.apps.evalsuite.surface import (
+    KEY_ADJECTIVES,
+    KEY_NOUNS,
+    TASK_KEYWORDS,
+    TEMPLATES,
+    VARIANTS,
+    filler_sentences,
+)
 
 __all__ = ["train_tokenizer", "tokenizer_corpus"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.layout import KVLayout
-from smartgen.mask import LOCAL, MaskTable
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.mask import LOCAL, MaskTable
 
 __all__ = ["PoolGeometry", "PoolFull", "DecodePool", "RequestKV", "PrefillStore"]
 

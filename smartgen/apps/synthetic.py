@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.layout import KVLayout
+from smartgen.engine.layout import KVLayout
 
 __all__ = ["SyntheticTrace", "synthetic_kv", "synthetic_new_token"]
 

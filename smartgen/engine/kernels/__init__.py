@@ -1,13 +1,25 @@
-"""smartgen's Triton kernels: split/reorder and KV gather (CUDA path; interpreter on CPU)."""
+"""smartgen's Triton kernels: split/reorder and KV gather (CUDA path; interpreter on CPU), when they run, and
+the split's result type shared with their PyTorch references in `engine.index_ops`."""
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["use_triton", "triton_available"]
+__all__ = ["use_triton", "triton_available", "IndexSplit"]
+
+
+class IndexSplit(NamedTuple):
+    """A KV index reordered remote-first, with the mask value of each entry."""
+
+    # a field named `index` shadows tuple.index (never called on an IndexSplit); renaming it would change the API
+    index: torch.Tensor  # type: ignore[assignment]  # [R, k] int64: remote entries, then local, then padding (stable)
+    status: torch.Tensor  # [R, k] int8: mask value of each reordered entry
+    num_remote: torch.Tensor  # [R] int32
+    num_local: torch.Tensor  # [R] int32
 
 
 @functools.lru_cache(maxsize=1)

@@ -80,8 +80,8 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
     """The store's profile for this model, selector and M; profiles the model first when there is none."""
     from transformers import AutoTokenizer
 
-    from smartgen.fingerprint import model_fingerprint
-    from smartgen.profiling import LinkSpec, load_calibration, profile
+    from smartgen.apps.profiling import LinkSpec, load_calibration, profile
+    from smartgen.runtime.fingerprint import model_fingerprint
     from smartgen.runtime.models import load_model
     from smartgen.store import NoProfileError, ProfileStore
 
@@ -119,7 +119,7 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
 
 def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[list[SchemeResult], dict]:
     """Runs the whole demo; returns per-scheme results and a description of the setup."""
-    from smartgen.evalsuite import generate_task, score_sample
+    from smartgen.apps.evalsuite import generate_task, score_sample
     from smartgen.lanes.rate import gbps_for, transfer_seconds
     from smartgen.runtime.models import kv_layout
 

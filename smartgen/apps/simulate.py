@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from smartgen.decode_engine import DecodeEngine
+from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
+from smartgen.engine.decode import DecodeEngine
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.planning import ImportanceAccumulator, Planner
+from smartgen.engine.policy import Policy
+from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import gbps_for, transfer_seconds
-from smartgen.layout import KVLayout
-from smartgen.planning import ImportanceAccumulator, Planner
-from smartgen.policy import Policy
-from smartgen.prefill_engine import PrefillEngine
-from smartgen.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
 
 __all__ = ["SimulationConfig", "SimulationResult", "calibrate", "simulate", "compare", "link_rate_for"]
 
@@ -197,7 +197,7 @@ def simulate(
         push = prefill_end.push.counters.snapshot()
         path_bytes = {path: prefill.counters.bytes.get(path, 0) for path in ("proactive", "speculative", "on_demand")}
         return SimulationResult(
-            policy=" | ".join(dict.fromkeys(p.name for p in policies)),
+            policy=" | ".join(dict.fromkeys(p.label for p in policies)),
             requests=[m.snapshot() for m in metrics],
             path_bytes=path_bytes,
             push_descriptors=push["num_descriptors"],
@@ -317,6 +317,6 @@ def compare(
     importance = calibrate(config, trace)
     results = []
     for policy in policies:
-        step_cb = (lambda step, name=policy.name: on_progress(name, step)) if on_progress else None
+        step_cb = (lambda step, name=policy.label: on_progress(name, step)) if on_progress else None
         results.append(simulate(config, policy, importance, on_step=step_cb))
     return results

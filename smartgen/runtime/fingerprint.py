@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VOLATILE_KEYS", "SAMPLES_PER_TENSOR", "model_fingerprint", "config_identity", "short"]
+__all__ = ["VOLATILE_KEYS", "SAMPLES_PER_TENSOR", "model_fingerprint", "config_identity"]
 
 VOLATILE_KEYS = frozenset(
     {
@@ -76,8 +76,3 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         digest.update(f"\n{name}:{list(param.shape)}:".encode())
         digest.update(_sample(param))
     return digest.hexdigest()
-
-
-def short(fingerprint: str) -> str:
-    """The first 12 hex digits, as `smartgen profiles list` shows them."""
-    return fingerprint[:12]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from smartgen.engine.layout import block_bounds
+from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
-from smartgen.layout import block_bounds
-from smartgen.pool import PoolGeometry, RequestKV
 
 __all__ = ["block_runs", "block_write_ops", "ONES_SOURCE"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from smartgen.index_ops import IndexSplit
-from smartgen.kernels.gather import gather_kv_kernel
-from smartgen.kernels.index_split import split_reorder_kernel
+from smartgen.engine.kernels import IndexSplit
+from smartgen.engine.kernels.gather import gather_kv_kernel
+from smartgen.engine.kernels.index_split import split_reorder_kernel
 
 __all__ = ["split_reorder_triton", "gather_kv_triton"]
 

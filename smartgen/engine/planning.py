@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from smartgen.layout import effective_blocks, resample_importance, token_blocks
+from smartgen.engine.layout import DENSE_LAYERS, effective_blocks, resample_importance, token_blocks
 
 __all__ = [
     "ImportanceAccumulator",
@@ -25,8 +25,6 @@ __all__ = [
     "Planner",
     "TransferPlanner",
 ]
-
-ALWAYS_SENT_LAYERS = 2  # layers 0 and 1 attend densely on the decode node, so they always go whole
 
 
 class ImportanceAccumulator:
@@ -71,7 +69,7 @@ class ImportanceAccumulator:
 def proactive_budget(num_layers: int, num_blocks: int, prefill_time: float, transfer_time: float) -> int:
     """K_r = clip(L·M · ((L-1)/L · T_p) / T_t, 2M, L·M): blocks the link moves while layers 1..L-1 prefill."""
     total = num_layers * num_blocks
-    floor = ALWAYS_SENT_LAYERS * num_blocks
+    floor = DENSE_LAYERS * num_blocks
     if transfer_time <= 0:
         return total
     raw = total * ((num_layers - 1) / num_layers * max(prefill_time, 0.0)) / transfer_time
@@ -126,15 +124,15 @@ def plan_transfer(scores: torch.Tensor, budget: int) -> TransferPlan:
     """
     num_layers, num_blocks = scores.shape
     total = num_layers * num_blocks
-    budget = int(min(max(budget, ALWAYS_SENT_LAYERS * num_blocks), total))
+    budget = int(min(max(budget, DENSE_LAYERS * num_blocks), total))
     order = _rank(scores)
-    always = order < ALWAYS_SENT_LAYERS * num_blocks
+    always = order < DENSE_LAYERS * num_blocks
     rest = order[~always]
-    chosen = rest[: budget - ALWAYS_SENT_LAYERS * num_blocks]
+    chosen = rest[: budget - DENSE_LAYERS * num_blocks]
     proactive = torch.zeros(total, dtype=torch.bool)
-    proactive[: ALWAYS_SENT_LAYERS * num_blocks] = True
+    proactive[: DENSE_LAYERS * num_blocks] = True
     proactive[chosen] = True
-    speculative = rest[budget - ALWAYS_SENT_LAYERS * num_blocks :]
+    speculative = rest[budget - DENSE_LAYERS * num_blocks :]
     return TransferPlan(num_layers, num_blocks, proactive.view(num_layers, num_blocks), speculative)
 
 
@@ -219,7 +217,7 @@ class Planner:
         if mode == "all":
             return self.num_layers * m_eff
         if mode == "floor":
-            return ALWAYS_SENT_LAYERS * m_eff
+            return DENSE_LAYERS * m_eff
         return proactive_budget(
             self.num_layers, m_eff, self.prefill_seconds_per_token * length, self.transfer_seconds_per_token * length
         )

@@ -11,8 +11,8 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from smartgen.evalsuite.haystack import Insert, assemble
-from smartgen.evalsuite.surface import KEY_ADJECTIVES, KEY_NOUNS, TEMPLATES, VARIANTS, filler_stream
+from smartgen.apps.evalsuite.haystack import Insert, assemble
+from smartgen.apps.evalsuite.surface import KEY_ADJECTIVES, KEY_NOUNS, TEMPLATES, VARIANTS, filler_stream
 
 __all__ = ["TASKS", "MAX_NEW_TOKENS", "Sample", "generate_task", "generate_suite", "task_depths"]
 

@@ -26,13 +26,13 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from smartgen.fingerprint import model_fingerprint
+from smartgen.engine.layout import DEFAULT_NUM_BLOCKS, KVLayout
+from smartgen.engine.planning import ImportanceAccumulator
+from smartgen.engine.policy import get_policy
 from smartgen.lanes.base import WriteOp
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import transfer_seconds
-from smartgen.layout import DEFAULT_NUM_BLOCKS, KVLayout
-from smartgen.planning import ImportanceAccumulator
-from smartgen.policy import get_policy
+from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.selectors.base import LayerMetadata, PrefillLayer, Selector, StepQuery

@@ -1,0 +1,1 @@
+"""Applications over the engine and the runtime: profiling, evaluation and its suite, simulation, the demo, KV quantization."""

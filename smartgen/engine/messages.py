@@ -1,0 +1,265 @@
+"""Typed engine messages: one dataclass per kind, each packed into and unpacked from the lanes' ordered `Message`.
+
+The lanes carry a kind, a request id, a small JSON-able `meta` and named tensors; what those
+mean is decided here, once, for both sides. `unpack` checks every field and raises
+`MessageError` (a ValueError) naming what is wrong, so a malformed message is refused where
+it arrives instead of failing somewhere later with a KeyError.
+
+    link.control.send(Open(rid, slot, length, "smartgen", "profile", 0.1, ids).pack())
+    match unpack(message):
+        case Fetch(request_id, layer, fetch_id, positions): ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from smartgen.lanes.base import Message, MessageKind
+
+__all__ = [
+    "MessageError",
+    "EngineMessage",
+    "Open",
+    "Metadata",
+    "FirstToken",
+    "Fetch",
+    "FetchReply",
+    "Idle",
+    "Release",
+    "Abort",
+    "Error",
+    "unpack",
+    "pack_metadata",
+    "unpack_metadata",
+]
+
+
+class MessageError(ValueError):
+    """A message whose fields are missing or of the wrong kind."""
+
+
+def _field(meta: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    if name not in meta:
+        raise MessageError(f"{what}: missing {name!r}")
+    value = meta[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise MessageError(f"{what}: {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _tensor(payload: dict[str, torch.Tensor], name: str, what: str) -> torch.Tensor:
+    if name not in payload:
+        raise MessageError(f"{what}: missing tensor {name!r}")
+    return payload[name]
+
+
+def pack_metadata(metadata: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-layer selector metadata as flat message payload: {"<layer>/<name>": tensor}."""
+    return {
+        f"{layer}/{name}": tensor.contiguous() for layer, entry in enumerate(metadata) for name, tensor in entry.items()
+    }
+
+
+def unpack_metadata(payload: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """The inverse of `pack_metadata`, for a model of `num_layers` layers."""
+    metadata: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+    for key, tensor in payload.items():
+        layer, _, name = key.partition("/")
+        if not layer.isdigit() or int(layer) >= num_layers:
+            raise MessageError(f"selector metadata for layer {layer!r} of a {num_layers}-layer model")
+        metadata[int(layer)][name] = tensor
+    return metadata
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Decode -> prefill: a new request, its pool slot and how its KV should move."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.OPEN
+    request_id: str
+    slot: int
+    length: int
+    scheme: str  # a policy name (smartgen, full, ...)
+    strategy: str  # the proactive-set strategy
+    speculative_ratio: float
+    prompt_ids: torch.Tensor | None = None  # [n] int64, when the prefill node runs a model
+
+    def pack(self) -> Message:
+        meta = {
+            "slot": self.slot,
+            "length": self.length,
+            "scheme": self.scheme,
+            "strategy": self.strategy,
+            "speculative_ratio": self.speculative_ratio,
+        }
+        payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
+        return Message(self.KIND, self.request_id, meta, payload)
+
+    @classmethod
+    def unpack(cls, message: Message) -> Open:
+        meta, what = message.meta, "OPEN"
+        return cls(
+            message.request_id,
+            _field(meta, "slot", int, what),
+            _field(meta, "length", int, what),
+            _field(meta, "scheme", str, what),
+            _field(meta, "strategy", str, what),
+            _field(meta, "speculative_ratio", float, what),
+            message.payload.get("input_ids"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """Prefill -> decode: one layer's selector metadata, sent as soon as the layer is prefilled."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.METADATA
+    request_id: str
+    layer: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def pack(self) -> Message:
+        tensors = {k: v.contiguous() for k, v in self.tensors.items()}
+        return Message(self.KIND, self.request_id, {"layer": self.layer}, tensors)
+
+    @classmethod
+    def unpack(cls, message: Message) -> Metadata:
+        return cls(message.request_id, _field(message.meta, "layer", int, "METADATA"), dict(message.payload))
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Prefill -> decode: the first output token, with any metadata not sent per layer."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.FIRST_TOKEN
+    request_id: str
+    token: int
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # pack_metadata's flat form
+
+    def pack(self) -> Message:
+        return Message(self.KIND, self.request_id, {"token": self.token}, dict(self.metadata))
+
+    @classmethod
+    def unpack(cls, message: Message) -> FirstToken:
+        return cls(message.request_id, _field(message.meta, "token", int, "FIRST_TOKEN"), dict(message.payload))
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Decode -> prefill: the K/V of these token positions of one layer, now (an urgent message)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.FETCH
+    request_id: str
+    layer: int
+    fetch_id: int
+    positions: torch.Tensor  # [p] int64
+
+    def pack(self) -> Message:
+        meta = {"layer": self.layer, "fetch_id": self.fetch_id}
+        return Message(self.KIND, self.request_id, meta, {"positions": self.positions})
+
+    @classmethod
+    def unpack(cls, message: Message) -> Fetch:
+        meta, what = message.meta, "FETCH"
+        positions = _tensor(message.payload, "positions", what)
+        if positions.dtype != torch.int64 or positions.dim() != 1:
+            raise MessageError(f"{what}: positions must be a 1-D int64 tensor")
+        return cls(message.request_id, _field(meta, "layer", int, what), _field(meta, "fetch_id", int, what), positions)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchReply:
+    """Prefill -> decode: the fetched K and V, [p, H, d] each, for the fetch with this id."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.FETCH_REPLY
+    request_id: str
+    fetch_id: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def pack(self) -> Message:
+        return Message(self.KIND, self.request_id, {"fetch_id": self.fetch_id}, {"k": self.k, "v": self.v})
+
+    @classmethod
+    def unpack(cls, message: Message) -> FetchReply:
+        what = "FETCH_REPLY"
+        return cls(
+            message.request_id,
+            _field(message.meta, "fetch_id", int, what),
+            _tensor(message.payload, "k", what),
+            _tensor(message.payload, "v", what),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Decode -> prefill: the link is idle while this layer computes (a chance to push speculatively)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.IDLE
+    request_id: str
+    layer: int
+
+    def pack(self) -> Message:
+        return Message(self.KIND, self.request_id, {"layer": self.layer})
+
+    @classmethod
+    def unpack(cls, message: Message) -> Idle:
+        return cls(message.request_id, _field(message.meta, "layer", int, "IDLE"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Reasoned:
+    request_id: str
+    reason: str = ""
+
+    def pack(self) -> Message:
+        return Message(self.KIND, self.request_id, {"reason": self.reason} if self.reason else {})  # type: ignore[attr-defined]
+
+    @classmethod
+    def unpack(cls, message: Message) -> Any:
+        reason = message.meta.get("reason", "")
+        return cls(message.request_id, reason if isinstance(reason, str) else str(reason))
+
+
+@dataclass(frozen=True, slots=True)
+class Release(_Reasoned):
+    """Decode -> prefill: the request is done with the prefill node's copy of its KV."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.RELEASE
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_Reasoned):
+    """Either way: the request failed or was cancelled; free it."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ABORT
+
+
+@dataclass(frozen=True, slots=True)
+class Error(_Reasoned):
+    """Prefill -> decode: the prefill node could not serve the request (the reason says why)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ERROR
+
+
+EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Release | Abort | Error
+_BY_KIND: dict[MessageKind, Any] = {
+    cls.KIND: cls for cls in (Open, Metadata, FirstToken, Fetch, FetchReply, Idle, Release, Abort, Error)
+}
+
+
+def unpack(message: Message) -> EngineMessage:
+    """The typed message a lane delivered; a MessageError for a kind the engine does not speak or bad fields."""
+    cls = _BY_KIND.get(message.kind)
+    if cls is None:
+        raise MessageError(f"the engine does not handle {message.kind.name} messages")
+    return cls.unpack(message)

@@ -1,0 +1,116 @@
+"""Transfer policies: SmartGen, its baselines and ablations, as settings of one engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from smartgen.engine.planning import STRATEGIES
+
+__all__ = ["Policy", "POLICIES", "get_policy", "ProactiveMode", "Strategy"]
+
+
+class _Named(str, Enum):
+    """An enum that is its value wherever a string is: printed, formatted, compared, sent as JSON."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class ProactiveMode(_Named):
+    """What a policy pushes during prefill: every block, layers 0-1 only, or layers 0-1 plus K_r blocks."""
+
+    ALL = "all"
+    FLOOR = "floor"
+    BUDGET = "budget"
+
+
+class Strategy(_Named):
+    """How the proactive set is chosen (engine.planning.strategy_scores)."""
+
+    PROFILE = "profile"
+    RANDOM = "random"
+    SEQUENTIAL = "sequential"
+    STREAMING = "streaming"
+    OPTIMAL = "optimal"
+
+
+assert {s.value for s in Strategy} == set(STRATEGIES), "Strategy and planning.STRATEGIES must name the same strategies"
+PROACTIVE_MODES = tuple(mode.value for mode in ProactiveMode)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How one request's KV moves.
+
+    proactive: "all" pushes every block during prefill (full transfer); "floor" only layers
+    0-1 (partial transfer); "budget" layers 0-1 plus the top K_r blocks by `strategy`.
+    parallel: fetch remote entries while gathering local ones (else remote, then local).
+    speculative: push the next slice of unsent blocks on every idle notice.
+    wait_for_all: decoding starts only when every block is local (full transfer).
+    drop_remote: entries not sent proactively are never fetched and never attended (proactive-only).
+    """
+
+    name: str  # the scheme: smartgen, full, partial, ...
+    proactive: ProactiveMode = ProactiveMode.BUDGET
+    strategy: Strategy = Strategy.PROFILE
+    parallel: bool = True
+    speculative: bool = True
+    speculative_ratio: float = 0.1
+    wait_for_all: bool = False
+    drop_remote: bool = False
+
+    def __post_init__(self) -> None:
+        if self.proactive not in PROACTIVE_MODES:
+            raise ValueError(f"proactive must be one of {PROACTIVE_MODES}, got {self.proactive!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown proactive strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        object.__setattr__(self, "proactive", ProactiveMode(self.proactive))  # plain strings accepted, enums kept
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        if not 0 < self.speculative_ratio <= 1:
+            raise ValueError(f"speculative ratio must be in (0, 1], got {self.speculative_ratio}")
+        if self.drop_remote and self.speculative:
+            raise ValueError("a policy that drops remote entries cannot also push them speculatively")
+
+    def with_strategy(self, strategy: str) -> Policy:
+        """The same scheme with another proactive-set strategy (random, sequential, streaming, ...)."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown proactive strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        return replace(self, strategy=Strategy(strategy))
+
+    @property
+    def label(self) -> str:
+        """The scheme's name, with its strategy when that is not the scheme's default: "smartgen[streaming]"."""
+        default = POLICIES.get(self.name)
+        if default is None or default.strategy == self.strategy or self.proactive != ProactiveMode.BUDGET:
+            return self.name
+        return f"{self.name}[{self.strategy.value}]"
+
+
+POLICIES: dict[str, Policy] = {
+    policy.name: policy
+    for policy in (
+        Policy("full", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True),
+        Policy("partial", proactive=ProactiveMode.FLOOR, parallel=False, speculative=False),
+        Policy("partial+profile", proactive=ProactiveMode.BUDGET, parallel=False, speculative=False),
+        Policy("partial+profile+parallel", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False),
+        Policy("smartgen", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
+        Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
+    )
+}
+
+
+def get_policy(name: str, strategy: str | None = None, speculative_ratio: float | None = None) -> Policy:
+    """Looks a policy up by name, optionally with another strategy or speculative ratio."""
+    try:
+        policy = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; choose one of {', '.join(POLICIES)}") from None
+    if strategy is not None and strategy != policy.strategy:
+        policy = policy.with_strategy(strategy)
+    if speculative_ratio is not None:
+        policy = replace(policy, speculative_ratio=speculative_ratio)
+    return policy
