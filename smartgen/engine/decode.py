@@ -187,10 +187,12 @@ class DecodeEngine:
         max_new_tokens: int = 0,
         request_id: str | None = None,
         prompt_ids: torch.Tensor | None = None,
+        arrival: float | None = None,
     ) -> str:
         """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
 
-        `prompt_ids` travel with OPEN when the prefill node runs a model (serving).
+        `prompt_ids` travel with OPEN when the prefill node runs a model (serving). `arrival`
+        (time.monotonic(), default now) is when the request arrived: its TTFT and TTST count from it.
         """
         request_id = request_id or uuid.uuid4().hex
         slot = self.pool.allocate(length, max_new_tokens)
@@ -201,7 +203,9 @@ class DecodeEngine:
             length,
             link,
             policy,
-            RequestMetrics(request_id, length, RequestState.DISPATCHED),
+            RequestMetrics(
+                request_id, length, RequestState.DISPATCHED, created=time.monotonic() if arrival is None else arrival
+            ),
             fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
             metadata=[{} for _ in range(self.layout.num_layers)],
         )

@@ -10,21 +10,24 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
-from smartgen.engine.decode import DecodeEngine
+from smartgen.engine.decode import DecodeEngine, RequestFailed
 from smartgen.engine.layout import DEFAULT_NUM_BLOCKS
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.planning import Planner
 from smartgen.engine.policy import Policy
-from smartgen.engine.prefill import PrefillEngine
+from smartgen.engine.prefill import PrefillEngine, RequestGone
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
+from smartgen.runtime.driver import DecodeDriver, DriverRequest, Finished
 from smartgen.runtime.models import check_runnable, kv_layout, model_info
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.runtime.sampling import Sampler
@@ -88,8 +91,9 @@ class InprocPipeline:
         self._prefill_link = prefill_end
         self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
         self.decode_engine.attach(decode_end)
-        self.prefill_runner = PrefillRunner(model, self.selector, sampler or Sampler())
-        self.decode_runner = DecodeRunner(model, self.selector, self.decode_engine, sampler or Sampler())
+        self.sampler = sampler or Sampler()
+        self.prefill_runner = PrefillRunner(model, self.selector, self.sampler)
+        self.decode_runner = DecodeRunner(model, self.selector, self.decode_engine, self.sampler)
 
     def close(self) -> None:
         self.decode_runner.close()
@@ -102,22 +106,22 @@ class InprocPipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prefill_worker(
-        self, prompts: dict[str, torch.Tensor], errors: list[BaseException], stop: threading.Event
-    ) -> None:
-        served = 0
-        while served < len(prompts) and not stop.is_set():
-            request = self.prefill_engine.next_request(timeout=0.05)
+    def _prefill_worker(self, errors: list[BaseException], stop: threading.Event) -> None:
+        """The prefill side: prefills whatever the engine has opened until told to stop."""
+        while not stop.is_set():
+            request = self.prefill_engine.next_request(timeout=0.02)
             if request is None:
                 continue
-            served += 1
             rid = request.request_id
             try:
-                output = self.prefill_runner.run(prompts[rid], on_layer=functools.partial(self._hand_off, rid))
+                assert request.prompt is not None, "the pipeline sends prompt ids with OPEN"
+                output = self.prefill_runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
                 self.prefill_engine.finish_prefill(rid, output.first_token)
-            except BaseException as exc:  # reported to the caller, never swallowed
+            except RequestGone:
+                continue  # aborted meanwhile
+            except BaseException as exc:  # the request fails at once (ERROR); the caller re-raises the cause
                 errors.append(exc)
-                return
+                self.prefill_engine.fail(rid, f"prefill failed: {exc}")
 
     def _hand_off(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: dict) -> int:
         """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
@@ -127,49 +131,49 @@ class InprocPipeline:
         self.prefill_engine.send_metadata(request_id, layer, metadata)
         return pushed
 
-    def prepare(self, prompts: list[list[int] | torch.Tensor], max_new_tokens: int) -> tuple[DecodeBatch, list[int]]:
-        """Opens the requests, prefills them on the prefill side and returns the decode batch and first tokens."""
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        ids = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
-        lengths = [int(p.numel()) for p in ids]
-        request_ids = [self.decode_engine.open(n, self.policy, max_new_tokens=max_new_tokens) for n in lengths]
+    @contextmanager
+    def _running(self) -> Iterator[tuple[DecodeDriver, list[BaseException]]]:
+        """A decode driver over this pipeline's engines, with the prefill side running beside it."""
+        driver = DecodeDriver(self.decode_runner, prefill_timeout=600)
         errors: list[BaseException] = []
         stop = threading.Event()
-        worker = threading.Thread(
-            target=self._prefill_worker, args=(dict(zip(request_ids, ids)), errors, stop), daemon=True
-        )
+        worker = threading.Thread(target=self._prefill_worker, args=(errors, stop), name="prefill", daemon=True)
         worker.start()
         try:
-            first = []
-            for rid in request_ids:
-                try:
-                    first.append(self.decode_engine.wait_first_token(rid, timeout=600))
-                except Exception as exc:
-                    stop.set()
-                    worker.join(timeout=5)
-                    if errors:
-                        raise errors[0] from exc
-                    raise
-            if self.policy.wait_for_all:
-                for rid in request_ids:
-                    self.decode_engine.wait_all_local(rid, timeout=600)
+            yield driver, errors
         except BaseException:
-            for rid in request_ids:
-                self.decode_engine.abort(rid, "prefill failed")
+            driver.cancel_all("generation failed")
             raise
         finally:
             stop.set()
             worker.join(timeout=10)
-        metadata = [self.decode_engine.request_metadata(rid) for rid in request_ids]
-        batch = DecodeBatch(request_ids, lengths, metadata, torch.tensor(first))
-        return batch, first
 
-    def release(self, request_ids: list[str]) -> None:
-        """Frees finished requests on both sides."""
-        for rid in request_ids:
-            if rid in self.decode_engine._requests:
-                self.decode_engine.finish(rid)
+    def _requests(
+        self, prompts: list[list[int] | torch.Tensor], max_new_tokens: int, eos_token_id: int | None, keep_logits: bool
+    ) -> list[DriverRequest]:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        stop = (lambda token: token == eos_token_id) if eos_token_id is not None else (lambda token: False)
+        return [
+            DriverRequest(
+                uuid.uuid4().hex,
+                torch.as_tensor(p, dtype=torch.int64).flatten(),
+                self.policy,
+                max_new_tokens,
+                self.sampler,
+                stop=stop,
+                keep_logits=keep_logits,
+            )
+            for p in prompts
+        ]
+
+    @staticmethod
+    def _raise_failure(events: list, errors: list[BaseException]) -> None:
+        failed = [e for e in events if isinstance(e, Finished) and e.reason == "error"]
+        if failed:
+            if errors:
+                raise errors[0]
+            raise RequestFailed(failed[0].error or "request failed")
 
     def generate(
         self,
@@ -179,38 +183,49 @@ class InprocPipeline:
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
-        """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch."""
-        batch, first = self.prepare(prompts, max_new_tokens)
-        request_ids = list(batch.request_ids)
-        results = {
-            rid: GenerationResult(rid, [tok], self.decode_engine.metrics(rid)) for rid, tok in zip(request_ids, first)
-        }
-        try:
-            if eos_token_id is not None:
-                batch.drop([b for b, tok in enumerate(first) if tok != eos_token_id])
-            for step in range(1, max_new_tokens):
-                if not batch.request_ids:
-                    break
-                tokens, logits = self.decode_runner.step(batch)
-                self.decode_engine.end_step(batch.request_ids)
-                keep = []
-                for b, rid in enumerate(batch.request_ids):
-                    results[rid].tokens.append(int(tokens[b]))
-                    if keep_logits:
-                        results[rid].logits.append(logits[b])
-                    if eos_token_id is None or int(tokens[b]) != eos_token_id:
-                        keep.append(b)
-                batch.advance(tokens)
-                if len(keep) < len(batch.request_ids):
-                    batch.drop(keep)
+        """Generates up to `max_new_tokens` tokens for every prompt, decoding them as one batch (the decode driver)."""
+        requests = self._requests(prompts, max_new_tokens, eos_token_id, keep_logits)
+        finished: dict[str, Finished] = {}
+        with self._running() as (driver, errors):
+            for request in requests:
+                self._raise_failure(driver.add(request), errors)
+            # every request joins before the first step, so the batch (and its float rounding) never
+            # depends on thread timing: evaluation and profiling get the same numbers every run
+            while driver.prefilling:
+                events = driver.collect_first_tokens()
+                self._raise_failure(events, errors)
+                finished.update({e.request_id: e for e in events if isinstance(e, Finished)})
+                time.sleep(0.0002)  # do not spin a core the prefill side needs
+            step = 0
+            while driver.num_active:
+                events = driver.step()
+                self._raise_failure(events, errors)
+                finished.update({e.request_id: e for e in events if isinstance(e, Finished)})
+                step += 1
                 if on_token:
                     on_token(step)
-        except BaseException:
-            for rid in request_ids:
-                self.decode_engine.abort(rid, "generation failed")
-            raise
-        self.release(request_ids)
-        return [results[rid] for rid in request_ids]
+        return [
+            GenerationResult(r.request_id, finished[r.request_id].tokens, finished[r.request_id].metrics, r.logits)
+            for r in requests
+        ]
+
+    def prepare(self, prompts: list[list[int] | torch.Tensor], max_new_tokens: int) -> tuple[DecodeBatch, list[int]]:
+        """Opens and prefills the requests and returns their decode batch and first tokens (for micro-benchmarks
+        that time `decode_runner.step` alone); `release` frees them."""
+        requests = self._requests(prompts, max_new_tokens + 1, None, False)
+        with self._running() as (driver, errors):
+            for request in requests:
+                self._raise_failure(driver.add(request), errors)
+            while driver.prefilling:
+                self._raise_failure(driver.collect_first_tokens(), errors)
+                time.sleep(0.0002)
+        return driver.batch, [r.tokens[0] for r in requests]
+
+    def release(self, request_ids: list[str]) -> None:
+        """Frees requests `prepare` opened, on both sides."""
+        for rid in request_ids:
+            if self.decode_engine.has_request(rid):
+                self.decode_engine.finish(rid)
 
 
 def _check_timings(

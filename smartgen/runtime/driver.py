@@ -1,0 +1,262 @@
+"""The decode side's one request driver: serving, the in-process pipeline, profiling and evaluation all move
+requests through it, one `step()` at a time, so every entry point runs the same lifecycle.
+
+A request's life in the driver:
+1. `add()`: the engine opens it (pool slot, masks remote, OPEN to a prefill node): prefilling.
+2. `step()` collects FIRST_TOKEN: the first token is emitted (TTFT). Under a wait-for-all
+   policy (full transfer) it waits until every block is local; then it joins the running batch
+   at the step boundary.
+3. `step()` runs one decode step over the running batch: one token per request (the first of
+   them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
+4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
+   prefill node lost, no first token within `prefill_timeout`): the engine finishes or aborts it
+   (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics.
+
+Timings have one clock and one definition: the engine's `RequestMetrics`, counted from the
+request's arrival (`DriverRequest.arrival`), are what `usage`, `/status` and the benchmarks read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from smartgen.engine.decode import DecodeEngine, RequestFailed
+from smartgen.engine.metrics import RequestMetrics
+from smartgen.engine.policy import Policy
+from smartgen.engine.pool import PoolFull
+from smartgen.runtime.decode import DecodeBatch, DecodeRunner
+from smartgen.runtime.sampling import Sampler
+
+__all__ = ["DriverRequest", "Token", "Finished", "DecodeDriver"]
+
+
+@dataclass(slots=True)
+class DriverRequest:
+    """What the driver needs to run one request."""
+
+    request_id: str
+    prompt_ids: torch.Tensor  # [n] int64
+    policy: Policy
+    max_tokens: int
+    sampler: Sampler = field(default_factory=Sampler)
+    stop: Callable[[int], bool] = lambda token: False  # end of sequence, stop tokens
+    arrival: float = field(default_factory=time.monotonic)  # TTFT and TTST count from here
+    keep_logits: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # [V] per decoded token, when kept
+    opened: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A token of a request: `index` 0 is the first (from prefill)."""
+
+    request_id: str
+    token: int
+    index: int
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request left the driver: reason "stop", "length", "aborted" or "error" (then `error` says why)."""
+
+    request_id: str
+    reason: str
+    error: str | None
+    metrics: RequestMetrics
+    tokens: list[int]
+    logits: list[torch.Tensor]
+
+
+Event = Token | Finished
+
+
+class DecodeDriver:
+    """Runs requests on a DecodeEngine and a DecodeRunner; not thread-safe (one caller drives it)."""
+
+    def __init__(self, runner: DecodeRunner, *, prefill_timeout: float = 300.0) -> None:
+        self.runner = runner
+        self.engine: DecodeEngine = runner.engine
+        self.prefill_timeout = prefill_timeout
+        self.prefilling: list[DriverRequest] = []
+        self.running: list[DriverRequest] = []
+        self._batch: DecodeBatch | None = None
+
+    # -- the lifecycle ---------------------------------------------------------------------
+    def add(self, request: DriverRequest) -> list[Event]:
+        """Opens the request on the engine; a request that cannot be opened finishes at once (the events say so)."""
+        try:
+            self.engine.open(
+                request.prompt_ids.numel(),
+                request.policy,
+                max_new_tokens=request.max_tokens,
+                request_id=request.request_id,
+                prompt_ids=request.prompt_ids,
+                arrival=request.arrival,
+            )
+        except (PoolFull, RuntimeError) as exc:
+            metrics = RequestMetrics(request.request_id, request.prompt_ids.numel(), created=request.arrival)
+            metrics.error = str(exc)
+            return [Finished(request.request_id, "error", str(exc), metrics, [], [])]
+        request.opened = time.monotonic()
+        self.prefilling.append(request)
+        return []
+
+    def step(self) -> list[Event]:
+        """Collects first tokens, then runs one decode step over the running batch (if any)."""
+        events = self.collect_first_tokens()
+        if self.running:
+            events += self._decode_step()
+        return events
+
+    def cancel(self, request_id: str, reason: str, *, aborted: bool = True) -> list[Event]:
+        """Ends a request wherever it is (client gone, shutdown); its KV is freed on both nodes."""
+        for group in (self.prefilling, self.running):
+            for index, request in enumerate(group):
+                if request.request_id == request_id:
+                    if group is self.running:
+                        self._leave_batch([index])
+                    else:
+                        del group[index]
+                    return [self._abort(request, reason, "aborted" if aborted else "error")]
+        return []
+
+    def cancel_all(self, reason: str) -> list[Event]:
+        events: list[Event] = []
+        for request in self.prefilling + self.running:
+            events.append(self._abort(request, reason, "error"))
+        self.prefilling, self.running, self._batch = [], [], None
+        return events
+
+    @property
+    def batch(self) -> DecodeBatch:
+        """The running requests' decode batch."""
+        assert self._batch is not None, "no request is running"
+        return self._batch
+
+    @property
+    def num_active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    # -- inside a step ---------------------------------------------------------------------
+    def collect_first_tokens(self) -> list[Event]:
+        """Moves prefilled requests into the running batch (their first token is emitted); no decode step."""
+        events: list[Event] = []
+        still = []
+        for request in self.prefilling:
+            rid = request.request_id
+            if not self.engine.first_token_ready(rid):
+                if time.monotonic() - request.opened > self.prefill_timeout:
+                    events.append(self._abort(request, f"no first token within {self.prefill_timeout:g} s", "error"))
+                else:
+                    still.append(request)
+                continue
+            try:
+                if not request.tokens:
+                    events += self._emit(request, self.engine.wait_first_token(rid, timeout=0))
+                    if isinstance(events[-1], Finished):
+                        continue
+                if request.policy.wait_for_all and not self.engine.is_all_local(rid):
+                    still.append(request)  # full transfer: decoding starts when every block is here
+                    continue
+            except (RequestFailed, KeyError) as exc:
+                events.append(self._abort(request, str(exc), "error"))
+                continue
+            self._join_batch(request)
+        self.prefilling = still
+        return events
+
+    def _join_batch(self, request: DriverRequest) -> None:
+        rid, length = request.request_id, request.prompt_ids.numel()
+        metadata = self.engine.request_metadata(rid)
+        position = torch.tensor([length], dtype=torch.int64)
+        last = torch.tensor([request.tokens[-1]], dtype=torch.int64)
+        if self._batch is None or not self._batch.request_ids:
+            self._batch = DecodeBatch([rid], [length], [metadata], last, position)
+        else:
+            batch = self._batch
+            batch.request_ids.append(rid)
+            batch.prompt_lengths.append(length)
+            batch.metadata.append(metadata)
+            batch.last_tokens = torch.cat([batch.last_tokens, last])
+            batch.positions = torch.cat([batch.positions, position])
+        self.running.append(request)
+
+    def _decode_step(self) -> list[Event]:
+        batch = self._batch
+        assert batch is not None, "requests are running without a decode batch"
+        try:
+            _, logits = self.runner.step(batch)
+        except RequestFailed as exc:
+            return self._fail_broken(str(exc))
+        self.engine.end_step(batch.request_ids)
+        tokens = torch.stack([request.sampler(logits[b : b + 1])[0] for b, request in enumerate(self.running)])
+        events: list[Event] = []
+        done = []
+        for b, request in enumerate(self.running):
+            if request.keep_logits:
+                request.logits.append(logits[b])
+            events += self._emit(request, int(tokens[b]))
+            if isinstance(events[-1], Finished):
+                done.append(b)
+        batch.advance(tokens)
+        if done:
+            self._leave_batch(done, finished=True)
+        return events
+
+    def _leave_batch(self, indices: list[int], *, finished: bool = False) -> None:
+        """Takes the requests at `indices` out of the running batch (finished ones are already freed)."""
+        gone = set(indices)
+        keep = [b for b in range(len(self.running)) if b not in gone]
+        assert self._batch is not None
+        self._batch.drop(keep)
+        self.running = [self.running[b] for b in keep]
+
+    def _fail_broken(self, reason: str) -> list[Event]:
+        """A prefill node died mid-step: fail the requests it served, keep the others."""
+        broken = []
+        for b, request in enumerate(self.running):
+            rid = request.request_id
+            if not self.engine.has_request(rid) or self.engine.metrics(rid).error:
+                broken.append(b)
+        if not broken:  # nobody to blame: fail the whole batch rather than loop forever
+            broken = list(range(len(self.running)))
+        victims = [self.running[b] for b in broken]
+        self._leave_batch(broken)
+        events: list[Event] = []
+        for request in victims:
+            error = (
+                self.engine.metrics(request.request_id).error if self.engine.has_request(request.request_id) else None
+            )
+            events.append(self._abort(request, error or reason, "error"))
+        return events
+
+    # -- per request -----------------------------------------------------------------------
+    def _emit(self, request: DriverRequest, token: int) -> list[Event]:
+        request.tokens.append(token)
+        metrics = self.engine.metrics(request.request_id)
+        event: Event = Token(request.request_id, token, len(request.tokens) - 1, metrics.token_times[-1])
+        if request.stop(token):
+            return [event, self._complete(request, "stop")]
+        if len(request.tokens) >= request.max_tokens:
+            return [event, self._complete(request, "length")]
+        return [event]
+
+    def _complete(self, request: DriverRequest, reason: str) -> Finished:
+        metrics = self.engine.finish(request.request_id)
+        return Finished(request.request_id, reason, None, metrics, request.tokens, request.logits)
+
+    def _abort(self, request: DriverRequest, reason: str, kind: str) -> Finished:
+        rid = request.request_id
+        if self.engine.has_request(rid):
+            metrics = self.engine.metrics(rid)
+            self.engine.abort(rid, reason)
+        else:
+            metrics = RequestMetrics(rid, request.prompt_ids.numel(), created=request.arrival)
+        metrics.error = reason
+        return Finished(rid, kind, reason, metrics, request.tokens, request.logits)
