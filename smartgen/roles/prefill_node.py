@@ -16,22 +16,21 @@ A request's life on a prefill node:
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-import time
 from typing import Any
 
 from transformers import PreTrainedModel
 
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import PoolGeometry
-from smartgen.engine.prefill import PrefillEngine, RequestGone
+from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.roles.identity import node_identity
 from smartgen.roles.planner import NodePlanner
 from smartgen.runtime.prefill import PrefillRunner
+from smartgen.runtime.prefill_worker import PrefillWorker
 from smartgen.selectors.base import Selector
 
 __all__ = ["PrefillNode"]
@@ -60,6 +59,7 @@ class PrefillNode:
         self.planner = planner
         self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
         self.runner = PrefillRunner(model, selector)
+        self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = node_identity(model, layout, model_name)
         self.listener = TcpListener(host, port, secret, self.identity, Pacer(link_gbps, delay_s))
         self.address = self.listener.address
@@ -68,7 +68,6 @@ class PrefillNode:
             threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True),
             threading.Thread(target=self._work_loop, name="prefill-work", daemon=True),
         ]
-        self.num_prefilled = 0
 
     def start(self) -> None:
         for thread in self._threads:
@@ -98,10 +97,6 @@ class PrefillNode:
         for thread in self._threads:
             thread.join(timeout=5)
 
-    def _hand_off(self, request_id: str, layer: int, k, v, metadata: dict) -> None:
-        self.engine.prefill_layer(request_id, layer, k, v)
-        self.engine.send_metadata(request_id, layer, metadata)
-
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             accepted = self.listener.accept(timeout=0.2)
@@ -123,27 +118,9 @@ class PrefillNode:
             )
             self.engine.attach(link, geometry)
 
+    @property
+    def num_prefilled(self) -> int:
+        return self.worker.num_prefilled
+
     def _work_loop(self) -> None:
-        while not self._stop.is_set():
-            request = self.engine.next_request(timeout=0.2)
-            if request is None:
-                continue
-            rid = request.request_id
-            if request.prompt is None:
-                self.engine.fail(rid, "OPEN carried no prompt ids")
-                continue
-            started = time.monotonic()
-            try:
-                output = self.runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
-            except RequestGone:
-                continue  # released or aborted while prefilling (the decode node gave up on it)
-            except Exception as exc:  # a failed prefill fails its request, not the node
-                log.exception("prefill of %s failed", rid)
-                self.engine.fail(rid, f"prefill failed: {exc}")
-                continue
-            self.planner.record_prefill(request.length, time.monotonic() - started)
-            try:
-                self.engine.finish_prefill(rid, output.first_token)
-            except RequestGone:
-                continue
-            self.num_prefilled += 1
+        self.worker.run(self._stop, poll=0.2)

@@ -7,7 +7,6 @@ selector metadata is handed over directly. Used by tests, `smartgen eval` and be
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import uuid
@@ -23,20 +22,18 @@ from smartgen.engine.layout import DEFAULT_NUM_BLOCKS
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.planning import Planner
 from smartgen.engine.policy import Policy
-from smartgen.engine.prefill import PrefillEngine, RequestGone
+from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Finished
 from smartgen.runtime.models import check_runnable, kv_layout, model_info
 from smartgen.runtime.prefill import PrefillRunner
+from smartgen.runtime.prefill_worker import KVTransform, PrefillWorker
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors import make_selector
 
 __all__ = ["GenerationResult", "InprocPipeline", "KVTransform"]
-
-# kv_transform(layer, k [n, H, d], v [n, H, d]) -> (k, v): applied at the prefill hand-off
-KVTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -106,41 +103,16 @@ class InprocPipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prefill_worker(self, errors: list[BaseException], stop: threading.Event) -> None:
-        """The prefill side: prefills whatever the engine has opened until told to stop."""
-        while not stop.is_set():
-            request = self.prefill_engine.next_request(timeout=0.02)
-            if request is None:
-                continue
-            rid = request.request_id
-            try:
-                assert request.prompt is not None, "the pipeline sends prompt ids with OPEN"
-                output = self.prefill_runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
-                self.prefill_engine.finish_prefill(rid, output.first_token)
-            except RequestGone:
-                continue  # aborted meanwhile
-            except BaseException as exc:  # the request fails at once (ERROR); the caller re-raises the cause
-                errors.append(exc)
-                self.prefill_engine.fail(rid, f"prefill failed: {exc}")
-
-    def _hand_off(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: dict) -> int:
-        """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
-        if self.kv_transform is not None:
-            k, v = self.kv_transform(layer, k, v)
-        pushed = self.prefill_engine.prefill_layer(request_id, layer, k, v)
-        self.prefill_engine.send_metadata(request_id, layer, metadata)
-        return pushed
-
     @contextmanager
     def _running(self) -> Iterator[tuple[DecodeDriver, list[BaseException]]]:
         """A decode driver over this pipeline's engines, with the prefill side running beside it."""
         driver = DecodeDriver(self.decode_runner, prefill_timeout=600)
-        errors: list[BaseException] = []
+        prefill = PrefillWorker(self.prefill_engine, self.prefill_runner, kv_transform=self.kv_transform)
         stop = threading.Event()
-        worker = threading.Thread(target=self._prefill_worker, args=(errors, stop), name="prefill", daemon=True)
+        worker = threading.Thread(target=prefill.run, args=(stop, 0.02), name="prefill", daemon=True)
         worker.start()
         try:
-            yield driver, errors
+            yield driver, prefill.errors
         except BaseException:
             driver.cancel_all("generation failed")
             raise

@@ -1,0 +1,85 @@
+"""The prefill side's one worker: the prefill node and the in-process pipeline prefill requests through it.
+
+For each request the engine has opened:
+1. the model runs over the prompt; each layer's K/V go to the engine as soon as the layer is
+   done (pushed per the request's plan), its selector metadata to the decode side;
+2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies);
+3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
+   decode side at once (ERROR, with the reason), and the worker goes on with the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from smartgen.engine.prefill import OpenedRequest, PrefillEngine, RequestGone
+from smartgen.runtime.prefill import PrefillRunner
+
+__all__ = ["PrefillWorker", "KVTransform"]
+
+log = logging.getLogger(__name__)
+
+# kv_transform(layer, k [n, H, d], v [n, H, d]) -> (k, v): applied at the hand-off (the quantized-KV scheme)
+KVTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class PrefillWorker:
+    """Prefills the requests a PrefillEngine opens, one at a time, with a PrefillRunner."""
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        runner: PrefillRunner,
+        *,
+        kv_transform: KVTransform | None = None,
+        on_prefilled: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """`on_prefilled(length, seconds)` hears each prefill's duration (a planner learning T_p)."""
+        self.engine = engine
+        self.runner = runner
+        self.kv_transform = kv_transform
+        self.on_prefilled = on_prefilled
+        self.num_prefilled = 0
+        self.errors: list[BaseException] = []  # what failed requests raised, for callers that re-raise
+
+    def run(self, stop: threading.Event, poll: float = 0.05) -> None:
+        """Serves requests until `stop` is set."""
+        while not stop.is_set():
+            request = self.engine.next_request(timeout=poll)
+            if request is not None:
+                self.prefill(request)
+
+    def prefill(self, request: OpenedRequest) -> bool:
+        """Prefills one request; False when it was dropped or failed (the decode side has been told)."""
+        rid = request.request_id
+        if request.prompt is None:
+            self.engine.fail(rid, "OPEN carried no prompt ids")
+            return False
+        started = time.monotonic()
+        try:
+            output = self.runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
+            if self.on_prefilled is not None:
+                self.on_prefilled(request.length, time.monotonic() - started)
+            self.engine.finish_prefill(rid, output.first_token)
+        except RequestGone:
+            return False  # released or aborted while prefilling (the decode node gave up on it)
+        except Exception as exc:  # a failed prefill fails its request, not the worker
+            log.warning("prefill of %s failed: %s", rid, exc, exc_info=not isinstance(exc, ValueError))
+            self.errors.append(exc)
+            self.engine.fail(rid, f"prefill failed: {exc}")
+            return False
+        self.num_prefilled += 1
+        return True
+
+    def _hand_off(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: dict) -> None:
+        """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
+        if self.kv_transform is not None:
+            k, v = self.kv_transform(layer, k, v)
+        self.engine.prefill_layer(request_id, layer, k, v)
+        self.engine.send_metadata(request_id, layer, metadata)
