@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import wait_until
 from tiny_models import FAMILIES, tiny_config
 
 from smartgen.engine.policy import get_policy
@@ -173,3 +174,17 @@ def test_a_policy_whose_budget_cannot_be_known_is_refused():
         prefill_seconds_per_token=1e-6,
     ) as pipeline:  # the transfer time comes from the link rate (8x the prefill here): K_r is below every block
         assert pipeline.prefill_engine.planner.budget(64, "budget") < pipeline.layout.num_layers * 16
+
+
+def test_a_failing_prefill_surfaces_its_own_error_and_frees_everything(capfd):
+    model = model_from_config(tiny_config("llama"))
+
+    def broken(layer, k, v):
+        raise RuntimeError("the quantizer broke")
+
+    with InprocPipeline(model, get_policy("partial"), "dense", num_blocks=16, kv_transform=broken) as pipeline:
+        with pytest.raises(RuntimeError, match="the quantizer broke"):
+            pipeline.generate([_prompt(20), _prompt(30, seed=2)], 4)
+        assert pipeline.decode_engine.pool.num_free == 8
+        wait_until(lambda: pipeline.prefill_engine.store.num_requests == 0, 30, "the prefill side to free both")
+    assert "Traceback" not in capfd.readouterr().err

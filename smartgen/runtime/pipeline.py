@@ -107,7 +107,9 @@ class InprocPipeline:
     def _running(self) -> Iterator[tuple[DecodeDriver, list[BaseException]]]:
         """A decode driver over this pipeline's engines, with the prefill side running beside it."""
         driver = DecodeDriver(self.decode_runner, prefill_timeout=600)
-        prefill = PrefillWorker(self.prefill_engine, self.prefill_runner, kv_transform=self.kv_transform)
+        prefill = PrefillWorker(
+            self.prefill_engine, self.prefill_runner, kv_transform=self.kv_transform, log_failures=False
+        )
         stop = threading.Event()
         worker = threading.Thread(target=prefill.run, args=(stop, 0.02), name="prefill", daemon=True)
         worker.start()

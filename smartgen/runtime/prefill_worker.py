@@ -39,12 +39,15 @@ class PrefillWorker:
         *,
         kv_transform: KVTransform | None = None,
         on_prefilled: Callable[[int, float], None] | None = None,
+        log_failures: bool = True,
     ) -> None:
-        """`on_prefilled(length, seconds)` hears each prefill's duration (a planner learning T_p)."""
+        """`on_prefilled(length, seconds)` hears each prefill's duration (a planner learning T_p);
+        `log_failures=False` when the caller re-raises `errors` itself (no second report on stderr)."""
         self.engine = engine
         self.runner = runner
         self.kv_transform = kv_transform
         self.on_prefilled = on_prefilled
+        self.log_failures = log_failures
         self.num_prefilled = 0
         self.errors: list[BaseException] = []  # what failed requests raised, for callers that re-raise
 
@@ -70,7 +73,8 @@ class PrefillWorker:
         except RequestGone:
             return False  # released or aborted while prefilling (the decode node gave up on it)
         except Exception as exc:  # a failed prefill fails its request, not the worker
-            log.warning("prefill of %s failed: %s", rid, exc, exc_info=not isinstance(exc, ValueError))
+            if self.log_failures:
+                log.warning("prefill of %s failed: %s", rid, exc, exc_info=not isinstance(exc, ValueError))
             self.errors.append(exc)
             self.engine.fail(rid, f"prefill failed: {exc}")
             return False
