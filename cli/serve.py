@@ -174,6 +174,8 @@ def serve(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
+    if ready_file is not None and not ready_file.parent.is_dir():
+        fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
     settings = NodeSettings(model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name

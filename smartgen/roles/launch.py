@@ -16,6 +16,7 @@ from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout, load_model, model_info
 from smartgen.selectors import make_selector
+from smartgen.sysinfo import default_db_path
 
 __all__ = ["NodeSettings", "build_prefill_node", "build_decode_node", "DTYPES"]
 
@@ -51,9 +52,10 @@ def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):
     """A length -> ProfileMatch function over the store, or None (with the reason logged) when none exists."""
     from smartgen.store import NoProfileError, ProfileStore, StoreError
 
-    if db is not None and not Path(db).exists():
-        log.warning("profile database %s does not exist: no profile, using the fallback strategy", db)
-        return None, "no profile database"
+    path = Path(db) if db is not None else default_db_path()
+    if not path.exists():
+        log.info("no profile database at %s yet: using the fallback strategy", path)
+        return None, f"no profile database at {path} (`smartgen profile` makes one)"
     fingerprint = model_fingerprint(model)
     try:
         store = ProfileStore(db, create=False)
