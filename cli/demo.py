@@ -7,9 +7,11 @@ from typing import Annotated
 
 import typer
 
+from smartgen.sysinfo import SAMPLES_DIR
+
 from .errors import fail
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "samples" / "sample-model"
+DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
 
 
 def demo(

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from smartgen.sysinfo import SAMPLES_DIR
+
 from .errors import fail
 from .store_options import DbOption, open_store
 
@@ -23,7 +25,7 @@ PANEL_OUTPUT = "Output"
 LINK_RATES = (10.0, 15.0, 25.0, 32.0)  # Gbit/s: the paper's cloud links
 SHADES = " ░▒▓█"
 PALETTE = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # viridis, low to high
-SAMPLES_CALIBRATION = Path(__file__).resolve().parent.parent / "samples" / "calibration.jsonl"
+SAMPLES_CALIBRATION = SAMPLES_DIR / "calibration.jsonl"
 
 
 class SelectorName(str, Enum):

@@ -14,7 +14,10 @@ from typing import Any
 
 import smartgen
 
-__all__ = ["PACKAGES", "collect_info", "default_db_path"]
+__all__ = ["PACKAGES", "SAMPLES_DIR", "collect_info", "default_db_path"]
+
+# The checkout's samples/ (sample model, calibration set): the demo's and `smartgen profile`'s defaults.
+SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
 
 # Distribution names as pip knows them; "smartgen" is read from the package itself.
 PACKAGES: tuple[str, ...] = ("torch", "transformers", "triton", "textual", "typer", "sqlite-utils")

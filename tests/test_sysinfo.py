@@ -77,3 +77,8 @@ def test_triton_mode_is_one_of_the_known_lines(monkeypatch: pytest.MonkeyPatch) 
 def test_triton_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)
     assert sysinfo.collect_info()["triton"] == "not installed"
+
+
+def test_the_samples_the_demo_and_profile_default_to_exist():
+    assert (sysinfo.SAMPLES_DIR / "calibration.jsonl").is_file()
+    assert (sysinfo.SAMPLES_DIR / "sample-model" / "config.json").is_file()

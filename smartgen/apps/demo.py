@@ -93,7 +93,9 @@ def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
         return store.best(fingerprint, config.selector, config.blocks, config.length).profile, model, tokenizer
     except NoProfileError:
         pass
-    calibration = config.calibration or Path(__file__).resolve().parent.parent / "samples" / "calibration.jsonl"
+    from smartgen.sysinfo import SAMPLES_DIR
+
+    calibration = config.calibration or SAMPLES_DIR / "calibration.jsonl"
     say(
         f"no profile for {config.model.name} yet: profiling {config.profile_prompts} calibration prompts ({calibration.name})"
     )
