@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ os.environ["SMARTGEN_DB"] = str(_DATA_ROOT / "profiles.db")
 # only matters where SMARTGEN_FORCE_TRITON=1 too (tests/test_kernels.py); on CUDA the kernels run natively.
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import uvicorn  # noqa: E402
 
 from smartgen.roles.processes import stop_processes  # noqa: E402
 
@@ -57,6 +61,26 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 def get_json(url: str, timeout: float = 5) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Runs `app` with uvicorn on a free loopback port in a daemon thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()
 
 
 class Nodes:

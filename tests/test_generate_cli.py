@@ -6,7 +6,8 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from test_http_api import REPLY, FakeService, FakeTokenizer, serve_in_thread
+from conftest import serve_in_thread
+from test_http_api import REPLY, FakeService, FakeTokenizer
 from typer.testing import CliRunner
 
 from smartgen.cli.app import app
@@ -60,10 +61,10 @@ def test_stream_generate_yields_pieces_then_usage(live: tuple[FakeService, str])
 
 
 def test_unreachable_url_is_one_line_error() -> None:
-    with socket.socket() as sock:  # a port nothing listens on
+    with socket.socket() as sock:  # bound but not listening: refused, and no other test can take the port meanwhile
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    result = runner.invoke(app, ["generate", "Hi", "--url", url])
+        result = runner.invoke(app, ["generate", "Hi", "--url", url])
     assert result.exit_code != 0
     assert result.stdout == ""
     assert result.stderr.startswith(f"error: cannot reach the decode node at {url}: ")

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import serve_in_thread
 
 from smartgen.roles.http_api import create_app
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
@@ -102,26 +100,6 @@ class FakeService:
             times.append(time.monotonic())
             handle.put(TokenEvent(1000 + index, text, index, times[-1]))
         handle.put(FinishEvent("length" if len(pieces) > params.max_tokens else "stop", None, usage()))
-
-
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Runs `app` with uvicorn on a free loopback port in a daemon thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
