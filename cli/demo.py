@@ -38,6 +38,9 @@ def demo(
     transfer_ratio: Annotated[
         float, typer.Option(min=0.5, help="Pace the link so a full KV transfer takes this many times the prefill.")
     ] = 5.0,
+    lane: Annotated[
+        str, typer.Option(help="Transport between the two nodes: tcp, mooncake, nixl or rdma (see `serve --help`).")
+    ] = "tcp",
 ) -> None:
     """Run the main job: two real nodes over a paced loopback link, schemes side by side (a few minutes)."""
     from rich.console import Console
@@ -60,6 +63,7 @@ def demo(
         blocks=blocks,
         budget=budget,
         transfer_ratio=transfer_ratio,
+        lane=lane,
     )
     try:
         results, setup = run_demo(config, say=lambda line: console.print(f"[dim]{line}[/]"))

@@ -149,6 +149,14 @@ def serve(
             min=0.0, help="Emulated one-way link delay in milliseconds (same-host clocks).", rich_help_panel=PANEL_NET
         ),
     ] = 0.0,
+    lane: Annotated[
+        str,
+        typer.Option(
+            help="Transport for KV and messages, the same on both nodes: tcp, mooncake (smartgen[mooncake]), "
+            "nixl (smartgen[nixl]) or rdma (smartgen[rdma]; needs an RDMA device). See docs/lanes.md.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = "tcp",
     ready_file: Annotated[
         Path | None,
         typer.Option(
@@ -176,7 +184,14 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
-    settings = NodeSettings(model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms)
+    from smartgen.lanes.backends import LANES, unavailable
+
+    if lane not in LANES:
+        fail(f"--lane must be one of {', '.join(LANES)}, got {lane!r}")
+    missing = unavailable(lane)
+    if missing:
+        fail(f"--lane {lane} cannot run here: {missing}")
+    settings = NodeSettings(model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name
     try:

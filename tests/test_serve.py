@@ -1,6 +1,8 @@
 """Two real processes on loopback: a prefill node and a decode node serving the OpenAI API."""
 
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -112,5 +114,39 @@ def test_sigterm_stops_a_node_and_fails_in_flight_requests(model_dir, tmp_path):
         pair.decode.wait(60)  # a hang guard, not a timing claim (uvicorn re-raises SIGTERM: status -15)
         pair.prefill.send_signal(signal.SIGINT)
         assert pair.prefill.wait(60) == 0
+    finally:
+        pair.stop()
+
+
+def test_the_nodes_serve_over_every_lane_the_machine_has(model_dir, tmp_path, socket_lane_kind):
+    pair = Nodes(model_dir, tmp_path, extra=("--blocks", "16", "--link-gbps", "1", "--lane", socket_lane_kind))
+    try:
+        pair.wait_ready()
+        ids = _prompt_ids(9, 90)
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "scheme": "smartgen"}
+        served = httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
+        assert served["usage"]["completion_tokens"] == 6, served
+        wait_until(lambda: get_json(pair.status_url)["requests_held"] == 0, 30, "the prefill node to free it")
+    finally:
+        pair.stop()
+
+
+def test_nodes_on_different_lanes_refuse_each_other_with_the_reason(model_dir, tmp_path):
+    pair = Nodes(model_dir, tmp_path, extra=("--blocks", "16", "--lane", "tcp"))
+    try:
+        assert pair.decode is not None
+        pair.decode.kill()
+        pair.decode.wait()
+        decode = subprocess.run(
+            [sys.executable, "-m", "smartgen", "serve", "--role", "decode", "--model", str(model_dir)]
+            + ["--prefill", pair.prefill_address, "--http", "127.0.0.1:0", "--secret", "test-secret"]
+            + ["--blocks", "16", "--lane", "nixl"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if "cannot run here" in decode.stderr:
+            pytest.skip(decode.stderr.strip())
+        assert decode.returncode != 0 and "lane mismatch" in decode.stderr and "Traceback" not in decode.stderr
     finally:
         pair.stop()

@@ -39,6 +39,7 @@ class DemoConfig:
     budget: float = 0.2
     blocks: int = 1024
     transfer_ratio: float = 5.0
+    lane: str = "tcp"
     profile_prompts: int = 8
     seed: int = 0
 
@@ -162,6 +163,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         config.selector,
         "--budget",
         str(config.budget),
+        "--lane",
+        config.lane,
     ]
     env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET", "smartgen-demo")}
     if config.db is not None:

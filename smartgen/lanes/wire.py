@@ -175,6 +175,10 @@ def server_handshake(sock: socket.socket, secret: str, identity: dict[str, Any])
         )
     elif hello.get("layout") != identity.get("layout"):
         reason = f"KV layout mismatch: prefill {identity.get('layout')}, decode {hello.get('layout')}"
+    elif hello.get("lane", "tcp") != identity.get("lane", "tcp"):
+        reason = (
+            f"lane mismatch: prefill node runs --lane {identity.get('lane', 'tcp')}, decode {hello.get('lane', 'tcp')}"
+        )
     if reason:
         _reject(sock, reason)
         raise HandshakeError(reason)

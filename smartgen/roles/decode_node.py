@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.policy import Policy
+from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.roles.identity import node_identity
 from smartgen.roles.scheduler import DecodeScheduler
@@ -42,20 +43,23 @@ class DecodeNode:
         link_gbps: float | None = None,
         delay_s: float = 0.0,
         max_waiting: int = 64,
+        lane: str = "tcp",
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
         self.engine = DecodeEngine(layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device))
         hello = {
             **node_identity(model, layout, model_name),
+            "lane": lane,
             "pool": {"slots": max_batch, "max_tokens": max_tokens},
             "node": uuid.uuid4().hex[:8],
         }
+        factory = lane_factory(lane)
         self.links = []
         try:
             for host, port in prefill_addresses:
                 try:
-                    link = tcp_connect(host, port, secret, hello, gbps=link_gbps, delay_s=delay_s)
+                    link = tcp_connect(host, port, secret, hello, gbps=link_gbps, delay_s=delay_s, lane_factory=factory)
                 except OSError as exc:
                     raise ConnectionError(
                         f"cannot reach the prefill node at {host}:{port}: {exc.strerror or exc}"

@@ -36,6 +36,7 @@ class NodeSettings:
     secret: str = ""
     link_gbps: float | None = None
     delay_ms: float = 0.0
+    lane: str = "tcp"  # a name in smartgen.lanes.backends
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -109,6 +110,7 @@ def build_prefill_node(
         link_gbps=settings.link_gbps,
         delay_s=settings.delay_ms / 1e3,
         max_queue=max_queue,
+        lane=settings.lane,
     )
     return node, profile_note
 
@@ -146,4 +148,5 @@ def build_decode_node(
         link_gbps=settings.link_gbps,
         delay_s=settings.delay_ms / 1e3,
         max_waiting=max_waiting,
+        lane=settings.lane,
     )

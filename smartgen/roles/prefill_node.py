@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
+from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.roles.identity import node_identity
@@ -53,6 +54,7 @@ class PrefillNode:
         link_gbps: float | None = None,
         delay_s: float = 0.0,
         max_queue: int = 64,
+        lane: str = "tcp",
     ) -> None:
         self.model = model
         self.layout = layout
@@ -60,8 +62,10 @@ class PrefillNode:
         self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
-        self.identity = node_identity(model, layout, model_name)
-        self.listener = TcpListener(host, port, secret, self.identity, Pacer(link_gbps, delay_s))
+        self.identity = {**node_identity(model, layout, model_name), "lane": lane}
+        self.listener = TcpListener(
+            host, port, secret, self.identity, Pacer(link_gbps, delay_s), lane_factory=lane_factory(lane)
+        )
         self.address = self.listener.address
         self._stop = threading.Event()
         self._threads = [
