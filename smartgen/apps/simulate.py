@@ -1,8 +1,9 @@
 """Runs requests through a prefill engine and a decode engine joined by an in-process link.
 
 The KV cache and the selector trace are synthetic and compute is emulated by sleeping
-(`prefill_seconds_per_token`, `decode_layer_seconds`); everything else — plans, masks,
-pushes, fetches, speculation, pacing — is the real engine. Used by the tests (which
+(`prefill_seconds_per_token`, `decode_layer_seconds`); everything else — the request driver
+and prefill worker every entry point uses, plans, masks, pushes, fetches, speculation, pacing —
+is the real thing. Used by the tests (which
 check every assembled KV against the ground truth), the benchmarks and `smartgen simulate`.
 """
 
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,6 +26,9 @@ from smartgen.engine.policy import Policy
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import gbps_for, transfer_seconds
+from smartgen.runtime.decode import DecodeBatch
+from smartgen.runtime.driver import DecodeDriver, DriverRequest, Finished
+from smartgen.runtime.prefill_worker import PrefillWorker
 
 __all__ = ["SimulationConfig", "SimulationResult", "calibrate", "simulate", "compare", "link_rate_for"]
 
@@ -78,22 +83,64 @@ def calibrate(config: SimulationConfig, trace: SyntheticTrace) -> torch.Tensor:
     return accumulator.importance()
 
 
-def _prefill_worker(
-    engine: PrefillEngine, config: SimulationConfig, kvs: dict[str, tuple], count: int, stop: threading.Event
-) -> None:
-    layer_seconds = config.prefill_seconds_per_token / config.layout.num_layers
-    served = 0
-    while served < count and not stop.is_set():
-        request = engine.next_request(timeout=0.1)
-        if request is None:
-            continue
-        k, v = kvs[request.request_id]
-        for layer in range(config.layout.num_layers):
-            if layer_seconds:
-                time.sleep(layer_seconds * request.length)
-            engine.prefill_layer(request.request_id, layer, k[layer], v[layer])
-        engine.finish_prefill(request.request_id, first_token=0)
-        served += 1
+class _SyntheticPrefill:
+    """The prefill runner's part with emulated compute: each layer's synthetic K/V after its share of the time.
+
+    A synthetic prompt's tokens name its request (all equal to the request's index), so the
+    one prefill worker (`runtime.prefill_worker`) can run it like a model's prompt.
+    """
+
+    def __init__(self, config: SimulationConfig, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.layer_seconds = config.prefill_seconds_per_token / config.layout.num_layers
+        self.num_layers = config.layout.num_layers
+        self.kvs = kvs
+
+    def run(self, prompt: torch.Tensor, on_layer: Callable[..., object]) -> SimpleNamespace:
+        k, v = self.kvs[int(prompt[0])]
+        for layer in range(self.num_layers):
+            if self.layer_seconds:
+                time.sleep(self.layer_seconds * prompt.numel())
+            on_layer(layer, k[layer], v[layer], {})
+        return SimpleNamespace(first_token=0)
+
+
+class _SyntheticDecode:
+    """The decode runner's part with emulated compute: per layer, the idle notice, the selector's index from the
+    trace, `assemble` (checked against the ground truth), the emulated layer time, the new token's true K/V."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        config: SimulationConfig,
+        trace: SyntheticTrace,
+        truths: list[tuple[torch.Tensor, torch.Tensor]],
+        index_of: dict[str, int],
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.trace = trace
+        self.truths = truths
+        self.index_of = index_of
+        self.mismatches = 0
+
+    def step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        config, layout = self.config, self.config.layout
+        requests = [self.index_of[rid] for rid in batch.request_ids]
+        steps = [int(p) - n + 1 for p, n in zip(batch.positions.tolist(), batch.prompt_lengths)]
+        truths = [self.truths[i] for i in requests]
+        for layer in range(layout.num_layers):
+            self.engine.begin_layer(layer, batch.request_ids)
+            index = _step_index(self.trace, config, requests, steps, layer)
+            assembled = self.engine.assemble(layer, batch.request_ids, index)
+            if config.verify:
+                self.mismatches += _count_mismatches(assembled, truths, layer)
+            if config.decode_layer_seconds:
+                time.sleep(config.decode_layer_seconds)
+            for b, rid in enumerate(batch.request_ids):
+                at = batch.prompt_lengths[b] + steps[b] - 1
+                self.engine.append(layer, rid, truths[b][0][layer, at], truths[b][1][layer, at])
+        num = len(batch.request_ids)
+        return torch.zeros(num, dtype=torch.int64), torch.zeros(num, 1)
 
 
 def simulate(
@@ -117,7 +164,7 @@ def simulate(
         seed=config.seed,
     )
     prefill = PrefillEngine(layout, planner)
-    decode = DecodeEngine(layout, num_slots=len(config.lengths), max_tokens=max(config.lengths) + config.steps)
+    decode = DecodeEngine(layout, num_slots=len(config.lengths), max_tokens=max(config.lengths) + config.steps + 1)
     if config.verify:
         decode.pool.k.fill_(float("nan"))  # a read of anything not yet landed shows up as a mismatch
         decode.pool.v.fill_(float("nan"))
@@ -140,43 +187,24 @@ def simulate(
     for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
         if policies[i].strategy == "optimal":
             prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
-    # The selector's indices and the ground truth (prompt + generated KV) are made up front,
-    # so the timed loop runs only the engine.
-    lengths = list(config.lengths)
-    indices = {
-        (step, layer): _step_index(trace, config, step, layer)
-        for step in range(1, config.steps)
-        for layer in range(layout.num_layers)
-    }
+    # The ground truth (prompt + generated KV) is made up front, so the timed loop runs only the engine.
     truths = [_truth(config, i, kvs[rid]) for i, rid in enumerate(request_ids)]
+    synthetic = _SyntheticDecode(decode, config, trace, truths, {rid: i for i, rid in enumerate(request_ids)})
+    driver = DecodeDriver(synthetic, prefill_timeout=600)  # type: ignore[arg-type]  # a runner without a model
+    worker = PrefillWorker(prefill, _SyntheticPrefill(config, [kvs[rid] for rid in request_ids]))  # type: ignore[arg-type]
     stop = threading.Event()
-    worker = threading.Thread(target=_prefill_worker, args=(prefill, config, kvs, len(request_ids), stop), daemon=True)
-    worker.start()
-    mismatches = 0
+    thread = threading.Thread(target=worker.run, args=(stop, 0.02), name="prefill", daemon=True)
+    thread.start()
     try:
-        for rid, n, request_policy in zip(request_ids, config.lengths, policies):
-            decode.open(n, request_policy, max_new_tokens=config.steps, request_id=rid)
-        for rid in request_ids:
-            decode.wait_first_token(rid, timeout=600)
-        for rid, request_policy in zip(request_ids, policies):
-            if request_policy.wait_for_all:
-                decode.wait_all_local(rid, timeout=600)
+        for i, (rid, n, request_policy) in enumerate(zip(request_ids, config.lengths, policies)):
+            # steps + 1 tokens: the driver never finishes them; the checks below need their KV in place
+            request = DriverRequest(rid, torch.full((n,), i, dtype=torch.int64), request_policy, config.steps + 1)
+            _raise_failed(driver.add(request))
+        while driver.prefilling:  # every request joins before the first step, as in the pipeline
+            _raise_failed(driver.collect_first_tokens())
+            time.sleep(0.0002)
         for step in range(1, config.steps):
-            for layer in range(layout.num_layers):
-                decode.begin_layer(layer, request_ids)
-                assembled = decode.assemble(layer, request_ids, indices[(step, layer)])
-                if config.verify:
-                    mismatches += _count_mismatches(assembled, truths, layer)
-                if config.decode_layer_seconds:
-                    time.sleep(config.decode_layer_seconds)
-                for i, rid in enumerate(request_ids):
-                    decode.append(
-                        layer,
-                        rid,
-                        truths[i][0][layer, lengths[i] + step - 1],
-                        truths[i][1][layer, lengths[i] + step - 1],
-                    )
-            decode.end_step(request_ids)
+            _raise_failed(driver.step())
             if on_step:
                 on_step(step)
         if config.drain_speculation:
@@ -206,13 +234,19 @@ def simulate(
             prefill_requests_left=prefill.store.num_requests,
             pool_equals_prefill=pool_equal,
             all_local=all_local,
-            mismatches=mismatches,
+            mismatches=synthetic.mismatches,
         )
     finally:
         stop.set()
         decode.close()
         prefill.close()
-        worker.join(timeout=5)
+        thread.join(timeout=5)
+
+
+def _raise_failed(events: list) -> None:
+    for event in events:
+        if isinstance(event, Finished) and event.reason == "error":
+            raise RuntimeError(f"simulated request {event.request_id} failed: {event.error}")
 
 
 def _transfer_seconds_per_token(config: SimulationConfig) -> float:
@@ -230,16 +264,19 @@ def _wait(condition: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def _step_index(trace: SyntheticTrace, config: SimulationConfig, step: int, layer: int) -> torch.Tensor:
-    """The selector's index [B·H, k] for one step and layer; short rows padded with -1."""
+def _step_index(
+    trace: SyntheticTrace, config: SimulationConfig, requests: list[int], steps: list[int], layer: int
+) -> torch.Tensor:
+    """The selector's index [B·H, k] for one layer: request `requests[b]` at its step `steps[b]`; -1 pads."""
     heads = config.layout.num_kv_heads
     rows = [
         trace.select(layer, n, n + step - 1, seed=(config.seed * 101 + i) * 7919 + step * 131 + layer)
-        for i, n in enumerate(config.lengths)
+        for i, step in zip(requests, steps)
+        for n in (config.lengths[i],)
     ]
     index = torch.full((len(rows) * heads, max(r.shape[1] for r in rows)), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        index[i * heads : (i + 1) * heads, : r.shape[1]] = r
+    for b, r in enumerate(rows):
+        index[b * heads : (b + 1) * heads, : r.shape[1]] = r
     return index
 
 
