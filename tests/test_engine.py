@@ -343,3 +343,12 @@ def test_a_policy_keeps_its_scheme_name_and_labels_its_strategy():
     assert get_policy("full").label == "full" and f"{policy.proactive}" == "budget"
     with pytest.raises(ValueError, match="unknown proactive strategy"):
         policy.with_strategy("fastest")
+
+
+def test_timings_have_one_definition():
+    from smartgen.engine.metrics import RequestMetrics
+
+    metrics = RequestMetrics("r", 10, created=100.0, token_times=[100.5, 101.0, 101.25, 101.5])
+    assert metrics.ctl == [0.5, 1.0, 1.25, 1.5]
+    assert (metrics.ttft, metrics.ttst) == (metrics.ctl[0], metrics.ctl[1]) == (0.5, 1.0)
+    assert metrics.tbt == 0.25  # mean gap after the second token

@@ -43,10 +43,12 @@ class RequestMetrics:
 
     @property
     def ttft(self) -> float | None:
+        """Time to first token, from the request's arrival."""
         return self.token_times[0] - self.created if self.token_times else None
 
     @property
     def ttst(self) -> float | None:
+        """Time to second token (the first decoded one), from the request's arrival."""
         return self.token_times[1] - self.created if len(self.token_times) > 1 else None
 
     @property
@@ -54,6 +56,15 @@ class RequestMetrics:
         """Mean time between tokens after the second one."""
         times = self.token_times[1:]
         return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    @property
+    def ctl(self) -> list[float]:
+        """Cumulative token latency: when token t arrived, counted from the request's arrival (t = 0, 1, ...).
+
+        TTFT is ctl[0], TTST ctl[1]; a scheme's CTL curve (the paper's Figure 9) is the mean of
+        these over requests, token by token.
+        """
+        return [t - self.created for t in self.token_times]
 
     @property
     def on_demand_ratio(self) -> float:
@@ -95,6 +106,15 @@ class PathCounters:
         with self._lock:
             self.selected_entries += selected
             self.remote_entries += remote
+
+    @property
+    def ctl(self) -> list[float]:
+        """Cumulative token latency: when token t arrived, counted from the request's arrival (t = 0, 1, ...).
+
+        TTFT is ctl[0], TTST ctl[1]; a scheme's CTL curve (the paper's Figure 9) is the mean of
+        these over requests, token by token.
+        """
+        return [t - self.created for t in self.token_times]
 
     @property
     def on_demand_ratio(self) -> float:
