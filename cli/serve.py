@@ -169,10 +169,18 @@ def serve(
         str,
         typer.Option(
             envvar="SMARTGEN_SECRET",
-            help="Shared secret both nodes must hold (or $SMARTGEN_SECRET).",
+            help="Shared secret both nodes must hold (or $SMARTGEN_SECRET); required unless --insecure.",
             rich_help_panel=PANEL_NET,
         ),
     ] = "",
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Run without a shared secret: any peer that can reach the port is accepted. Loopback trials only.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = False,
 ) -> None:
     """Run a prefill node or a decode node until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.tcp_link import parse_address
@@ -182,6 +190,8 @@ def serve(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
+    if not secret and not insecure:
+        fail("no shared secret: set $SMARTGEN_SECRET (or --secret) to the same value on both nodes, or pass --insecure")
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
     from smartgen.lanes.backends import LANES, unavailable

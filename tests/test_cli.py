@@ -101,3 +101,9 @@ def test_python_dash_m() -> None:
     proc = subprocess.run([sys.executable, "-m", "smartgen", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "info" in proc.stdout
+
+
+def test_serve_refuses_to_start_without_a_secret(monkeypatch):
+    monkeypatch.delenv("SMARTGEN_SECRET", raising=False)
+    result = runner.invoke(app, ["serve", "--role", "prefill", "--model", "samples/sample-model"])
+    assert result.exit_code != 0 and "no shared secret" in result.stderr and "--insecure" in result.stderr
