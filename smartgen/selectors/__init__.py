@@ -1,4 +1,4 @@
-"""KV selectors behind one interface, looked up by name: dense, topk, quest, infinigen, streaming."""
+"""KV selectors behind one interface, looked up by name: dense, topk, quest, infinigen, hata, streaming."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ SELECTORS = {
     "topk": "smartgen.selectors.topk:ExactTopKSelector",
     "quest": "smartgen.selectors.quest:QuestSelector",
     "infinigen": "smartgen.selectors.infinigen:InfiniGenSelector",
+    "hata": "smartgen.selectors.hata:HATASelector",
     "streaming": "smartgen.selectors.streaming:StreamingSelector",
 }
 
