@@ -10,7 +10,7 @@ needle tokens kept. `--per-head` also prints the [layer x head] recall of every 
     python bench/selector_recall.py --lengths 1024,2048,3072 --num 4 \\
         --selectors quest,infinigen,streaming --budgets 0.1,0.2
     # a selector's own parameters after a colon, ';' between them:
-    python bench/selector_recall.py --selectors 'quest:page_size=8;head_split=1,infinigen:partial_ratio=0.5'
+    python bench/selector_recall.py --selectors 'quest:page_size=4,infinigen:partial_ratio=0.5;speculate=false'
 """
 
 from __future__ import annotations
@@ -24,22 +24,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def parse_selector(text: str) -> tuple[str, dict]:
-    """'quest:page_size=8;x=1' -> ('quest', {'page_size': 8, 'x': 1})."""
-    name, _, rest = text.partition(":")
-    params = {}
-    for item in filter(None, rest.split(";")):
-        key, _, value = item.partition("=")
-        try:
-            params[key] = int(value)
-        except ValueError:
-            try:
-                params[key] = float(value)
-            except ValueError:
-                params[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return name, params
 
 
 def main() -> None:
@@ -60,7 +44,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from smartgen.evalsuite import generate_suite
-    from smartgen.evaluation import infinigen_warmup
+    from smartgen.evaluation import infinigen_warmup, parse_selector_spec
     from smartgen.runtime.models import load_model, model_info
     from smartgen.selectors import make_selector
     from smartgen.selectors.recall import RecallStats, retrieval_heads, selector_recall, trace_decode
@@ -71,7 +55,7 @@ def main() -> None:
     tasks = args.tasks.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
-    specs = [parse_selector(s) for s in args.selectors.split(",")]
+    specs = [parse_selector_spec(s) for s in args.selectors.split(",")]
     samples = generate_suite(tasks, lengths, args.num, args.seed, tokenizer, variant="eval")
     extra: dict[str, dict] = {}
     if any(name == "infinigen" for name, _ in specs):

@@ -37,6 +37,23 @@ def _length(text: str) -> int:
     return value
 
 
+def _selector_spec(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """'quest:page_size=4' -> ('quest', (('page_size', 4),)), checked against the selector's own parameters."""
+    import inspect
+
+    from smartgen.evaluation import LEARNED_PARAMS, parse_selector_spec
+    from smartgen.selectors import selector_class
+
+    name, params = parse_selector_spec(text)
+    if name not in SELECTORS:
+        raise ValueError(f"choose from {', '.join(SELECTORS)}, got {name!r}")
+    accepted = set(inspect.signature(selector_class(name)).parameters) - {"info", "budget", *LEARNED_PARAMS}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ValueError(f"{name} has no parameter {', '.join(unknown)} (it takes {', '.join(sorted(accepted))})")
+    return name, tuple(sorted(params.items()))
+
+
 def eval_command(
     model: Annotated[
         Path,
@@ -56,7 +73,8 @@ def eval_command(
     selector: Annotated[
         str,
         typer.Option(
-            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, hata, topk.",
+            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, hata, topk; "
+            "own parameters after a colon, ';' between them: quest:page_size=4 (docs/selectors.md).",
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = "quest",
@@ -145,8 +163,11 @@ def eval_command(
     names = _split(schemes)
     if not names or any(name not in SCHEMES for name in names):
         fail(f"--schemes must name some of {', '.join(SCHEMES)}, got {schemes!r}")
-    selectors = _split(selector)
-    if not selectors or any(name not in SELECTORS for name in selectors):
+    try:
+        selectors = [_selector_spec(text) for text in _split(selector)]
+    except ValueError as exc:
+        fail(f"--selector: {exc}")
+    if not selectors:
         fail(f"--selector must name some of {', '.join(SELECTORS)}, got {selector!r}")
     task_names = _split(tasks)
     if not task_names or any(name not in TASKS for name in task_names):
@@ -166,7 +187,7 @@ def eval_command(
     conditions: list[Condition] = []
     for name in names:
         if name in ("smartgen", "proactive-only"):
-            conditions += [Condition(name, s, b) for s in selectors for b in budgets]
+            conditions += [Condition(name, s, b, options) for s, options in selectors for b in budgets]
         elif name == "streamingllm":
             conditions += [Condition(name, budget=b) for b in budgets]
         else:

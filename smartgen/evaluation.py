@@ -42,6 +42,7 @@ __all__ = [
     "evaluate_conditions",
     "StoreProfiles",
     "wilson_interval",
+    "parse_selector_spec",
 ]
 
 SCHEMES = ("full-cache", "smartgen", "proactive-only", "streamingllm", "quant2")
@@ -80,6 +81,7 @@ class Condition:
     scheme: str
     selector: str = "quest"
     budget: float = 0.1
+    options: tuple[tuple[str, Any], ...] = ()  # the selector's own parameters besides the budget, sorted
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -93,7 +95,31 @@ class Condition:
             return self.scheme
         if self.scheme == "streamingllm":
             return f"streamingllm {budget_label(self.budget)}"
-        return f"{self.scheme} {self.selector} {budget_label(self.budget)}"
+        options = f"({','.join(f'{k}={v}' for k, v in self.options)})" if self.options else ""
+        return f"{self.scheme} {self.selector}{options} {budget_label(self.budget)}"
+
+
+def parse_selector_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """A selector and its own parameters: 'quest:page_size=4;x=true' -> ('quest', {'page_size': 4, 'x': True})."""
+    name, _, rest = text.strip().partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"selector parameters are key=value pairs separated by ';', got {item!r} in {text!r}")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false"):
+            params[key.strip()] = lowered == "true"
+            continue
+        for kind in (int, float):
+            try:
+                params[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            params[key.strip()] = value.strip()
+    return name.strip(), params
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +327,8 @@ def evaluate(
     An explicit transfer_ratio overrides a profile's timings too.
     """
     params = dict(selector_params or {})
-    cond = Condition(scheme, selector, float(params.get("budget", 0.1)))
+    options = tuple(sorted((k, v) for k, v in params.items() if k != "budget" and k not in LEARNED_PARAMS))
+    cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if selector != "dense" else ())
     if selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only") and "skew" not in params:
         params["skew"] = infinigen_warmup(model, tokenizer, samples)
     if selector == "hata" and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
@@ -384,7 +411,7 @@ def evaluate_conditions(
     skew: dict[int, torch.Tensor] | None = None
     total = len(samples) * len(conditions)
     for n, cond in enumerate(conditions):
-        params: dict[str, Any] = {"budget": cond.budget}
+        params: dict[str, Any] = {"budget": cond.budget, **dict(cond.options)}
         if cond.selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only"):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew

@@ -68,3 +68,33 @@ def test_cli_eval_runs_hata_with_given_weights(tiny, tmp_path, monkeypatch):
     assert list(data["runs"]) == ["smartgen hata 30%"] and "ci95" in data["runs"]["smartgen hata 30%"]
     bad = runner.invoke(app, [*args, "--hata-weights", str(tmp_path / "missing.safetensors")])
     assert bad.exit_code != 0 and "HATA weights" in bad.output
+
+
+def test_selector_specs_parse_and_label_their_parameters():
+    from smartgen.evaluation import parse_selector_spec
+
+    assert parse_selector_spec("quest") == ("quest", {})
+    assert parse_selector_spec("infinigen:partial_ratio=0.5; speculate=False") == (
+        "infinigen",
+        {"partial_ratio": 0.5, "speculate": False},
+    )
+    assert parse_selector_spec("quest:page_size=4")[1] == {"page_size": 4}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_selector_spec("quest:page_size")
+    cond = Condition("smartgen", "quest", 0.2, (("page_size", 4),))
+    assert cond.label == "smartgen quest(page_size=4) 20%"
+
+
+def test_cli_eval_passes_selector_parameters_and_rejects_unknown_ones(tiny, tmp_path, monkeypatch):
+    folder, _, _ = tiny
+    monkeypatch.setenv("SMARTGEN_DB", str(tmp_path / "none.db"))
+    out = tmp_path / "eval.json"
+    args = ["eval", "--model", str(folder), "--num", "1", "--lengths", str(LENGTH), "--tasks", "passkey"]
+    args += ["--schemes", "smartgen", "--budget", "0.3", "--blocks", "64"]
+    result = runner.invoke(app, [*args, "--selector", "quest,quest:page_size=4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"smartgen quest 30%", "smartgen quest(page_size=4) 30%"}
+    assert runs["smartgen quest(page_size=4) 30%"]["selector_params"] == {"budget": 0.3, "page_size": 4}
+    bad = runner.invoke(app, [*args, "--selector", "quest:pages=4"])
+    assert bad.exit_code != 0 and "no parameter pages" in bad.output
