@@ -289,7 +289,7 @@ def infinigen_warmup(model, tokenizer, samples: Sequence[Sample]) -> dict[int, t
     )
 
 
-def hata_calibration(model, tokenizer, samples: Sequence[Sample], prompts_per_cell: int = 4) -> dict[int, torch.Tensor]:
+def hata_calibration(model, tokenizer, samples: Sequence[Sample], prompts_per_cell: int = 2) -> dict[int, torch.Tensor]:
     """HATA hash weights trained on calibration-variant prompts of the samples' tasks and lengths (never evaluated ones)."""
     from smartgen.runtime.models import model_info
     from smartgen.runtime.prefill import capture_qk
