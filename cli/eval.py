@@ -19,7 +19,7 @@ PANEL_SUITE = "Suite"
 PANEL_SCHEMES = "Schemes"
 PANEL_QUANT = "Quantized KV (quant2)"
 PANEL_OUTPUT = "Output"
-SELECTORS = ("quest", "infinigen", "topk")
+SELECTORS = ("quest", "infinigen", "hata", "topk")
 ROW_HEADER_WIDTH = 27  # task + length columns and the table's margins
 
 
@@ -36,6 +36,23 @@ def _length(text: str) -> int:
     if value < 16:
         raise ValueError(f"--lengths: {text!r} is too short (at least 16 tokens)")
     return value
+
+
+def _selector_spec(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """'quest:page_size=4' -> ('quest', (('page_size', 4),)), checked against the selector's own parameters."""
+    import inspect
+
+    from smartgen.evaluation import LEARNED_PARAMS, parse_selector_spec
+    from smartgen.selectors import selector_class
+
+    name, params = parse_selector_spec(text)
+    if name not in SELECTORS:
+        raise ValueError(f"choose from {', '.join(SELECTORS)}, got {name!r}")
+    accepted = set(inspect.signature(selector_class(name)).parameters) - {"info", "budget", *LEARNED_PARAMS}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ValueError(f"{name} has no parameter {', '.join(unknown)} (it takes {', '.join(sorted(accepted))})")
+    return name, tuple(sorted(params.items()))
 
 
 def eval_command(
@@ -57,7 +74,8 @@ def eval_command(
     selector: Annotated[
         str,
         typer.Option(
-            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, topk.",
+            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, hata, topk; "
+            "own parameters after a colon, ';' between them: quest:page_size=4 (docs/selectors.md).",
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = "quest",
@@ -80,6 +98,14 @@ def eval_command(
             min=1, help="KV blocks M per layer (a profile must have the same M).", rich_help_panel=PANEL_SCHEMES
         ),
     ] = 1024,
+    hata_weights: Annotated[
+        Path | None,
+        typer.Option(
+            help="HATA hash weights (safetensors from smartgen.selectors.hata.save_weights); "
+            "default: trained on calibration-variant prompts before the run.",
+            rich_help_panel=PANEL_SCHEMES,
+        ),
+    ] = None,
     db: DbOption = None,
     tasks: Annotated[
         str,
@@ -138,8 +164,11 @@ def eval_command(
     names = _split(schemes)
     if not names or any(name not in SCHEMES for name in names):
         fail(f"--schemes must name some of {', '.join(SCHEMES)}, got {schemes!r}")
-    selectors = _split(selector)
-    if not selectors or any(name not in SELECTORS for name in selectors):
+    try:
+        selectors = [_selector_spec(text) for text in _split(selector)]
+    except ValueError as exc:
+        fail(f"--selector: {exc}")
+    if not selectors:
         fail(f"--selector must name some of {', '.join(SELECTORS)}, got {selector!r}")
     task_names = _split(tasks)
     if not task_names or any(name not in TASKS for name in task_names):
@@ -159,13 +188,21 @@ def eval_command(
     conditions: list[Condition] = []
     for name in names:
         if name in ("smartgen", "proactive-only"):
-            conditions += [Condition(name, s, b) for s in selectors for b in budgets]
+            conditions += [Condition(name, s, b, options) for s, options in selectors for b in budgets]
         elif name == "streamingllm":
             conditions += [Condition(name, budget=b) for b in budgets]
         else:
             conditions.append(Condition(name))
+    weights = None
+    if hata_weights is not None:
+        from smartgen.selectors.hata import load_weights
+
+        try:
+            weights = load_weights(hata_weights)
+        except (OSError, ValueError) as exc:
+            fail(f"cannot read HATA weights from {hata_weights}: {exc}")
     report = _run(
-        model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size
+        model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size, weights
     )
     render(report)
     if json_out is not None:
@@ -186,7 +223,7 @@ def eval_command(
 
 
 def _run(
-    model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size
+    model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size, hata_weights
 ) -> EvalReport:
     """Loads the model, tokenizer and profiles, makes the suite and runs it with a progress bar."""
     from rich.console import Console
@@ -259,6 +296,7 @@ def _run(
                 transfer_ratio=transfer_ratio,
                 quant=quant,
                 batch_size=batch_size,
+                hata_weights=hata_weights,
                 on_progress=lambda done, total, label: progress.update(
                     bar, completed=done, total=total, description=label
                 ),
@@ -309,19 +347,38 @@ def _table(report: EvalReport, labels: list[str]):
     from rich import box
     from rich.table import Table
 
-    table = Table(title="accuracy (%) per task and length", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title="accuracy (%) per task and length, [95% Wilson interval]", title_justify="left", box=box.SIMPLE_HEAD
+    )
     table.add_column("task", no_wrap=True)
     table.add_column("length", justify="right", no_wrap=True)
     for label in labels:
         table.add_column(_header(label), justify="right", no_wrap=True)
     accuracy = {label: report.runs[label].accuracy() for label in labels}
+    intervals = {label: report.runs[label].intervals() for label in labels}
     for cell in report.cells():
-        table.add_row(cell[0], str(cell[1]), *(_pct(accuracy[label].get(cell)) for label in labels))
+        table.add_row(
+            cell[0],
+            str(cell[1]),
+            *(_pct_ci(accuracy[label].get(cell), intervals[label].get(cell)) for label in labels),
+        )
     table.add_section()
-    table.add_row("all", "", *(_pct(report.runs[label].overall()) for label in labels), style="bold")
+    table.add_row(
+        "all",
+        "",
+        *(_pct_ci(report.runs[label].overall(), report.runs[label].overall_interval()) for label in labels),
+        style="bold",
+    )
     if report.reference is not None:
         table.add_row("vs full-cache", "", *(_pct(report.relative_overall(label)) for label in labels))
     return table
+
+
+def _pct_ci(value: float | None, interval: tuple[float, float] | None) -> str:
+    """ "83.3 [44-97]": accuracy (%) and its 95% Wilson interval, on two lines."""
+    if value is None or interval is None:
+        return _pct(value)
+    return f"{100 * value:.1f}\n[{100 * interval[0]:.0f}-{100 * interval[1]:.0f}]"
 
 
 def _pct(value: float | None) -> str:

@@ -1,4 +1,4 @@
-"""Sparse selectors (exact top-k, Quest, InfiniGen): index contract, metadata, bounds, and InfiniGen's query path."""
+"""Sparse selectors (exact top-k, Quest, InfiniGen, HATA): index contract, metadata, bounds, and InfiniGen's query path."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import ModelInfo, PrefillLayer, StepQuery, budget_tokens
+from smartgen.selectors.hata import HATASelector
 from smartgen.selectors.infinigen import InfiniGenSelector, compute_skewing, rope_from_model
 from smartgen.selectors.quest import QuestSelector, page_bounds, page_upper_bounds
 from smartgen.selectors.topk import ExactTopKSelector
@@ -125,6 +126,9 @@ SELECTOR_PARAMS = [
     ("quest", {"budget": 3}),
     ("infinigen", {}),
     ("infinigen", {"budget": 0.5, "alpha": 1e9}),
+    ("infinigen", {"budget": 0.3, "speculate": False}),
+    ("hata", {}),
+    ("hata", {"budget": 7, "rbit": 16, "use_norm": False}),
 ]
 
 
@@ -158,7 +162,7 @@ def test_a_request_selects_the_same_alone_or_batched(tiny, name, params):
     assert (batched[H:, width:] == -1).all()
 
 
-@pytest.mark.parametrize("name", ["topk", "quest", "infinigen"])
+@pytest.mark.parametrize("name", ["topk", "quest", "infinigen", "hata"])
 def test_full_budget_returns_every_prompt_token(tiny, name):
     params = {"alpha": float("inf")} if name == "infinigen" else {}
     selector = make(name, tiny, budget=1.0, **params)
@@ -179,7 +183,7 @@ def test_one_dominant_token_is_picked_by_every_selector():
     keys[:, hot] = 4 * base  # logit ≈ 4·|base|²/4 ≈ 16 against ≈ 0 for every other token
     prefill = PrefillLayer(2, torch.randn(HQ, n, D_HEAD, generator=g), keys, None)
     step = StepQuery(2, query, None, torch.tensor([n]), [n])
-    for selector in (ExactTopKSelector(INFO, budget=5), QuestSelector(INFO, budget=48)):
+    for selector in (ExactTopKSelector(INFO, budget=5), QuestSelector(INFO, budget=48), HATASelector(INFO, budget=5)):
         index = selector.select(step, [selector.build_metadata(prefill)])
         assert all(hot in row.tolist() for row in index)
     # with no skew and every column kept, InfiniGen scores exactly; only `hot` is within alpha of the max
@@ -341,3 +345,14 @@ def test_lookahead_decode_step_on_the_real_model(tiny, warmup):
             got = index[b * H : (b + 1) * H]
             assert torch.equal(got[:, : expect.shape[1]], expect)
             assert (got[:, expect.shape[1] :] == -1).all()
+
+
+def test_infinigen_without_speculation_selects_with_the_layers_own_query(tiny):
+    _, info = tiny
+    plain = InfiniGenSelector(info, budget=0.2, speculate=False)
+    assert not plain.lookahead and InfiniGenSelector(info).lookahead
+    lengths = [60]
+    metadata = [plain.build_metadata(random_prefill(2, 60, seed=1))]
+    step = random_step(2, lengths, seed=2)  # carries a (random) hidden state too: it must be ignored
+    without_hidden = StepQuery(2, step.query, None, step.positions, lengths)
+    assert torch.equal(plain.select(step, metadata), plain.select(without_hidden, metadata))

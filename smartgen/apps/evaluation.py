@@ -41,16 +41,33 @@ __all__ = [
     "evaluate",
     "evaluate_conditions",
     "StoreProfiles",
+    "wilson_interval",
+    "parse_selector_spec",
 ]
 
 SCHEMES = ("full-cache", "smartgen", "proactive-only", "streamingllm", "quant2")
 REFERENCE = "full-cache"
 STREAMING_SINKS = 4
 DEFAULT_TRANSFER_RATIO = 5.0
+LEARNED_PARAMS = ("skew", "weights")  # tensors learned offline (InfiniGen, HATA): never echoed in reports
 PREFILL_SECONDS_PER_TOKEN = 1e-4  # without a profile only T_t / T_p matters to K_r
 
 ProgressFn = Callable[[int, int, str], None]  # (samples done, total, label of the running condition)
 ProfileSource = Callable[[int], Any]  # prompt length -> a store Profile (importance, T_p, T_t)
+
+
+def wilson_interval(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% for z = 1.96) of a success rate `mean` over `n` prompts.
+
+    Fractional scores (string_match_all over several references) count as n·mean successes: an
+    approximation, exact for the 0/1 scores of passkey and single-answer tasks.
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    z2 = z * z
+    center = (mean + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * (mean * (1 - mean) / n + z2 / (4 * n * n)) ** 0.5
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def budget_label(budget: float) -> str:
@@ -64,6 +81,7 @@ class Condition:
     scheme: str
     selector: str = "quest"
     budget: float = 0.1
+    options: tuple[tuple[str, Any], ...] = ()  # the selector's own parameters besides the budget, sorted
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -77,7 +95,31 @@ class Condition:
             return self.scheme
         if self.scheme == "streamingllm":
             return f"streamingllm {budget_label(self.budget)}"
-        return f"{self.scheme} {self.selector} {budget_label(self.budget)}"
+        options = f"({','.join(f'{k}={v}' for k, v in self.options)})" if self.options else ""
+        return f"{self.scheme} {self.selector}{options} {budget_label(self.budget)}"
+
+
+def parse_selector_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """A selector and its own parameters: 'quest:page_size=4;x=true' -> ('quest', {'page_size': 4, 'x': True})."""
+    name, _, rest = text.strip().partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"selector parameters are key=value pairs separated by ';', got {item!r} in {text!r}")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false"):
+            params[key.strip()] = lowered == "true"
+            continue
+        for kind in (int, float):
+            try:
+                params[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            params[key.strip()] = value.strip()
+    return name.strip(), params
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +161,16 @@ class SchemeRun:
     def overall(self) -> float:
         return sum(r.score for r in self.results) / len(self.results) if self.results else 0.0
 
+    def intervals(self) -> dict[tuple[str, int], tuple[float, float]]:
+        """95% Wilson interval of each cell's accuracy."""
+        counts: dict[tuple[str, int], int] = defaultdict(int)
+        for r in self.results:
+            counts[(r.task, r.length)] += 1
+        return {cell: wilson_interval(acc, counts[cell]) for cell, acc in self.accuracy().items()}
+
+    def overall_interval(self) -> tuple[float, float]:
+        return wilson_interval(self.overall(), len(self.results))
+
     @property
     def proactive_share(self) -> float | None:
         return sum(self.proactive_shares) / len(self.proactive_shares) if self.proactive_shares else None
@@ -135,6 +187,8 @@ class SchemeRun:
             "seconds": round(self.seconds, 2),
             "overall": self.overall(),
             "accuracy": {f"{task}@{length}": acc for (task, length), acc in self.accuracy().items()},
+            "ci95": {f"{task}@{length}": list(ci) for (task, length), ci in self.intervals().items()},
+            "overall_ci95": list(self.overall_interval()),
             "samples": [asdict(r) for r in self.results],
         }
 
@@ -235,6 +289,21 @@ def infinigen_warmup(model, tokenizer, samples: Sequence[Sample]) -> dict[int, t
     )
 
 
+def hata_calibration(model, tokenizer, samples: Sequence[Sample], prompts_per_cell: int = 2) -> dict[int, torch.Tensor]:
+    """HATA hash weights trained on calibration-variant prompts of the samples' tasks and lengths (never evaluated ones)."""
+    from smartgen.runtime.models import model_info
+    from smartgen.runtime.prefill import capture_qk
+    from smartgen.selectors.hata_train import train_hash_weights
+
+    cells = sorted({(s.task, s.length) for s in samples})
+    prompts = (
+        capture_qk(model, _prompt_ids(tokenizer, generate_task(task, length, seed, tokenizer, "calibration")))
+        for task, length in cells
+        for seed in range(prompts_per_cell)
+    )
+    return train_hash_weights(model_info(model), prompts)
+
+
 def evaluate(
     model,
     tokenizer,
@@ -258,13 +327,16 @@ def evaluate(
     An explicit transfer_ratio overrides a profile's timings too.
     """
     params = dict(selector_params or {})
-    cond = Condition(scheme, selector, float(params.get("budget", 0.1)))
+    options = tuple(sorted((k, v) for k, v in params.items() if k != "budget" and k not in LEARNED_PARAMS))
+    cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if selector != "dense" else ())
     if selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only") and "skew" not in params:
         params["skew"] = infinigen_warmup(model, tokenizer, samples)
+    if selector == "hata" and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
+        params["weights"] = hata_calibration(model, tokenizer, samples)
     policy, selector_name, params, quantizer = _setup(cond, {} if selector == "dense" else params, quant)
     if importance is not None and importance.shape[1] != num_blocks:
         raise ValueError(f"importance has {importance.shape[1]} blocks per layer, num_blocks is {num_blocks}")
-    run = SchemeRun(cond.label, scheme, selector_name, {k: v for k, v in params.items() if k != "skew"})
+    run = SchemeRun(cond.label, scheme, selector_name, {k: v for k, v in params.items() if k not in LEARNED_PARAMS})
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, sample in enumerate(samples):
         by_length[sample.length].append(i)
@@ -326,17 +398,24 @@ def evaluate_conditions(
     *,
     profiles: StoreProfiles | None = None,
     on_progress: ProgressFn | None = None,
+    hata_weights: dict[int, torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> EvalReport:
-    """`evaluate` for each condition in turn (what `smartgen eval` runs); progress counts over all of them."""
+    """`evaluate` for each condition in turn (what `smartgen eval` runs); progress counts over all of them.
+
+    HATA runs with `hata_weights`, else with weights trained once on calibration-variant prompts.
+    """
     report = EvalReport()
     skew: dict[int, torch.Tensor] | None = None
     total = len(samples) * len(conditions)
     for n, cond in enumerate(conditions):
-        params: dict[str, Any] = {"budget": cond.budget}
+        params: dict[str, Any] = {"budget": cond.budget, **dict(cond.options)}
         if cond.selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only"):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew
+        if cond.selector == "hata" and cond.scheme in ("smartgen", "proactive-only"):
+            hata_weights = hata_weights if hata_weights is not None else hata_calibration(model, tokenizer, samples)
+            params["weights"] = hata_weights
         source = (
             profiles.source(cond.selector, cond.budget)
             if profiles is not None and cond.scheme in ("smartgen", "proactive-only")

@@ -126,8 +126,11 @@ class InfiniGenSelector(Selector):
         partial_ratio: float = 0.2,
         alpha: float = 4.0,
         skew: Mapping[int, torch.Tensor] | None = None,
+        speculate: bool = True,
     ) -> None:
+        """`speculate=False` selects with the layer's own query instead of layer l-1's input (no prefetch overlap)."""
         super().__init__(info)
+        self.lookahead = speculate
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if not 0 < partial_ratio <= 1:
             raise ValueError(f"partial_ratio must be in (0, 1], got {partial_ratio}")
@@ -193,7 +196,7 @@ class InfiniGenSelector(Selector):
         return float(getattr(attn, "scaling", self.info.head_dim**-0.5))
 
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
-        if step.hidden is not None:
+        if self.lookahead and step.hidden is not None:
             query = self.query_from_hidden(step.layer, step.hidden, step.positions)  # [B, Hq, d]
         elif step.query is not None:
             query = step.query

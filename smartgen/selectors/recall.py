@@ -1,0 +1,189 @@
+"""Oracle recall: how much of the exact top-k's choice a selector picks, per layer and head, on real decode steps.
+
+A `DecodeTrace` is one prompt and its continuation run densely once (teacher forcing), with every
+layer's post-RoPE q/k and attention input kept. Replaying it, each decode step (the continuation's
+tokens but the last, at positions n .. n+T-2, as the decode node feeds them) asks a selector for its
+index and compares it with the oracle at the same budget (`ExactTopKSelector`'s score: per KV head the
+max over its G query heads of the softmax probability over the prompt). `RecallStats` sums over steps
+and prompts:
+
+- kv_recall [L, H]: |selected ∩ oracle top-k| / k for the KV head's row;
+- head_recall [L, Hq]: the same against each query head's own top-k (the row is its KV head's);
+- mass [L, Hq]: the query head's attention probability (over the prompt) on the selected tokens;
+  oracle_mass the same on its own top-k: 1 - mass is what the selection takes from that head;
+- needle_hit [L, Hq]: share of the answer needle's tokens in the head's row (prompts with a needle);
+- needle_mass [L, Hq]: full attention's probability on the needle: the retrieval heads are the
+  heads with the largest (see `retrieval_heads`);
+- size [L, H]: row length / k (InfiniGen's threshold can pick fewer than the budget).
+Layers below `first_layer` (2: dense in SmartGen) are not scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smartgen.selectors.base import PrefillLayer, Selector, StepQuery, budget_tokens
+
+__all__ = ["DecodeTrace", "RecallStats", "trace_decode", "selector_recall", "retrieval_heads", "FIRST_SCORED_LAYER"]
+
+FIRST_SCORED_LAYER = 2
+
+
+@dataclass(slots=True)
+class DecodeTrace:
+    """One dense forward pass over prompt + continuation: per layer q [Hq, T, d], k [H, T, d], hidden [T, D]."""
+
+    prompt_length: int
+    queries: dict[int, torch.Tensor]
+    keys: dict[int, torch.Tensor]
+    hidden: dict[int, torch.Tensor]
+    scale: float  # the attention's softmax scale
+    needle: torch.Tensor | None = None  # bool [n] over the prompt: the answer needle's tokens
+
+    @property
+    def steps(self) -> range:
+        """Positions fed as decode steps: the continuation's tokens but the last."""
+        total = next(iter(self.queries.values())).shape[1]
+        return range(self.prompt_length, total - 1)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.scale = 1.0
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs: Any):
+        from smartgen.runtime.hooks import dense_attention
+
+        self.queries[module.layer_idx] = query[0].detach().float()  # [Hq, T, d]
+        self.keys[module.layer_idx] = key[0].detach().float()  # [H, T, d]
+        self.scale = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        return dense_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@torch.no_grad()
+def trace_decode(
+    model: torch.nn.Module,
+    prompt_ids: list[int] | torch.Tensor,
+    continuation: list[int] | torch.Tensor,
+    needle: torch.Tensor | None = None,
+) -> DecodeTrace:
+    """Runs prompt + continuation through `model` (loaded with SmartGen's attention hook) and records it."""
+    from smartgen.runtime.capture import HiddenCapture
+    from smartgen.runtime.hooks import use_handler
+
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()
+    ids = torch.cat([prompt, torch.as_tensor(continuation, dtype=torch.int64).flatten()]).view(1, -1)
+    recorder, capture = _Recorder(), HiddenCapture(model)
+    capture.start()
+    try:
+        with use_handler(recorder):
+            model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=1)
+        hidden = {layer: capture.get(layer)[0].detach().float() for layer in recorder.queries}
+    finally:
+        capture.stop()
+        capture.remove()
+    return DecodeTrace(int(prompt.numel()), recorder.queries, recorder.keys, hidden, recorder.scale, needle)
+
+
+@dataclass(slots=True)
+class RecallStats:
+    """Sums over decode steps (and prompts) of the per-head figures in the module docstring; `mean()` divides."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    KV_FIELDS = ("kv_recall", "size")
+    Q_FIELDS = ("head_recall", "mass", "oracle_mass", "needle_hit", "needle_mass")
+
+    def __post_init__(self) -> None:
+        for name in self.KV_FIELDS + self.Q_FIELDS:
+            heads = self.num_kv_heads if name in self.KV_FIELDS else self.num_q_heads
+            self.sums.setdefault(name, torch.zeros(self.num_layers, heads, dtype=torch.float64))
+            self.counts.setdefault(name, torch.zeros(self.num_layers, 1, dtype=torch.float64))
+
+    def add(self, name: str, layer: int, values: torch.Tensor) -> None:
+        self.sums[name][layer] += values.double().cpu()
+        self.counts[name][layer] += 1
+
+    def merge(self, other: RecallStats) -> RecallStats:
+        out = RecallStats(self.num_layers, self.num_q_heads, self.num_kv_heads)
+        for name in out.sums:
+            out.sums[name] = self.sums[name] + other.sums[name]
+            out.counts[name] = self.counts[name] + other.counts[name]
+        return out
+
+    def mean(self, name: str) -> torch.Tensor:
+        """[L, heads] mean per layer and head (NaN where a layer was never scored)."""
+        return self.sums[name] / self.counts[name]
+
+    def overall(self, name: str, heads: list[tuple[int, int]] | None = None) -> float:
+        """Mean over scored layers and heads, or over the given (layer, head) pairs."""
+        values = self.mean(name)
+        if heads is not None:
+            return float(torch.stack([values[layer, head] for layer, head in heads]).mean())
+        return float(values[values.isfinite()].mean())
+
+
+def retrieval_heads(stats: RecallStats, threshold: float = 0.1) -> list[tuple[int, int]]:
+    """(layer, query head) pairs whose full attention puts at least `threshold` of its weight on the needle."""
+    mass = stats.mean("needle_mass")
+    found = (mass >= threshold).nonzero().tolist()
+    return [(int(layer), int(head)) for layer, head in found]
+
+
+def _probs(trace: DecodeTrace, layer: int, position: int) -> torch.Tensor:
+    """[Hq, n] each query head's softmax over the prompt keys at `position`."""
+    n = trace.prompt_length
+    q, k = trace.queries[layer][:, position], trace.keys[layer][:, :n]  # [Hq, d], [H, n, d]
+    heads = k.shape[0]
+    logits = torch.einsum("hgd,hnd->hgn", q.view(heads, -1, q.shape[-1]), k) * trace.scale
+    return logits.softmax(dim=-1).reshape(q.shape[0], n)
+
+
+@torch.no_grad()
+def selector_recall(
+    selector: Selector, budget: float, trace: DecodeTrace, stats: RecallStats | None = None
+) -> RecallStats:
+    """Scores `selector` against the exact top-k at `budget` on every decode step of `trace`, adding to `stats`."""
+    info = selector.info
+    stats = stats or RecallStats(info.num_layers, info.num_q_heads, info.num_kv_heads)
+    n, heads, group = trace.prompt_length, info.num_kv_heads, info.group_size
+    k = budget_tokens(budget, n)
+    layers = [layer for layer in sorted(trace.queries) if layer >= FIRST_SCORED_LAYER]
+    metadata = {
+        layer: selector.build_metadata(
+            PrefillLayer(layer, trace.queries[layer][:, :n], trace.keys[layer][:, :n], trace.hidden[layer][:n])
+        )
+        for layer in layers
+    }
+    needle = trace.needle[:n] if trace.needle is not None and trace.needle.any() else None
+    for position in trace.steps:
+        for layer in layers:
+            hidden = trace.hidden[layer - 1][position][None] if selector.lookahead else None
+            step = StepQuery(layer, trace.queries[layer][:, position][None], hidden, torch.tensor([position]), [n])
+            index = selector.select(step, [metadata[layer]]).cpu()  # [H, k']
+            chosen = torch.zeros(heads, n, dtype=torch.bool)
+            for h in range(heads):
+                row = index[h]
+                chosen[h, row[row >= 0]] = True
+            probs = _probs(trace, layer, position)  # [Hq, n]
+            kv_top = probs.view(heads, group, n).amax(dim=1).topk(k, dim=-1).indices  # [H, k]
+            stats.add("kv_recall", layer, chosen.gather(1, kv_top).sum(-1) / k)
+            stats.add("size", layer, chosen.sum(-1) / k)
+            per_head = chosen.repeat_interleave(group, dim=0)  # [Hq, n]: a query head reads its KV head's row
+            q_top = probs.topk(k, dim=-1).indices  # [Hq, k]
+            stats.add("head_recall", layer, per_head.gather(1, q_top).sum(-1) / k)
+            stats.add("mass", layer, (probs * per_head).sum(-1))
+            stats.add("oracle_mass", layer, probs.gather(1, q_top).sum(-1))
+            if needle is not None:
+                stats.add("needle_hit", layer, (per_head & needle).sum(-1) / needle.sum())
+                stats.add("needle_mass", layer, probs[:, needle].sum(-1))
+    return stats
