@@ -1,7 +1,7 @@
 """Oracle recall of each selector on the sample model: the exact top-k's choice kept, per layer, head and budget.
 
 Each eval-suite prompt is answered densely (greedy), then replayed once with every layer's q/k recorded
-(`smartgen.selectors.recall`); every selector then picks on every decode step and is compared with the
+(`smartgen.apps.selector_recall`); every selector then picks on every decode step and is compared with the
 exact top-k at the same budget. Prints, per selector, budget and length: recall of the oracle's top-k
 over all sparse layers and KV heads, attention mass kept (mean over query heads, and the oracle's own),
 and on the retrieval heads (full attention puts >= 10% on the answer needle): their recall, mass kept and
@@ -43,11 +43,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from smartgen.evalsuite import generate_suite
-    from smartgen.evaluation import infinigen_warmup, parse_selector_spec
+    from smartgen.apps.evalsuite import generate_suite
+    from smartgen.apps.evaluation import infinigen_warmup, parse_selector_spec
+    from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_decode
     from smartgen.runtime.models import load_model, model_info
     from smartgen.selectors import make_selector
-    from smartgen.selectors.recall import RecallStats, retrieval_heads, selector_recall, trace_decode
 
     model = load_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)

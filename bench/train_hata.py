@@ -33,7 +33,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from smartgen.profiling import load_calibration
+    from smartgen.apps.profiling import load_calibration
     from smartgen.runtime.models import load_model, model_info
     from smartgen.runtime.prefill import capture_qk
     from smartgen.selectors.hata import save_weights

@@ -42,7 +42,7 @@ def _selector_spec(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
     """'quest:page_size=4' -> ('quest', (('page_size', 4),)), checked against the selector's own parameters."""
     import inspect
 
-    from smartgen.evaluation import LEARNED_PARAMS, parse_selector_spec
+    from smartgen.apps.evaluation import LEARNED_PARAMS, parse_selector_spec
     from smartgen.selectors import selector_class
 
     name, params = parse_selector_spec(text)

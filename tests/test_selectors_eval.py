@@ -6,9 +6,9 @@ import pytest
 from tiny_models import save_tiny_model
 from typer.testing import CliRunner
 
+from smartgen.apps.evalsuite import generate_suite
+from smartgen.apps.evaluation import Condition, SampleResult, SchemeRun, evaluate_conditions, wilson_interval
 from smartgen.cli.app import app
-from smartgen.evalsuite import generate_suite
-from smartgen.evaluation import Condition, SampleResult, SchemeRun, evaluate_conditions, wilson_interval
 from smartgen.runtime.models import load_model, model_info
 from smartgen.selectors.hata import random_weights, save_weights
 
@@ -71,7 +71,7 @@ def test_cli_eval_runs_hata_with_given_weights(tiny, tmp_path, monkeypatch):
 
 
 def test_selector_specs_parse_and_label_their_parameters():
-    from smartgen.evaluation import parse_selector_spec
+    from smartgen.apps.evaluation import parse_selector_spec
 
     assert parse_selector_spec("quest") == ("quest", {})
     assert parse_selector_spec("infinigen:partial_ratio=0.5; speculate=False") == (

@@ -5,6 +5,7 @@ import pytest
 import torch
 from selector_models import hooked_tiny_llama
 
+from smartgen.apps.selector_recall import selector_recall, trace_decode
 from smartgen.runtime.prefill import capture_qk
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import ModelInfo, PrefillLayer, StepQuery
@@ -21,7 +22,6 @@ from smartgen.selectors.hata import (
     weights_to_bytes,
 )
 from smartgen.selectors.hata_train import HashTrainingConfig, hash_loss, train_hash_weights, training_items
-from smartgen.selectors.recall import selector_recall, trace_decode
 
 HQ, H, D_HEAD = 4, 2, 16
 INFO = ModelInfo(num_layers=4, num_q_heads=HQ, num_kv_heads=H, head_dim=D_HEAD, hidden_size=64)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from selector_models import hooked_tiny_llama
 
+from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_decode
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import budget_tokens
-from smartgen.selectors.recall import RecallStats, retrieval_heads, selector_recall, trace_decode
 
 N, STEPS = 90, 4
 

@@ -108,15 +108,6 @@ class PathCounters:
             self.remote_entries += remote
 
     @property
-    def ctl(self) -> list[float]:
-        """Cumulative token latency: when token t arrived, counted from the request's arrival (t = 0, 1, ...).
-
-        TTFT is ctl[0], TTST ctl[1]; a scheme's CTL curve (the paper's Figure 9) is the mean of
-        these over requests, token by token.
-        """
-        return [t - self.created for t in self.token_times]
-
-    @property
     def on_demand_ratio(self) -> float:
         with self._lock:
             return self.remote_entries / self.selected_entries if self.selected_entries else 0.0

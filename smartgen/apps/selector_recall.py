@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from smartgen.selectors.base import PrefillLayer, Selector, StepQuery, budget_tokens
 
@@ -67,7 +68,7 @@ class _Recorder:
 
 @torch.no_grad()
 def trace_decode(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prompt_ids: list[int] | torch.Tensor,
     continuation: list[int] | torch.Tensor,
     needle: torch.Tensor | None = None,
@@ -83,7 +84,11 @@ def trace_decode(
     try:
         with use_handler(recorder):
             model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=1)
-        hidden = {layer: capture.get(layer)[0].detach().float() for layer in recorder.queries}
+        hidden = {}
+        for layer in recorder.queries:
+            captured = capture.get(layer)
+            assert captured is not None, "the capture hook records every layer the model ran"
+            hidden[layer] = captured[0].detach().float()
     finally:
         capture.stop()
         capture.remove()
