@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 import smartgen
-from smartgen.cli import demo, generate, info, profile, profiles, serve, simulate
+from smartgen.cli import bench, demo, generate, info, profile, profiles, serve, simulate
 from smartgen.cli.eval import eval_command
 
 app = typer.Typer(
@@ -53,6 +53,7 @@ app.command("serve", rich_help_panel="Serve")(serve.serve)
 app.command("demo", rich_help_panel="Serve")(demo.demo)
 app.command("generate", rich_help_panel="Serve")(generate.generate)
 app.command("eval", rich_help_panel="Benchmark")(eval_command)
+app.command("bench", rich_help_panel="Benchmark")(bench.bench)
 
 
 def main() -> None:

@@ -181,6 +181,15 @@ def serve(
             rich_help_panel=PANEL_NET,
         ),
     ] = False,
+    emulate_layer_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Decode node, benchmarks only: add this many ms of emulated compute to every layer of every step, "
+            "to stand in for a slower decode device (`smartgen bench --decode-ratio` sets it). 0 = off.",
+            rich_help_panel=PANEL_DECODE,
+        ),
+    ] = 0.0,
 ) -> None:
     """Run a prefill node or a decode node until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.tcp_link import parse_address
@@ -213,7 +222,15 @@ def serve(
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
             decode_node = build_decode_node(
-                settings, addresses, scheme, speculative_ratio, model_name, max_batch, max_tokens, max_waiting
+                settings,
+                addresses,
+                scheme,
+                speculative_ratio,
+                model_name,
+                max_batch,
+                max_tokens,
+                max_waiting,
+                emulate_layer_ms,
             )
             _run_decode(decode_node, host, port, prefill, scheme, ready_file)
     except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:

@@ -11,14 +11,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,75 +51,24 @@ class SchemeResult:
         return statistics.mean(values) if values else None
 
 
-def _post_json(url: str, body: dict, timeout: float = 600) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def _wait_ready(ready_file: Path, process: subprocess.Popen, timeout: float, what: str) -> dict:
-    """The node's ready file (its bound addresses), or a RuntimeError with the node's last log line."""
-    from smartgen.roles.processes import read_ready_file
-
-    try:
-        return read_ready_file(ready_file, timeout, alive=lambda: process.poll() is None)
-    except (RuntimeError, TimeoutError):
-        if process.poll() is None:
-            raise RuntimeError(f"the {what} did not come up within {timeout:.0f} s") from None
-        last = process.stderr.read().strip().splitlines()[-1:] if process.stderr else []
-        raise RuntimeError(f"the {what} exited early: {' '.join(last) or 'no output'}") from None
-
-
-def ensure_profile(config: DemoConfig, say: Callable[[str], None]):
-    """The store's profile for this model, selector and M; profiles the model first when there is none."""
-    from transformers import AutoTokenizer
-
-    from smartgen.apps.profiling import LinkSpec, load_calibration, profile
-    from smartgen.runtime.fingerprint import model_fingerprint
-    from smartgen.runtime.models import load_model
-    from smartgen.store import NoProfileError, ProfileStore
-
-    store = ProfileStore(config.db)  # a bad database fails now, before the model loads
-    model = load_model(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-    fingerprint = model_fingerprint(model)
-    try:
-        return store.best(fingerprint, config.selector, config.blocks, config.length).profile, model, tokenizer
-    except NoProfileError:
-        pass
-    from smartgen.sysinfo import SAMPLES_DIR
-
-    calibration = config.calibration or SAMPLES_DIR / "calibration.jsonl"
-    say(
-        f"no profile for {config.model.name} yet: profiling {config.profile_prompts} calibration prompts ({calibration.name})"
-    )
-    low, high = max(1, config.length // 2), config.length * 2
-    profiles = profile(
-        model,
-        tokenizer,
-        load_calibration(calibration),
-        config.selector,
-        {"budget": config.budget},
-        num_blocks=config.blocks,
-        length_ranges=[(low, high)],
-        decode_tokens=8,
-        link=LinkSpec("rate", 15.0),
-        limit=config.profile_prompts,
-        model_name=config.model.name,
-    )
-    if not profiles:
-        raise RuntimeError(f"no calibration prompt of {calibration} falls in {low}-{high} tokens")
-    store.add(profiles[0])
-    return profiles[0], model, tokenizer
-
-
 def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[list[SchemeResult], dict]:
     """Runs the whole demo; returns per-scheme results and a description of the setup."""
     from smartgen.apps.evalsuite import generate_task, score_sample
+    from smartgen.apps.stored_profile import ensure_profile
     from smartgen.lanes.rate import gbps_for, transfer_seconds
     from smartgen.runtime.models import kv_layout
 
-    stored, model, tokenizer = ensure_profile(config, say)
+    stored, model, tokenizer = ensure_profile(
+        config.model,
+        config.db,
+        config.selector,
+        config.budget,
+        config.blocks,
+        config.length,
+        calibration=config.calibration,
+        prompts=config.profile_prompts,
+        say=say,
+    )
     samples = [
         generate_task(task, config.length, config.seed + i, tokenizer, "eval", depth=(i + 0.5) / config.per_task)
         for task in config.tasks
@@ -151,72 +93,20 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         f"{setup['transfer_s']:.2f} s vs {prefill_seconds:.2f} s of prefill ({config.transfer_ratio:g}x)"
     )
     del model
-    run_dir = Path(tempfile.mkdtemp(prefix="smartgen-demo-"))
-    common = [
-        "--model",
-        str(config.model),
-        "--blocks",
-        str(config.blocks),
-        "--link-gbps",
-        f"{gbps:.6f}",
-        "--selector",
-        config.selector,
-        "--budget",
-        str(config.budget),
-        "--lane",
-        config.lane,
-    ]
-    env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET", "smartgen-demo")}
-    if config.db is not None:
-        env["SMARTGEN_DB"] = str(config.db)
-    from smartgen.roles.processes import stop_processes
+    from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json
 
-    launch = [sys.executable, "-m", "smartgen", "serve"]
-    processes = []
-    try:
-        prefill = subprocess.Popen(
-            [
-                *launch,
-                "--role",
-                "prefill",
-                "--listen",
-                "127.0.0.1:0",
-                "--status",
-                "127.0.0.1:0",
-                "--ready-file",
-                str(run_dir / "prefill.json"),
-                *common,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        processes.append(prefill)
-        prefill_address = _wait_ready(run_dir / "prefill.json", prefill, 120, "prefill node")["listen"]
-        decode = subprocess.Popen(
-            [
-                *launch,
-                "--role",
-                "decode",
-                "--prefill",
-                prefill_address,
-                "--http",
-                "127.0.0.1:0",
-                "--ready-file",
-                str(run_dir / "decode.json"),
-                "--max-tokens",
-                str(config.length * 2 + 64),
-                *common,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        processes.append(decode)
-        http_address = _wait_ready(run_dir / "decode.json", decode, 120, "decode node")["http"]
-        say(f"prefill node on {prefill_address}, decode node on http://{http_address}/v1")
+    spec = ClusterSpec(
+        model=config.model,
+        link_gbps=gbps,
+        lane=config.lane,
+        blocks=config.blocks,
+        selector=config.selector,
+        budget=config.budget,
+        max_tokens=config.length * 2 + 64,
+        db=config.db,
+    )
+    with LocalCluster(spec) as cluster:
+        say(f"prefill node and decode node up, OpenAI API on {cluster.url}/v1")
         results = []
         for scheme in config.schemes:
             result = SchemeResult(scheme)
@@ -228,7 +118,7 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
                     "scheme": scheme,
                 }
                 try:
-                    answer = _post_json(f"http://{http_address}/v1/completions", body)
+                    answer = post_json(f"{cluster.url}/v1/completions", body)
                 except OSError as exc:
                     result.errors.append(str(exc))
                     continue
@@ -240,6 +130,3 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
             say(f"{scheme}: {len(result.scores)} requests done")
             results.append(result)
         return results, setup
-    finally:
-        stop_processes(processes)
-        shutil.rmtree(run_dir, ignore_errors=True)

@@ -7,7 +7,7 @@ from enum import Enum
 
 from smartgen.engine.planning import STRATEGIES
 
-__all__ = ["Policy", "POLICIES", "get_policy", "ProactiveMode", "Strategy"]
+__all__ = ["Policy", "POLICIES", "get_policy", "split_label", "ProactiveMode", "Strategy"]
 
 
 class _Named(str, Enum):
@@ -104,7 +104,10 @@ POLICIES: dict[str, Policy] = {
 
 
 def get_policy(name: str, strategy: str | None = None, speculative_ratio: float | None = None) -> Policy:
-    """Looks a policy up by name, optionally with another strategy or speculative ratio."""
+    """Looks a policy up by name or label ("smartgen[streaming]"), optionally with another strategy or speculative
+    ratio."""
+    name, label_strategy = split_label(name)
+    strategy = strategy or label_strategy
     try:
         policy = POLICIES[name]
     except KeyError:
@@ -114,3 +117,11 @@ def get_policy(name: str, strategy: str | None = None, speculative_ratio: float 
     if speculative_ratio is not None:
         policy = replace(policy, speculative_ratio=speculative_ratio)
     return policy
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """A policy label's scheme and strategy: "smartgen[random]" -> ("smartgen", "random"), "full" -> ("full", None)."""
+    if label.endswith("]") and "[" in label:
+        name, _, strategy = label[:-1].partition("[")
+        return name, strategy
+    return label, None

@@ -44,6 +44,7 @@ class DecodeNode:
         delay_s: float = 0.0,
         max_waiting: int = 64,
         lane: str = "tcp",
+        emulate_layer_s: float = 0.0,
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
@@ -69,7 +70,7 @@ class DecodeNode:
         except BaseException:
             self.engine.close()
             raise
-        self.runner = DecodeRunner(model, selector, self.engine)
+        self.runner = DecodeRunner(model, selector, self.engine, emulate_layer_s=emulate_layer_s)
         self.scheduler = DecodeScheduler(self.runner, tokenizer, policy, model_name, max_waiting=max_waiting)
 
     def start(self) -> None:

@@ -61,6 +61,7 @@ class _Sampling(BaseModel):
     # SmartGen extras
     scheme: str | None = None
     ignore_eos: bool = False
+    return_token_times: bool = False  # usage.ctl: each token's arrival, seconds from the request's (benchmarks)
     stop_token_ids: list[int] | None = None
 
 
@@ -162,7 +163,7 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
         "created": int(time.time()),
         "model": service.model_name,
     }
-    gen = _Generation(handle, stops, params.scheme)
+    gen = _Generation(handle, stops, params.scheme, token_times=body.return_token_times)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _EventStream(
@@ -229,8 +230,11 @@ class _Done:
 class _Generation:
     """One request's events as final text pieces (stop strings applied), then `done`."""
 
-    def __init__(self, handle: RequestHandle, stops: list[str], scheme: str | None) -> None:
+    def __init__(
+        self, handle: RequestHandle, stops: list[str], scheme: str | None, *, token_times: bool = False
+    ) -> None:
         self.handle, self.stops, self.scheme = handle, stops, scheme
+        self.return_token_times = token_times
         self.text, self.sent = "", 0  # all text so far; how much of it was released
         self.token_times: list[float] = []
         self.stopped = False  # a stop string matched
@@ -289,6 +293,8 @@ class _Generation:
             "scheme": self.scheme,
         }
         usage.update({k: v for k, v in (finish.usage if finish else {}).items() if v is not None})
+        if not self.return_token_times:
+            usage.pop("ctl", None)
         if self.stopped:  # tokens generated after the stop string are not part of the answer
             usage["completion_tokens"] = len(times)
         counts = {"prompt_tokens": usage.pop("prompt_tokens"), "completion_tokens": usage.pop("completion_tokens")}

@@ -124,6 +124,7 @@ def build_decode_node(
     max_batch: int,
     max_tokens: int,
     max_waiting: int,
+    emulate_layer_ms: float = 0.0,
 ) -> DecodeNode:
     from transformers import AutoTokenizer
 
@@ -149,4 +150,5 @@ def build_decode_node(
         delay_s=settings.delay_ms / 1e3,
         max_waiting=max_waiting,
         lane=settings.lane,
+        emulate_layer_s=emulate_layer_ms / 1e3,
     )

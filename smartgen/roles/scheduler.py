@@ -20,14 +20,14 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.metrics import RequestMetrics
-from smartgen.engine.policy import Policy, get_policy
+from smartgen.engine.policy import Policy, get_policy, split_label
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
@@ -92,8 +92,11 @@ class DecodeScheduler:
             )
         try:
             policy = get_policy(params.scheme) if params.scheme else self.default_policy
-            if params.scheme and policy.proactive == "budget" and self.default_policy.strategy != policy.strategy:
+            explicit = params.scheme is not None and split_label(params.scheme)[1] is not None
+            if params.scheme and not explicit and policy.proactive == "budget":  # the node's strategy by default
                 policy = policy.with_strategy(self.default_policy.strategy)
+            if policy.speculative:  # the node's --speculative-ratio holds for every scheme that speculates
+                policy = replace(policy, speculative_ratio=self.default_policy.speculative_ratio)
             sampler = Sampler(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
         except ValueError as exc:
             raise ServiceError(str(exc)) from None
@@ -235,9 +238,12 @@ class DecodeScheduler:
             "ttst": metrics.ttst if metrics else None,
             "tbt": metrics.tbt if metrics else None,
             "scheme": active.request.policy.label,
+            "on_demand_ratio": metrics.on_demand_ratio if metrics else None,
+            "fetched_tokens": metrics.fetched_tokens if metrics else None,
         }
         self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
-        active.handle.put(FinishEvent(reason, error, usage))
+        # each token's arrival (CTL) goes to the client only when asked for (`return_token_times`)
+        active.handle.put(FinishEvent(reason, error, {**usage, "ctl": metrics.ctl if metrics else None}))
 
     def _fail_waiting(self, reason: str) -> None:
         while True:

@@ -15,6 +15,7 @@ worker runs on its own stream).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,8 @@ class _DecodeHandler:
             # EngineCache.update has already appended this token, so the span ends with it
             out = span_decode_attention(query[:, :, -1], spans, scaling, softcap)
             self._look_ahead(layer)
+            if runner.emulate_layer_s:
+                time.sleep(runner.emulate_layer_s)
             return out.unsqueeze(1), None
         if future is not None:
             assembled = future.result()
@@ -127,6 +130,8 @@ class _DecodeHandler:
             softcap=softcap,
         )
         self._look_ahead(layer)
+        if runner.emulate_layer_s:  # benchmarks: a slower decode device's compute, overlapping the look-ahead fetch
+            time.sleep(runner.emulate_layer_s)
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
 
     def _look_ahead(self, layer: int) -> None:
@@ -150,9 +155,20 @@ class DecodeRunner:
     """Runs decode steps of a batch over a DecodeEngine's pool."""
 
     def __init__(
-        self, model: PreTrainedModel, selector: Selector, engine: DecodeEngine, sampler: Sampler | None = None
+        self,
+        model: PreTrainedModel,
+        selector: Selector,
+        engine: DecodeEngine,
+        sampler: Sampler | None = None,
+        *,
+        emulate_layer_s: float = 0.0,
     ) -> None:
+        """`emulate_layer_s` adds that much sleep to every layer of every step: a benchmark's stand-in for a slower
+        decode device, so one step's link budget matches a real deployment's (see `smartgen bench`)."""
         check_runnable(model)
+        if emulate_layer_s < 0:
+            raise ValueError(f"emulated layer time must be >= 0, got {emulate_layer_s}")
+        self.emulate_layer_s = emulate_layer_s
         self.model = model
         self.selector = selector
         self.engine = engine

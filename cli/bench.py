@@ -1,0 +1,202 @@
+"""`smartgen bench`: every scheme over real prefill and decode processes, side by side, in a stated regime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import fail
+from .store_options import DbOption
+
+PANEL_WORK = "Workload"
+PANEL_REGIME = "Regime (link and decode side)"
+PANEL_RUN = "Run and output"
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        fail(f"{name} takes comma-separated numbers, got {text!r}")
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        fail(f"{name} takes comma-separated whole numbers, got {text!r}")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def bench(
+    model: Annotated[
+        str,
+        typer.Option(
+            help="sample (the bundled model), random:LAYERS (the sample's shape with LAYERS layers and random weights: "
+            "timing only, e.g. random:32), or a model folder.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = "sample",
+    schemes: Annotated[
+        str,
+        typer.Option(
+            help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
+            "partial+profile, partial+profile+parallel, smartgen, proactive-only.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only",
+    strategies: Annotated[
+        str,
+        typer.Option(
+            help="Second comparison: SmartGen with these proactive-set strategies (random, sequential, streaming); "
+            "empty = none.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = "random,sequential,streaming",
+    selector: Annotated[str, typer.Option(help="KV selector: quest, infinigen, topk.", rich_help_panel=PANEL_WORK)] = (
+        "quest"
+    ),
+    batch: Annotated[
+        str, typer.Option(help="Sweep: concurrent requests per round, e.g. 1,2,4.", rich_help_panel=PANEL_WORK)
+    ] = "1",
+    lengths: Annotated[str, typer.Option(help="Sweep: prompt lengths in tokens.", rich_help_panel=PANEL_WORK)] = "2048",
+    budget: Annotated[
+        str, typer.Option(help="Sweep: selection budget, a share of the prompt.", rich_help_panel=PANEL_WORK)
+    ] = "0.2",
+    blocks: Annotated[str, typer.Option(help="Sweep: KV blocks M per layer.", rich_help_panel=PANEL_WORK)] = "1024",
+    speculative_ratio: Annotated[
+        str, typer.Option(help="Sweep: share of all blocks pushed per idle notice.", rich_help_panel=PANEL_WORK)
+    ] = "0.1",
+    prefill_nodes: Annotated[
+        str, typer.Option(help="Sweep: number of prefill nodes.", rich_help_panel=PANEL_WORK)
+    ] = "1",
+    output_tokens: Annotated[
+        int, typer.Option(min=3, help="Tokens generated per request (EOS ignored).", rich_help_panel=PANEL_WORK)
+    ] = 64,
+    stall_ratio: Annotated[
+        str,
+        typer.Option(
+            help="Sweep: pace the link so a full KV transfer of one request takes R x its prefill "
+            "(the paper's testbed: about 4.7; 7.1 at 15 Gbit/s).",
+            rich_help_panel=PANEL_REGIME,
+        ),
+    ] = "4.7",
+    link_gbps: Annotated[
+        str,
+        typer.Option(help="Sweep: link rates in Gbit/s instead of --stall-ratio.", rich_help_panel=PANEL_REGIME),
+    ] = "",
+    decode_ratio: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0001,
+            help="Set the decode side too: emulate slower decode compute so an all-local step's link time moves this "
+            "share of a step's selected bytes (off: the machine's own speed, reported).",
+            rich_help_panel=PANEL_REGIME,
+        ),
+    ] = None,
+    lane: Annotated[
+        str, typer.Option(help="Transport: tcp, mooncake, nixl or rdma (see serve --help).", rich_help_panel=PANEL_RUN)
+    ] = "tcp",
+    reps: Annotated[
+        int, typer.Option(min=1, help="Measured rounds per point (schemes interleaved).", rich_help_panel=PANEL_RUN)
+    ] = 3,
+    warmup: Annotated[
+        int, typer.Option(min=0, help="Warm-up rounds per point, left out of the stats.", rich_help_panel=PANEL_RUN)
+    ] = 1,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help="Small and fast (1K tokens, 16 output tokens, M=256, one measured round): every scheme in a few "
+            "minutes.",
+            rich_help_panel=PANEL_RUN,
+        ),
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output folder for results.json, summary.csv and PNG figures (default: bench-results/<time>).",
+            rich_help_panel=PANEL_RUN,
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts and random weights.", rich_help_panel=PANEL_RUN)] = 0,
+    db: DbOption = None,
+) -> None:
+    """Benchmark the schemes side by side over real prefill and decode processes on a paced loopback link."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from smartgen.apps.bench import BenchConfig, run_bench
+    from smartgen.apps.bench.config import quick as quick_config
+    from smartgen.apps.bench.output import write_outputs
+    from smartgen.apps.bench.stats import summarize
+    from smartgen.apps.bench.tables import point_tables, regime_line
+    from smartgen.store import StoreError
+
+    try:
+        config = BenchConfig(
+            model=model,
+            schemes=_names(schemes),
+            strategies=_names(strategies),
+            selector=selector,
+            lane=lane,
+            batch=_ints(batch, "--batch"),
+            lengths=_ints(lengths, "--lengths"),
+            stall_ratio=_floats(stall_ratio, "--stall-ratio"),
+            link_gbps=_floats(link_gbps, "--link-gbps"),
+            decode_ratio=decode_ratio,
+            blocks=_ints(blocks, "--blocks"),
+            budget=_floats(budget, "--budget"),
+            speculative_ratio=_floats(speculative_ratio, "--speculative-ratio"),
+            prefill_nodes=_ints(prefill_nodes, "--prefill-nodes"),
+            output_tokens=output_tokens,
+            reps=reps,
+            warmup=warmup,
+            seed=seed,
+            db=db,
+        )
+        if quick:
+            config = quick_config(config)
+    except ValueError as exc:
+        fail(str(exc))
+    from smartgen.lanes.backends import LANES, unavailable
+
+    if lane not in LANES:
+        fail(f"--lane must be one of {', '.join(LANES)}, got {lane!r}")
+    if missing := unavailable(lane):
+        fail(f"--lane {lane} cannot run here: {missing}")
+    out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    console = Console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what[:40], completed=done, total=total)
+
+        try:
+            result = run_bench(config, say=lambda line: console.print(f"[dim]{line}[/]"), progress=progress)
+        except (RuntimeError, ValueError, OSError, StoreError) as exc:
+            fail(str(exc), code=1)
+    summaries = summarize(result)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    for index in range(len(result.points)):
+        console.print(f"\n[bold]{regime_line(result, index)}[/]")
+        for table in point_tables(result, summaries, index):
+            console.print(table)
+    written = write_outputs(result, summaries, out)
+    console.print(f"\nwrote {', '.join(str(p) for p in written)}")

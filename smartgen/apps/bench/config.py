@@ -1,0 +1,129 @@
+"""What a benchmark runs: schemes, the regime (stall ratio or link rate, decode-side ratio) and the sweeps."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from smartgen.engine.policy import get_policy
+
+__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "QUICK"]
+
+DEFAULT_SCHEMES = ("full", "partial", "partial+profile", "partial+profile+parallel", "smartgen", "proactive-only")
+# the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
+# selections, which a serving node cannot know; `smartgen simulate --strategy optimal` runs it)
+DEFAULT_STRATEGIES = ("random", "sequential", "streaming")
+PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One setting of every swept knob. The node-level ones need their own pair of nodes."""
+
+    batch: int
+    length: int
+    link: float  # the stall ratio (full transfer / prefill) or Gbit/s, as BenchConfig.link_mode says
+    blocks: int
+    budget: float
+    speculative_ratio: float
+    prefill_nodes: int
+
+    def node_key(self) -> tuple[float, int, float, float, int]:
+        """What the nodes are started with: points that share it share nodes."""
+        return (self.link, self.blocks, self.budget, self.speculative_ratio, self.prefill_nodes)
+
+    def label(self, link_mode: str) -> str:
+        link = f"stall {self.link:g}x" if link_mode == "stall" else f"{self.link:g} Gbit/s"
+        return (
+            f"batch {self.batch}, {self.length} tokens, {link}, M={self.blocks}, budget {self.budget:g}, "
+            f"spec {self.speculative_ratio:g}, {self.prefill_nodes} prefill node{'s' * (self.prefill_nodes > 1)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """A whole benchmark run; every tuple field is a sweep (one value = no sweep)."""
+
+    model: str = "sample"  # "sample", "random:LAYERS" (random weights, the sample's shape) or a model folder
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    selector: str = "quest"
+    lane: str = "tcp"
+    batch: tuple[int, ...] = (1,)
+    lengths: tuple[int, ...] = (2048,)
+    stall_ratio: tuple[float, ...] = (PAPER_STALL_RATIO,)
+    link_gbps: tuple[float, ...] = ()  # when given, replaces stall_ratio
+    decode_ratio: float | None = None  # link bytes per all-local step / selected bytes per step; None = native
+    blocks: tuple[int, ...] = (1024,)
+    budget: tuple[float, ...] = (0.2,)
+    speculative_ratio: tuple[float, ...] = (0.1,)
+    prefill_nodes: tuple[int, ...] = (1,)
+    output_tokens: int = 64
+    reps: int = 3
+    warmup: int = 1
+    tasks: tuple[str, ...] = ("passkey", "niah_single")
+    seed: int = 0
+    db: Path | None = None
+    out: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for scheme in self.all_schemes:
+            get_policy(scheme)  # unknown schemes and strategies fail before any node starts
+        if self.reps < 1:
+            raise ValueError("--reps must be at least 1")
+        if self.output_tokens < 3:
+            raise ValueError("--output-tokens must be at least 3 (TBT needs a third token)")
+        if "full" not in self.schemes:
+            raise ValueError("the schemes must include full: every ratio is against full transfer")
+        checks = {
+            "batch": (self.batch, 1),
+            "lengths": (self.lengths, 64),
+            "blocks": (self.blocks, 1),
+            "prefill-nodes": (self.prefill_nodes, 1),
+        }
+        for name, (values, least) in checks.items():
+            if not values or min(values) < least:
+                raise ValueError(f"--{name} values must be at least {least}")
+        rates = self.link_gbps or self.stall_ratio
+        if not rates or min(rates) <= 0:
+            raise ValueError("link rates and stall ratios must be positive")
+        if not self.budget or not all(0 < b <= 1 for b in self.budget):
+            raise ValueError("--budget values must be shares of the prompt in (0, 1]")
+        if not self.speculative_ratio or not all(0 < r <= 1 for r in self.speculative_ratio):
+            raise ValueError("--speculative-ratio values must be in (0, 1]")
+        if self.decode_ratio is not None and self.decode_ratio <= 0:
+            raise ValueError("--decode-ratio must be positive")
+
+    @property
+    def all_schemes(self) -> tuple[str, ...]:
+        """The schemes, then SmartGen with each other proactive-set strategy."""
+        return self.schemes + tuple(f"smartgen[{s}]" for s in self.strategies if s != "profile")
+
+    @property
+    def link_mode(self) -> str:
+        return "gbps" if self.link_gbps else "stall"
+
+    def points(self) -> list[Point]:
+        """Every combination of the sweeps, grouped so points sharing nodes run one after another."""
+        links = self.link_gbps or self.stall_ratio
+        combos = itertools.product(
+            links, self.blocks, self.budget, self.speculative_ratio, self.prefill_nodes, self.lengths, self.batch
+        )
+        return [Point(b, n, link, m, budget, spec, p) for link, m, budget, spec, p, n, b in combos]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["db"] = str(self.db) if self.db else None
+        data["out"] = str(self.out) if self.out else None
+        return data
+
+
+# `--quick`: every scheme, small shapes, one measured repetition; about 3 minutes on a 2-core machine
+QUICK = {"lengths": (1024,), "output_tokens": 16, "reps": 1, "warmup": 1, "blocks": (256,)}
+
+
+def quick(config: BenchConfig) -> BenchConfig:
+    return replace(config, **QUICK)  # type: ignore[arg-type]

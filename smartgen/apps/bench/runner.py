@@ -1,0 +1,362 @@
+"""Runs a benchmark: a pilot to measure the regime, then every point's schemes, interleaved, on real nodes.
+
+1. The model's profile is made once if the store has none (as the demo does).
+2. Pilot: unpaced nodes serve one full-transfer request per prompt length, which measures the
+   prefill time as served (TTFT) and the all-local step time (TBT).
+3. Per group of points sharing node settings: the link rate follows the stall ratio (a full
+   transfer of one request takes R x its prefill) or is given in Gbit/s; with a decode-side ratio,
+   each decode layer gets emulated compute so that an all-local step's link budget is that share
+   of the selected bytes of a step. Then nodes start with those settings.
+4. Per point: `warmup + reps` rounds, each running every scheme once (A B C A B C ...), a batch of
+   concurrent requests each; the warm-up rounds are kept in the results but left out of the stats.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smartgen.apps.bench.config import BenchConfig, Point
+from smartgen.apps.bench.models import resolve_model
+from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json
+
+__all__ = ["BenchResult", "Group", "Regime", "run_bench"]
+
+PILOT_TOKENS = 8
+TRANSFER_PATHS = ("proactive", "on_demand", "speculative", "metadata")
+
+
+@dataclass(slots=True)
+class Regime:
+    """The link and the decode side of one group of points, as set and as measured by the pilot."""
+
+    link_gbps: float
+    stall_ratio: float  # full transfer of one request / its prefill (at the reference length)
+    reference_length: int
+    prefill_s: dict[int, float]  # prompt length -> prefill as served (pilot TTFT)
+    step_s: dict[int, float]  # prompt length -> all-local decode step (pilot TBT, before emulation)
+    emulate_layer_ms: float
+    decode_ratio: float  # link bytes in one all-local step / selected bytes of a step (estimated)
+    kv_bytes_per_token: int
+    num_layers: int
+
+
+@dataclass(slots=True)
+class Group:
+    """One scheme, one round of one point: a batch of concurrent requests and what the link carried for them."""
+
+    point: int
+    scheme: str
+    rep: int
+    warmup: bool
+    wall_s: float
+    requests: list[dict[str, Any]]
+    path_bytes: dict[str, int]
+    descriptors: int
+    posting_s: float
+    link_bytes: int
+
+
+@dataclass(slots=True)
+class BenchResult:
+    config: BenchConfig
+    model: str
+    trained: bool
+    points: list[Point]
+    regimes: list[Regime]  # one per point
+    groups: list[Group] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_json(),
+            "model": self.model,
+            "trained": self.trained,
+            "machine": self.machine,
+            "notes": self.notes,
+            "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
+            "groups": [asdict(g) for g in self.groups],
+        }
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    from smartgen.sysinfo import collect_info
+
+    info = collect_info()
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "versions": info["versions"],
+        "cuda": info["cuda"].get("status"),
+    }
+
+
+def run_bench(
+    config: BenchConfig,
+    say: Callable[[str], None] = print,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> BenchResult:
+    """Runs every point of `config`; `progress(what, done, total)` after every request group."""
+    from smartgen.apps.stored_profile import ensure_profile
+    from smartgen.runtime.models import kv_layout
+
+    model_path, trained = resolve_model(config.model, config.seed)
+    tokenizer = None
+    layout = None
+    for blocks in sorted(set(config.blocks)):
+        _, model, tokenizer = ensure_profile(
+            model_path, config.db, config.selector, config.budget[0], blocks, config.lengths[0], say=say
+        )
+        layout = kv_layout(model, num_blocks=blocks)
+        del model
+    assert tokenizer is not None and layout is not None
+    points = config.points()
+    result = BenchResult(config, str(model_path), trained, points, [], machine=_machine())
+    if not trained:
+        result.notes.append("random weights: timings only, accuracy not reported")
+    result.notes.append(
+        "2-bit quantized full transfer (HACK/KIVI-like) is not a serving scheme yet: `smartgen eval` reports its "
+        "accuracy; its transfer time is not benchmarked here"
+    )
+    prompts = _Prompts(config, tokenizer)
+    say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
+    pilot = _pilot(config, model_path, prompts)
+    total = len(points) * (config.warmup + config.reps) * len(config.all_schemes)
+    done = 0
+    by_nodes: dict[tuple, list[int]] = {}
+    for i, point in enumerate(points):
+        by_nodes.setdefault(point.node_key(), []).append(i)
+    regimes: dict[int, Regime] = {}
+    for indices in by_nodes.values():
+        first = points[indices[0]]
+        regime = _regime(config, first, pilot, layout.kv_bytes(1), layout.num_layers)
+        say(
+            f"nodes: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
+            f"{regime.reference_length} tokens), decode-side ratio {regime.decode_ratio:.3f}"
+            + (f" (+{regime.emulate_layer_ms:.2f} ms emulated per layer)" if regime.emulate_layer_ms else "")
+        )
+        spec = _spec(config, model_path, first, regime)
+        with LocalCluster(spec) as cluster:
+            for i in indices:
+                regimes[i] = regime
+                point = points[i]
+                for rep in range(config.warmup + config.reps):
+                    batch_prompts = prompts.batch(point, rep)
+                    for scheme in config.all_schemes:
+                        group = _run_group(cluster, config, i, point, scheme, rep, batch_prompts, prompts, trained)
+                        result.groups.append(group)
+                        done += 1
+                        if progress:
+                            progress(f"{scheme} ({point.label(config.link_mode)})", done, total)
+    result.regimes = [regimes[i] for i in range(len(points))]
+    return result
+
+
+class _Prompts:
+    """Eval-suite prompts (passkey, needles): the same prompts for every scheme of a round."""
+
+    def __init__(self, config: BenchConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._cache: dict[tuple[str, int, int], Any] = {}
+
+    def sample(self, task: str, length: int, seed: int) -> Any:
+        from smartgen.apps.evalsuite import generate_task
+
+        key = (task, length, seed)
+        if key not in self._cache:
+            self._cache[key] = generate_task(task, length, seed, self.tokenizer, "eval")
+        return self._cache[key]
+
+    def batch(self, point: Point, rep: int) -> list[Any]:
+        tasks = self.config.tasks
+        base = self.config.seed + rep * point.batch
+        return [self.sample(tasks[(base + i) % len(tasks)], point.length, base + i) for i in range(point.batch)]
+
+    def score(self, sample: Any, text: str) -> float:
+        from smartgen.apps.evalsuite import score_sample
+
+        # the answer is the first few tokens; the rest of a fixed-length timing run is not part of it
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sample.max_new_tokens]
+        return score_sample(sample, self.tokenizer.decode(ids))
+
+
+def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int, tuple[float, float]]:
+    """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes (the second of two requests)."""
+    spec = ClusterSpec(
+        model=model_path,
+        lane=config.lane,
+        blocks=config.blocks[0],
+        selector=config.selector,
+        budget=config.budget[0],
+        max_batch=1,
+        max_tokens=max(config.lengths) + config.output_tokens + 64,
+        db=config.db,
+    )
+    measured = {}
+    with LocalCluster(spec) as cluster:
+        for length in sorted(set(config.lengths)):
+            sample = prompts.sample(config.tasks[0], length, config.seed)
+            runs = [_request(cluster.url, sample.prompt, "full", PILOT_TOKENS * 2) for _ in range(2)]
+            usage = runs[-1]["usage"]
+            measured[length] = (float(usage["ttft"]), float(usage["tbt"]))
+    return measured
+
+
+def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, float]], token_bytes: int, layers: int):
+    from smartgen.lanes.rate import bytes_per_second, gbps_for
+
+    reference = point.length
+    prefill_s, step_s = pilot[reference]
+    kv = token_bytes * reference
+    if config.link_mode == "stall":
+        gbps = gbps_for(kv, point.link * prefill_s)
+    else:
+        gbps = point.link
+    rate = bytes_per_second(gbps)
+    stall = kv / rate / prefill_s
+    # what one step could need over the link: the selection of the layers past the always-sent ones
+    selected = point.budget * reference * token_bytes * max(layers - 2, 1) / layers
+    emulate_ms = 0.0
+    if config.decode_ratio is not None:
+        target_step = config.decode_ratio * selected / rate
+        emulate_ms = max(0.0, (target_step - step_s) / layers) * 1e3
+    decode_ratio = rate * (step_s + emulate_ms * layers / 1e3) / selected
+    return Regime(
+        link_gbps=gbps,
+        stall_ratio=stall,
+        reference_length=reference,
+        prefill_s={n: p for n, (p, _) in pilot.items()},
+        step_s={n: s for n, (_, s) in pilot.items()},
+        emulate_layer_ms=emulate_ms,
+        decode_ratio=decode_ratio,
+        kv_bytes_per_token=token_bytes,
+        num_layers=layers,
+    )
+
+
+def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -> ClusterSpec:
+    extra = ("--emulate-layer-ms", f"{regime.emulate_layer_ms:.4f}") if regime.emulate_layer_ms else ()
+    return ClusterSpec(
+        model=model_path,
+        link_gbps=regime.link_gbps,
+        lane=config.lane,
+        blocks=point.blocks,
+        selector=config.selector,
+        budget=point.budget,
+        speculative_ratio=point.speculative_ratio,
+        prefill_nodes=point.prefill_nodes,
+        max_batch=max(config.batch),
+        max_tokens=max(config.lengths) + config.output_tokens + 64,
+        db=config.db,
+        decode_extra=extra,
+    )
+
+
+def _request(url: str, prompt: str, scheme: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "scheme": scheme,
+        "return_token_times": True,
+    }
+    return post_json(f"{url}/v1/completions", body)
+
+
+def _totals(status: dict[str, Any]) -> dict[str, float]:
+    """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links."""
+    totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
+    totals.update(descriptors=0, posting_s=0.0, link_bytes=0)
+    for node in status["prefill"]:
+        for path in TRANSFER_PATHS:
+            totals[f"bytes.{path}"] += node["paths"]["bytes"].get(path, 0)
+        for link in node["links"]:
+            totals["descriptors"] += link["push"]["num_descriptors"]
+            totals["posting_s"] += link["push"]["busy_seconds"]
+            totals["link_bytes"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
+    return totals
+
+
+def _run_group(
+    cluster: LocalCluster,
+    config: BenchConfig,
+    index: int,
+    point: Point,
+    scheme: str,
+    rep: int,
+    samples: list[Any],
+    prompts: _Prompts,
+    trained: bool,
+) -> Group:
+    before = _totals(cluster.status())
+    answers: list[dict[str, Any] | None] = [None] * len(samples)
+    errors: list[str | None] = [None] * len(samples)
+
+    def one(i: int) -> None:
+        try:
+            answers[i] = _request(cluster.url, samples[i].prompt, scheme, config.output_tokens)
+        except Exception as exc:  # a failed request is a result, not a crash of the benchmark
+            errors[i] = str(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(samples))]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - started
+    _settle(cluster)
+    after = _totals(cluster.status())
+    requests = []
+    for sample, answer, error in zip(samples, answers, errors):
+        if answer is None:
+            requests.append({"task": sample.task, "error": error})
+            continue
+        usage = answer["usage"]
+        text = answer["choices"][0]["text"]
+        requests.append(
+            {
+                "task": sample.task,
+                "prompt_tokens": usage["prompt_tokens"],
+                "ttft": usage.get("ttft"),
+                "ttst": usage.get("ttst"),
+                "tbt": usage.get("tbt"),
+                "ctl": usage.get("ctl") or [],
+                "on_demand_ratio": usage.get("on_demand_ratio"),
+                "fetched_tokens": usage.get("fetched_tokens"),
+                "score": prompts.score(sample, text) if trained else None,
+                "error": None,
+            }
+        )
+    return Group(
+        point=index,
+        scheme=scheme,
+        rep=rep,
+        warmup=rep < config.warmup,
+        wall_s=wall,
+        requests=requests,
+        path_bytes={p: int(after[f"bytes.{p}"] - before[f"bytes.{p}"]) for p in TRANSFER_PATHS},
+        descriptors=int(after["descriptors"] - before["descriptors"]),
+        posting_s=after["posting_s"] - before["posting_s"],
+        link_bytes=int(after["link_bytes"] - before["link_bytes"]),
+    )
+
+
+def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:
+    """Waits until the prefill nodes hold no request: late speculative pushes belong to this group's bytes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(node["requests_held"] == 0 for node in cluster.status()["prefill"]):
+            return
+        time.sleep(0.05)

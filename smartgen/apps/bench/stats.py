@@ -1,0 +1,137 @@
+"""Summaries of a benchmark: per point and scheme, timings with spread, bytes per path, ratios, the physical bound."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from smartgen.apps.bench.runner import BenchResult, Group, Regime
+from smartgen.lanes.rate import bytes_per_second
+
+__all__ = ["Summary", "summarize", "percentile"]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+@dataclass(slots=True)
+class Summary:
+    """One scheme at one point, over its measured (not warm-up) rounds."""
+
+    point: int
+    scheme: str
+    requests: int
+    failed: int
+    ttft: dict[str, float | None]  # mean, p50, p99, min, max (seconds)
+    ttst: dict[str, float | None]
+    tbt: dict[str, float | None]
+    ctl: list[float]  # mean arrival of token t, seconds from arrival
+    on_demand_ratio: float | None
+    bytes_per_request: dict[str, float]  # per path
+    descriptors_per_request: float
+    posting_s_per_request: float
+    link_utilisation: float | None  # link bytes / (rate x wall time)
+    accuracy: float | None  # mean score, 0-1
+    vs_full: dict[str, float | None] = field(default_factory=dict)  # ratios against full transfer
+    ttst_bound: float | None = None  # prefill + what prefill cannot hide + one all-local step
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    return {
+        "mean": _mean(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+    }
+
+
+def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regime) -> Summary:
+    requests = [r for g in groups for r in g.requests]
+    ok = [r for r in requests if not r.get("error")]
+
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in ok if r.get(key) is not None]
+
+    ctls = [r["ctl"] for r in ok if r.get("ctl")]
+    depth = min((len(c) for c in ctls), default=0)
+    ctl = [statistics.fmean(c[t] for c in ctls) for t in range(depth)]
+    num = max(len(requests), 1)
+    paths = {path: sum(g.path_bytes[path] for g in groups) / num for path in groups[0].path_bytes} if groups else {}
+    rate = bytes_per_second(regime.link_gbps)
+    wall = sum(g.wall_s for g in groups)
+    scores = [float(r["score"]) for r in ok if r.get("score") is not None]
+    return Summary(
+        point=point,
+        scheme=scheme,
+        requests=len(requests),
+        failed=len(requests) - len(ok),
+        ttft=_stats(values("ttft")),
+        ttst=_stats(values("ttst")),
+        tbt=_stats(values("tbt")),
+        ctl=ctl,
+        on_demand_ratio=_mean(values("on_demand_ratio")),
+        bytes_per_request=paths,
+        descriptors_per_request=sum(g.descriptors for g in groups) / num,
+        posting_s_per_request=sum(g.posting_s for g in groups) / num,
+        link_utilisation=sum(g.link_bytes for g in groups) / (rate * wall) if wall > 0 else None,
+        accuracy=_mean(scores),
+    )
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def summarize(result: BenchResult) -> list[Summary]:
+    """Per point and scheme (in the config's order), with ratios against full transfer and the TTST bound."""
+    summaries = []
+    for index, (point, regime) in enumerate(zip(result.points, result.regimes)):
+        measured = [g for g in result.groups if g.point == index and not g.warmup]
+        per_scheme = [
+            _summarize_groups(index, scheme, [g for g in measured if g.scheme == scheme], regime)
+            for scheme in result.config.all_schemes
+        ]
+        full = next(s for s in per_scheme if s.scheme == "full")
+        for s in per_scheme:
+            s.vs_full = {
+                "ttft": _ratio(s.ttft["mean"], full.ttft["mean"]),  # > 1: slower than full transfer
+                "ttst_speedup": _ratio(full.ttst["mean"], s.ttst["mean"]),  # > 1: faster than full transfer
+                "tbt": _ratio(s.tbt["mean"], full.tbt["mean"]),  # > 1: slower than full transfer
+                "accuracy": _ratio(s.accuracy, full.accuracy),
+            }
+            s.ttst_bound = ttst_bound(point.length, regime, full, s)
+        summaries.extend(per_scheme)
+    return summaries
+
+
+def ttst_bound(length: int, regime: Regime, full: Summary, scheme: Summary) -> float | None:
+    """The least TTST any scheme could reach here: prefill, then what prefill cannot hide, then one all-local step.
+
+    Only layers 0-1 and the selector metadata must be on the decode node before its first step;
+    the link carries them while layers 1..L-1 prefill, so only what does not fit in that time adds
+    to the prefill. Prefill is full transfer's TTFT at this point (it includes queueing in a batch),
+    the step its mean TBT (every entry local).
+    """
+    prefill, step = full.ttft["mean"], full.tbt["mean"]
+    if prefill is None or step is None:
+        return None
+    layers = regime.num_layers
+    must_move = 2 / layers * regime.kv_bytes_per_token * length + scheme.bytes_per_request.get("metadata", 0.0)
+    hidden = prefill * (layers - 1) / layers
+    exposed = max(0.0, must_move / bytes_per_second(regime.link_gbps) - hidden)
+    return prefill + exposed + step

@@ -1,0 +1,89 @@
+"""The terminal view of a benchmark: two rich tables per point that fit 80 columns and are never cut when piped."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from smartgen.apps.bench.runner import BenchResult
+from smartgen.apps.bench.stats import Summary
+
+__all__ = ["point_tables", "regime_line"]
+
+MIB = 2**20
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}"
+
+
+def regime_line(result: BenchResult, point: int) -> str:
+    """The regime a point ran in, in one line: link, both ratios, prefill and step time."""
+    p, r = result.points[point], result.regimes[point]
+    prefill = r.prefill_s.get(p.length)
+    step = r.step_s.get(p.length)
+    return (
+        f"{p.label(result.config.link_mode)}: link {r.link_gbps * 1e3:.1f} Mbit/s, stall ratio {r.stall_ratio:.2f} "
+        f"(full transfer / prefill), decode-side ratio {r.decode_ratio:.3f} (link bytes per all-local step / "
+        f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
+        + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
+    )
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
+    )
+    for i, column in enumerate(columns):
+        # fold: a console narrower than 80 columns folds a cell onto a second line instead of cutting it ("sch…")
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+    return table
+
+
+def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> tuple[Table, Table]:
+    """(timings, transfers) of one point; rows in the config's scheme order."""
+    rows = [s for s in summaries if s.point == point]
+    timings = _table(
+        "timings in ms (means); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible",
+        ["scheme", "TTFT", "TTST", "TBT", "TBT p99", "TTST x", "TBT x", "bound"],
+    )
+    for s in rows:
+        timings.add_row(
+            Text(s.scheme),  # Text: "smartgen[random]" is not markup
+            _ms(s.ttft["mean"]),
+            _ms(s.ttst["mean"]),
+            _ms(s.tbt["mean"]),
+            _ms(s.tbt["p99"]),
+            _x(s.vs_full.get("ttst_speedup")),
+            _x(s.vs_full.get("tbt")),
+            _ms(s.ttst_bound),
+        )
+    transfers = _table(
+        "per request, MiB by path (push: proactive, fetch: on-demand, spec: speculative, meta: selector metadata); "
+        "od%: on-demand ratio; desc: descriptors posted; link%: utilisation; acc%: answers right",
+        ["scheme", "push", "fetch", "spec", "meta", "od%", "desc", "link%", "acc%"],
+    )
+    for s in rows:
+        paths = s.bytes_per_request
+        failed = f" ({s.failed} failed)" if s.failed else ""
+        transfers.add_row(
+            Text(s.scheme + failed),
+            f"{paths.get('proactive', 0) / MIB:.1f}",
+            f"{paths.get('on_demand', 0) / MIB:.1f}",
+            f"{paths.get('speculative', 0) / MIB:.1f}",
+            f"{paths.get('metadata', 0) / MIB:.2f}",
+            _pct(s.on_demand_ratio),
+            f"{s.descriptors_per_request:.0f}",
+            _pct(s.link_utilisation),
+            _pct(s.accuracy),
+        )
+    return timings, transfers

@@ -1,0 +1,136 @@
+"""A local deployment for the demo and the benchmark: prefill node(s) and a decode node as real processes on 127.0.0.1.
+
+Every node binds port 0 and says where it listens in a ready file, so runs never race for
+ports; each node's log goes to a file in the run folder (a pipe nobody reads would fill up
+and freeze the node), and its last lines explain a node that exits early.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smartgen.roles.processes import read_ready_file, stop_processes
+
+__all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json"]
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The flags both roles share, and how many prefill nodes to run."""
+
+    model: Path
+    link_gbps: float | None = None  # None: unpaced
+    lane: str = "tcp"
+    blocks: int = 1024
+    selector: str = "quest"
+    budget: float = 0.2
+    speculative_ratio: float = 0.1
+    prefill_nodes: int = 1
+    max_batch: int = 8
+    max_tokens: int = 8192
+    db: Path | None = None
+    decode_extra: tuple[str, ...] = ()
+    prefill_extra: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """Starts the nodes on `__enter__`, stops them (SIGINT, then kill) on `__exit__`."""
+
+    spec: ClusterSpec
+    http: str = ""  # the decode node's HOST:PORT (OpenAI API and /status)
+    prefill_status: list[str] = field(default_factory=list)  # each prefill node's status HOST:PORT
+    run_dir: Path | None = None
+    _processes: list[subprocess.Popen] = field(default_factory=list)
+    _logs: list[Any] = field(default_factory=list)
+
+    def __enter__(self) -> LocalCluster:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="smartgen-nodes-"))
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_processes(self._processes)
+        for log in self._logs:
+            log.close()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+    def status(self) -> dict[str, Any]:
+        """The decode node's /status and every prefill node's, as {"decode": ..., "prefill": [...]}."""
+        return {
+            "decode": get_json(f"{self.url}/status"),
+            "prefill": [get_json(f"http://{address}/status") for address in self.prefill_status],
+        }
+
+    def _common(self) -> list[str]:
+        spec = self.spec
+        flags = ["--model", str(spec.model), "--blocks", str(spec.blocks), "--lane", spec.lane]
+        flags += ["--selector", spec.selector, "--budget", str(spec.budget)]
+        if spec.link_gbps is not None:
+            flags += ["--link-gbps", f"{spec.link_gbps:.9f}"]
+        return flags
+
+    def _launch(self, name: str, args: list[str]) -> tuple[subprocess.Popen, dict[str, Any]]:
+        assert self.run_dir is not None
+        env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET") or "smartgen-local-cluster"}
+        if self.spec.db is not None:
+            env["SMARTGEN_DB"] = str(self.spec.db)
+        ready = self.run_dir / f"{name}.json"
+        log_path = self.run_dir / f"{name}.log"
+        log = log_path.open("w")
+        self._logs.append(log)
+        command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        self._processes.append(process)
+        try:
+            return process, read_ready_file(ready, READY_TIMEOUT_S, alive=lambda: process.poll() is None)
+        except (RuntimeError, TimeoutError):
+            if process.poll() is None:
+                raise RuntimeError(f"the {name} node did not come up within {READY_TIMEOUT_S:.0f} s") from None
+            lines = log_path.read_text(errors="replace").strip().splitlines()
+            raise RuntimeError(f"the {name} node exited early: {lines[-1] if lines else 'no output'}") from None
+
+    def _start(self) -> None:
+        spec = self.spec
+        addresses = []
+        for i in range(spec.prefill_nodes):
+            args = ["--role", "prefill", "--listen", "127.0.0.1:0", "--status", "127.0.0.1:0", *spec.prefill_extra]
+            _, ready = self._launch(f"prefill{i}", args)
+            addresses.append(ready["listen"])
+            self.prefill_status.append(ready["status"])
+        args = ["--role", "decode", "--prefill", ",".join(addresses), "--http", "127.0.0.1:0"]
+        args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
+        args += ["--speculative-ratio", str(spec.speculative_ratio), *spec.decode_extra]
+        _, ready = self._launch("decode", args)
+        self.http = ready["http"]
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def get_json(url: str, timeout: float = 30) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
