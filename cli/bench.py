@@ -15,6 +15,10 @@ PANEL_REGIME = "Regime (link and decode side)"
 PANEL_RUN = "Run and output"
 
 
+NORMAL = {"lengths": "2048", "blocks": "1024", "output_tokens": "64", "reps": "3"}
+QUICK = {"lengths": "1024", "blocks": "256", "output_tokens": "16", "reps": "1"}
+
+
 def _floats(text: str, name: str) -> tuple[float, ...]:
     try:
         return tuple(float(v) for v in text.split(",") if v.strip())
@@ -64,11 +68,21 @@ def bench(
     batch: Annotated[
         str, typer.Option(help="Sweep: concurrent requests per round, e.g. 1,2,4.", rich_help_panel=PANEL_WORK)
     ] = "1",
-    lengths: Annotated[str, typer.Option(help="Sweep: prompt lengths in tokens.", rich_help_panel=PANEL_WORK)] = "2048",
+    lengths: Annotated[
+        str | None,
+        typer.Option(
+            help="Sweep: prompt lengths in tokens [default: 2048; 1024 with --quick].", rich_help_panel=PANEL_WORK
+        ),
+    ] = None,
     budget: Annotated[
         str, typer.Option(help="Sweep: selection budget, a share of the prompt.", rich_help_panel=PANEL_WORK)
     ] = "0.2",
-    blocks: Annotated[str, typer.Option(help="Sweep: KV blocks M per layer.", rich_help_panel=PANEL_WORK)] = "1024",
+    blocks: Annotated[
+        str | None,
+        typer.Option(
+            help="Sweep: KV blocks M per layer [default: 1024; 256 with --quick].", rich_help_panel=PANEL_WORK
+        ),
+    ] = None,
     speculative_ratio: Annotated[
         str, typer.Option(help="Sweep: share of all blocks pushed per idle notice.", rich_help_panel=PANEL_WORK)
     ] = "0.1",
@@ -76,8 +90,13 @@ def bench(
         str, typer.Option(help="Sweep: number of prefill nodes.", rich_help_panel=PANEL_WORK)
     ] = "1",
     output_tokens: Annotated[
-        int, typer.Option(min=3, help="Tokens generated per request (EOS ignored).", rich_help_panel=PANEL_WORK)
-    ] = 64,
+        int | None,
+        typer.Option(
+            min=3,
+            help="Tokens generated per request, EOS ignored [default: 64; 16 with --quick].",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = None,
     stall_ratio: Annotated[
         str,
         typer.Option(
@@ -103,16 +122,21 @@ def bench(
         str, typer.Option(help="Transport: tcp, mooncake, nixl or rdma (see serve --help).", rich_help_panel=PANEL_RUN)
     ] = "tcp",
     reps: Annotated[
-        int, typer.Option(min=1, help="Measured rounds per point (schemes interleaved).", rich_help_panel=PANEL_RUN)
-    ] = 3,
+        int | None,
+        typer.Option(
+            min=1,
+            help="Measured rounds per point, schemes interleaved [default: 3; 1 with --quick].",
+            rich_help_panel=PANEL_RUN,
+        ),
+    ] = None,
     warmup: Annotated[
         int, typer.Option(min=0, help="Warm-up rounds per point, left out of the stats.", rich_help_panel=PANEL_RUN)
     ] = 1,
     quick: Annotated[
         bool,
         typer.Option(
-            help="Small and fast (1K tokens, 16 output tokens, M=256, one measured round): every scheme in a few "
-            "minutes.",
+            help="Small and fast: the defaults of --lengths, --output-tokens, --blocks and --reps drop to 1024, 16, 256 "
+            "and 1; every scheme still runs (about a minute on the sample model).",
             rich_help_panel=PANEL_RUN,
         ),
     ] = False,
@@ -140,12 +164,16 @@ def bench(
     )
 
     from smartgen.apps.bench import BenchConfig, run_bench
-    from smartgen.apps.bench.config import quick as quick_config
     from smartgen.apps.bench.output import write_outputs
     from smartgen.apps.bench.stats import summarize
     from smartgen.apps.bench.tables import point_tables, regime_line
     from smartgen.store import StoreError
 
+    defaults = QUICK if quick else NORMAL
+    lengths = lengths or defaults["lengths"]
+    blocks = blocks or defaults["blocks"]
+    output_tokens = output_tokens or int(defaults["output_tokens"])
+    reps = reps or int(defaults["reps"])
     try:
         config = BenchConfig(
             model=model,
@@ -168,8 +196,6 @@ def bench(
             seed=seed,
             db=db,
         )
-        if quick:
-            config = quick_config(config)
     except ValueError as exc:
         fail(str(exc))
     from smartgen.lanes.backends import LANES, unavailable

@@ -352,3 +352,67 @@ def test_timings_have_one_definition():
     assert metrics.ctl == [0.5, 1.0, 1.25, 1.5]
     assert (metrics.ttft, metrics.ttst) == (metrics.ctl[0], metrics.ctl[1]) == (0.5, 1.0)
     assert metrics.tbt == 0.25  # mean gap after the second token
+
+
+def test_query_strategy_pushes_the_blocks_the_last_query_attends_and_still_ends_all_local(importance):
+    """The "query" strategy keeps the profile's count per layer but picks the blocks by the prompt's last query;
+    whatever it left out goes speculatively, so every block still lands exactly once."""
+    from smartgen.engine.layout import token_blocks
+    from smartgen.engine.prefill import query_blocks
+
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-3, 1e-3)  # K_r above the floor
+    prefill, decode, prefill_end = _engines(planner)
+    spy = _Spy(prefill_end.push)
+    length = 160
+    try:
+        rid = decode.open(length, get_policy("smartgen[query]", speculative_ratio=0.25))
+        request = prefill.next_request(timeout=5)
+        k, v = synthetic_kv(LAYOUT, length, seed=3)
+        generator = torch.Generator().manual_seed(0)
+        picked = {}
+        for layer in range(LAYOUT.num_layers):
+            scores = torch.rand(length, generator=generator)
+            prefill.prefill_layer(rid, layer, k[layer], v[layer], scores)
+            if layer >= 2:
+                count = request.plan.proactive_blocks(layer).numel()
+                assert 0 < count < LAYOUT.num_blocks  # a real choice to make
+                per_block = torch.zeros(LAYOUT.num_blocks).scatter_reduce(
+                    0, token_blocks(length, LAYOUT.num_blocks), scores, "amax", include_self=False
+                )
+                expected = set(torch.topk(per_block, count).indices.tolist())
+                picked[layer] = set(query_blocks(scores, length, LAYOUT.num_blocks, count).tolist())
+                assert picked[layer] == expected
+        prefill.finish_prefill(rid, 0)
+        decode.wait_first_token(rid, timeout=5)
+        prefill_end.push.flush(5)
+        proactive = [ops for tag, ops in spy.batches if tag == "proactive"]
+        for layer in (2, 3):
+            landed = {b % LAYOUT.num_blocks for b in _blocks_of(proactive[layer], decode, request)}
+            assert landed == picked[layer]
+        while not request.speculation_done:
+            decode.begin_layer(2, [rid])
+            time.sleep(0.002)
+            spy.lane.flush(5)
+        flat = [b for tag, ops in spy.batches if tag == "speculative" for b in _blocks_of(ops, decode, request)]
+        assert len(flat) == len(set(flat))  # nothing pushed twice
+        assert len(flat) + sum(len(picked.get(layer, ())) for layer in (2, 3)) + 2 * LAYOUT.num_blocks == (
+            LAYOUT.num_layers * LAYOUT.num_blocks
+        )
+        assert decode.is_all_local(rid)
+        assert torch.equal(decode.pool.k[:, decode.slot_of(rid), :length], k)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_last_query_attention_is_the_best_head_per_token():
+    from smartgen.runtime.prefill import last_query_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(4, 8, generator=generator), torch.randn(2, 10, 8, generator=generator)
+    scores = last_query_attention(query, key, 8**-0.5)
+    expected = torch.stack(
+        [torch.softmax(query[h] @ key[h // 2].T * 8**-0.5, dim=-1) for h in range(4)]  # GQA: heads 0,1 -> kv 0
+    ).amax(dim=0)
+    assert torch.allclose(scores, expected)
+    assert scores.shape == (10,)

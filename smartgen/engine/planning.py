@@ -136,7 +136,7 @@ def plan_transfer(scores: torch.Tensor, budget: int) -> TransferPlan:
     return TransferPlan(num_layers, num_blocks, proactive.view(num_layers, num_blocks), speculative)
 
 
-STRATEGIES = ("profile", "random", "sequential", "streaming", "optimal")
+STRATEGIES = ("profile", "query", "random", "sequential", "streaming", "optimal")
 
 
 def strategy_scores(
@@ -153,6 +153,9 @@ def strategy_scores(
     """Block scores [L, M_eff] under a proactive-set strategy; `plan_transfer` takes the top ones.
 
     - profile: the profile's importance [L, M], resampled to this request.
+    - query: the profile's split of K_r over layers (an equal split without a profile); within each
+      layer the prefill engine then picks the blocks the prompt's last query attends to most
+      (`PrefillEngine.prefill_layer`'s `token_scores`), so these scores only decide the counts.
     - random: a seeded random order.
     - sequential: blocks in the order prefill produces them (layer, then position).
     - streaming: StreamingLLM — the blocks holding the first `sink_tokens` tokens, then the
@@ -168,6 +171,11 @@ def strategy_scores(
         if importance.shape[1] != num_blocks:
             raise ValueError(f"profile has {importance.shape[1]} blocks per layer, the plan {num_blocks}")
         return resample_importance(importance.float(), length)
+    if strategy == "query":
+        if importance is not None and importance.shape == (num_layers, num_blocks):
+            return resample_importance(importance.float(), length)
+        # no profile: block m of every layer before block m + 1 of any, so every layer gets the same count
+        return -torch.arange(m_eff, dtype=torch.float32).expand(num_layers, m_eff).clone()
     if strategy == "random":
         generator = torch.Generator().manual_seed(seed)
         return torch.rand(num_layers, m_eff, generator=generator)

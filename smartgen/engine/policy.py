@@ -32,6 +32,7 @@ class Strategy(_Named):
     """How the proactive set is chosen (engine.planning.strategy_scores)."""
 
     PROFILE = "profile"
+    QUERY = "query"
     RANDOM = "random"
     SEQUENTIAL = "sequential"
     STREAMING = "streaming"

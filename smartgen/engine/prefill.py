@@ -23,10 +23,10 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops
-from smartgen.engine.layout import KVLayout
+from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
-from smartgen.engine.policy import Policy, get_policy
+from smartgen.engine.policy import Policy, Strategy, get_policy
 from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
@@ -57,13 +57,26 @@ class OpenedRequest:
     kv: RequestKV
     ones: torch.Tensor
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
+    sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
+    spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
     spec_cursor: int = 0
     spec_in_flight: Completion | None = None
     completions: list[Completion] = field(default_factory=list)
 
     @property
     def speculation_done(self) -> bool:
-        return self.spec_cursor >= self.plan.speculative_order.numel()
+        order = self.plan.speculative_order if self.spec_order is None else self.spec_order
+        return self.spec_cursor >= order.numel()
+
+    def speculative_order(self) -> torch.Tensor:
+        """Every block not pushed yet: the plan's proactive blocks a query pick replaced first, then the plan's
+        speculative order; blocks the query pick pushed out of that order are skipped."""
+        if self.spec_order is None:
+            plan = self.plan
+            ranking = torch.cat([plan.proactive.flatten().nonzero().flatten(), plan.speculative_order])
+            sent = self.sent.flatten() if self.sent is not None else plan.proactive.flatten()
+            self.spec_order = ranking[~sent[ranking]]
+        return self.spec_order
 
 
 class PrefillEngine:
@@ -172,13 +185,30 @@ class PrefillEngine:
         with self._lock:
             return self._requests.get(request_id)
 
-    def prefill_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Stores one prefilled layer ([n, H, d] each) and pushes its planned blocks; returns bytes posted."""
+    def prefill_layer(
+        self,
+        request_id: str,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_scores: torch.Tensor | None = None,
+    ) -> int:
+        """Stores one prefilled layer ([n, H, d] each) and pushes its planned blocks; returns bytes posted.
+
+        `token_scores` [n]: how much the prompt's last query attends to each token in this layer. Under
+        the "query" strategy the layer's share of K_r goes to the blocks with the highest ones.
+        """
         request = self._get(request_id)
         if request is None:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         self.store.put_layer(request_id, layer, k, v)
-        return self._push(request, [(layer, request.plan.proactive_blocks(layer))], tag="proactive")
+        blocks = request.plan.proactive_blocks(layer)
+        if token_scores is not None and request.policy.strategy == Strategy.QUERY and layer >= DENSE_LAYERS:
+            blocks = query_blocks(token_scores, request.length, request.plan.num_blocks, blocks.numel())
+        if request.sent is None:
+            request.sent = torch.zeros_like(request.plan.proactive)
+        request.sent[layer, blocks] = True
+        return self._push(request, [(layer, blocks)], tag="proactive")
 
     def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> None:
         """One layer's selector metadata, sent the moment the layer is prefilled.
@@ -227,7 +257,7 @@ class PrefillEngine:
             return 0  # speculation starts once prefill is over
         total = request.plan.num_layers * request.plan.num_blocks
         size = speculative_slice_size(total, request.policy.speculative_ratio)
-        ids = request.plan.speculative_order[request.spec_cursor : request.spec_cursor + size]
+        ids = request.speculative_order()[request.spec_cursor : request.spec_cursor + size]
         request.spec_cursor += ids.numel()
         layer_of = ids // request.plan.num_blocks
         layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
@@ -272,3 +302,13 @@ class PrefillEngine:
     def num_open(self) -> int:
         with self._lock:
             return len(self._requests)
+
+
+def query_blocks(token_scores: torch.Tensor, length: int, num_blocks: int, count: int) -> torch.Tensor:
+    """The `count` blocks holding the highest token scores (a block scores its best token), ascending ids."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    blocks = token_blocks(length, num_blocks)
+    m_eff = int(blocks[-1]) + 1
+    best = torch.full((m_eff,), float("-inf")).scatter_reduce(0, blocks, token_scores.float().cpu(), "amax")
+    return torch.sort(torch.topk(best, min(count, m_eff)).indices).values

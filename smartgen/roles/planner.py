@@ -62,11 +62,14 @@ class NodePlanner:
         match = self.lookup(length) if (self.lookup is not None and mode == "budget") else None
         self.last_match = match
         if match is not None:
+            with self._lock:
+                measured = self._prefill_seconds_per_token
+            # this node's own prefill time, once it has one: the profile's was measured elsewhere or under other load
             planner = Planner(
                 self.layout.num_layers,
                 self.layout.num_blocks,
                 match.importance,
-                match.prefill_seconds_per_token,
+                measured or match.prefill_seconds_per_token,
                 match.transfer_seconds_per_token,
             )
             return planner.plan(length, mode, strategy, request_counts)

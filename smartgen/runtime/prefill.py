@@ -20,11 +20,12 @@ from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import PrefillLayer, Selector
 
-__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing"]
+__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing", "last_query_attention"]
 
 
-# on_layer(layer, k [n, H, d], v [n, H, d], metadata); what it returns is ignored
-LayerSink = Callable[[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], object]
+# on_layer(layer, k [n, H, d], v [n, H, d], metadata[, token_scores [n]]); what it returns is ignored.
+# token_scores (a runner made with last_query_scores=True, layers >= 2): the last query's attention per token.
+LayerSink = Callable[..., object]
 
 
 @dataclass(slots=True)
@@ -36,8 +37,14 @@ class PrefillOutput:
 
 class _PrefillHandler:
     def __init__(
-        self, selector: Selector | None, kinds: LayerKinds, on_layer: LayerSink, capture: HiddenCapture | None
+        self,
+        selector: Selector | None,
+        kinds: LayerKinds,
+        on_layer: LayerSink,
+        capture: HiddenCapture | None,
+        last_query_scores: bool = False,
     ) -> None:
+        self.last_query_scores = last_query_scores
         self.selector = selector
         self.kinds = kinds
         self.on_layer = on_layer
@@ -55,15 +62,30 @@ class _PrefillHandler:
             )
         self.metadata[layer] = metadata
         # [1, H, n, d] -> [n, H, d]: the token-major layout of the engine's stores
-        self.on_layer(layer, key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), metadata)
+        k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+        if self.last_query_scores and layer >= DENSE_LAYERS:
+            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+            self.on_layer(layer, k, v, metadata, last_query_attention(query[0, :, -1], key[0], scaling))
+        else:
+            self.on_layer(layer, k, v, metadata)
         return out
 
 
 class PrefillRunner:
     """Runs prefill one request at a time (batch 1, no padding) on the prefill node."""
 
-    def __init__(self, model: PreTrainedModel, selector: Selector | None, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        selector: Selector | None,
+        sampler: Sampler | None = None,
+        *,
+        last_query_scores: bool = False,
+    ) -> None:
+        """`last_query_scores`: hand each layer >= 2 the prompt's last query's attention per token too (the
+        "query" proactive strategy picks blocks by it)."""
         check_runnable(model)
+        self.last_query_scores = last_query_scores
         self.model = model
         self.selector = selector
         self.sampler = sampler or Sampler()
@@ -76,7 +98,9 @@ class PrefillRunner:
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(self.model.device)
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty")
-        handler = _PrefillHandler(self.selector, self.kinds, on_layer or (lambda *_: None), self.capture)
+        handler = _PrefillHandler(
+            self.selector, self.kinds, on_layer or (lambda *_: None), self.capture, self.last_query_scores
+        )
         if self.capture is not None:
             self.capture.start()
         try:
@@ -121,3 +145,15 @@ def infinigen_skewing(model: PreTrainedModel, input_ids: torch.Tensor | list[int
     kinds = layer_kinds(model.config)
     sparse = [layer for layer in queries if layer >= DENSE_LAYERS and kinds.is_full(layer)]
     return compute_skewing(model_info(model), {i: queries[i] for i in sparse}, {i: keys[i] for i in sparse})
+
+
+def last_query_attention(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Per token, the most any query head of the prompt's last position attends to it: [n] float32.
+
+    query [Hq, d] (the last position), key [H, n, d] post-RoPE; GQA: each KV head serves Hq / H query
+    heads. All heads of a token share one mask entry, so a token counts as much as its best head.
+    """
+    heads = query.shape[0]
+    keys = key.float().repeat_interleave(heads // key.shape[0], dim=0)  # [Hq, n, d]
+    logits = torch.einsum("hd,hnd->hn", query.float(), keys) * scaling
+    return torch.softmax(logits, dim=-1).amax(dim=0)

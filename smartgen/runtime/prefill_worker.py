@@ -81,9 +81,17 @@ class PrefillWorker:
         self.num_prefilled += 1
         return True
 
-    def _hand_off(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: dict) -> None:
+    def _hand_off(
+        self,
+        request_id: str,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: dict,
+        token_scores: torch.Tensor | None = None,
+    ) -> None:
         """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
         if self.kv_transform is not None:
             k, v = self.kv_transform(layer, k, v)
-        self.engine.prefill_layer(request_id, layer, k, v)
+        self.engine.prefill_layer(request_id, layer, k, v, token_scores)
         self.engine.send_metadata(request_id, layer, metadata)

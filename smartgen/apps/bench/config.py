@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smartgen.engine.policy import get_policy
 
-__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "QUICK"]
+__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES"]
 
 DEFAULT_SCHEMES = ("full", "partial", "partial+profile", "partial+profile+parallel", "smartgen", "proactive-only")
 # the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
@@ -119,11 +119,3 @@ class BenchConfig:
         data["db"] = str(self.db) if self.db else None
         data["out"] = str(self.out) if self.out else None
         return data
-
-
-# `--quick`: every scheme, small shapes, one measured repetition; about 3 minutes on a 2-core machine
-QUICK = {"lengths": (1024,), "output_tokens": 16, "reps": 1, "warmup": 1, "blocks": (256,)}
-
-
-def quick(config: BenchConfig) -> BenchConfig:
-    return replace(config, **QUICK)  # type: ignore[arg-type]

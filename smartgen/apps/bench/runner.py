@@ -28,6 +28,7 @@ from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
 PILOT_TOKENS = 8
+PILOT_RUNS = 3
 TRANSFER_PATHS = ("proactive", "on_demand", "speculative", "metadata")
 
 
@@ -191,7 +192,8 @@ class _Prompts:
 
 
 def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int, tuple[float, float]]:
-    """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes (the second of two requests)."""
+    """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes: the least of PILOT_RUNS requests
+    after a warm-up one, since on a shared machine other work only ever adds time."""
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
@@ -206,9 +208,8 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int
     with LocalCluster(spec) as cluster:
         for length in sorted(set(config.lengths)):
             sample = prompts.sample(config.tasks[0], length, config.seed)
-            runs = [_request(cluster.url, sample.prompt, "full", PILOT_TOKENS * 2) for _ in range(2)]
-            usage = runs[-1]["usage"]
-            measured[length] = (float(usage["ttft"]), float(usage["tbt"]))
+            runs = [_request(cluster.url, sample.prompt, "full", PILOT_TOKENS)["usage"] for _ in range(PILOT_RUNS + 1)]
+            measured[length] = (min(float(u["ttft"]) for u in runs[1:]), min(float(u["tbt"]) for u in runs[1:]))
     return measured
 
 

@@ -1,0 +1,105 @@
+"""`smartgen bench --quick` end to end on real nodes: every output file exists and parses, every scheme appears, the
+numbers agree with each other (TTST >= TTFT, CTL non-decreasing, full transfer moves exactly the prompt's KV).
+Performance itself is never asserted here: that is what the benchmark reports."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from smartgen.apps.bench.config import BenchConfig, Point
+from smartgen.apps.bench.stats import percentile
+
+SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only"
+SAMPLE_KV_BYTES_PER_TOKEN = 2 * 6 * 2 * 32 * 4  # K and V, 6 layers, 2 KV heads, head dim 32, fp32
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench") / "out"
+    command = [sys.executable, "-m", "smartgen", "bench", "--quick", "--lengths", "512", "--output-tokens", "6"]
+    command += ["--blocks", "64", "--schemes", SCHEMES, "--strategies", "random", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
+    out, stdout = quick_run
+    data = json.loads((out / "results.json").read_text())
+    assert data["machine"]["versions"] and data["config"]["schemes"]
+    with (out / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    for name in ("ctl.png", "ttst_tbt.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    expected = [*SCHEMES.split(","), "smartgen[random]"]
+    assert [row["scheme"] for row in rows] == expected
+    for scheme in expected:  # the table on the terminal shows every scheme, whole
+        assert scheme in stdout
+    assert all(int(row["failed"]) == 0 for row in rows)
+
+
+def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    data = json.loads((out / "results.json").read_text())
+    measured = [g for g in data["groups"] if not g["warmup"]]
+    assert measured
+    for group in measured:
+        for request in group["requests"]:
+            assert request["error"] is None
+            assert request["ttst"] >= request["ttft"] > 0
+            ctl = request["ctl"]
+            assert len(ctl) == 6 and all(b >= a for a, b in zip(ctl, ctl[1:]))
+            assert ctl[0] == pytest.approx(request["ttft"]) and ctl[1] == pytest.approx(request["ttst"])
+        if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
+            prompt = sum(r["prompt_tokens"] for r in group["requests"])
+            assert group["path_bytes"]["proactive"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
+            assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
+        if group["scheme"] == "proactive-only":
+            assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
+    for summary in data["summaries"]:
+        assert summary["ctl"] == sorted(summary["ctl"])
+        if summary["scheme"] == "full":
+            assert summary["vs_full"]["ttst_speedup"] == pytest.approx(1.0)
+        assert summary["ttst_bound"] > 0
+
+
+def test_bench_refuses_bad_input() -> None:
+    for args, message in [
+        (["--schemes", "smartgen"], "must include full"),
+        (["--schemes", "full,warp"], "unknown scheme"),
+        (["--batch", "two"], "comma-separated whole numbers"),
+        (["--budget", "1.5"], "shares of the prompt"),
+        (["--model", "random:x"], "random:LAYERS"),
+        (["--lane", "carrier-pigeon"], "--lane must be one of"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "smartgen", "bench", *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode != 0
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_points_cover_every_sweep_and_group_by_nodes() -> None:
+    config = BenchConfig(batch=(1, 2), lengths=(512, 1024), stall_ratio=(2.0, 4.7), budget=(0.1,))
+    points = config.points()
+    assert len(points) == 8
+    assert {(p.batch, p.length, p.link) for p in points} == {
+        (b, n, r) for b in (1, 2) for n in (512, 1024) for r in (2.0, 4.7)
+    }
+    keys = [p.node_key() for p in points]
+    assert keys == sorted(keys, key=keys.index)  # points sharing nodes are adjacent
+    assert Point(1, 512, 4.7, 1024, 0.2, 0.1, 1).label("stall").startswith("batch 1, 512 tokens, stall 4.7x")
+    assert config.all_schemes[-3:] == ("smartgen[random]", "smartgen[sequential]", "smartgen[streaming]")
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
