@@ -43,6 +43,7 @@ demo: venv
 	$(VENV)/bin/smartgen demo
 
 bench: venv
+	$(VENV)/bin/smartgen bench --quick --out bench-results/quick
 	$(PY) bench/engine_ops.py --quick
 	$(PY) bench/decode_step.py --lengths 1024,8192
 	$(PY) bench/tcp_lane.py
