@@ -232,7 +232,7 @@ def _run_prefill(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     node.start()
-    status_server = StatusServer(*status, node.snapshot) if status else None
+    status_server = StatusServer(*status, node.snapshot, node.monitoring.exposition) if status else None
     host, port = node.address
     rate = f"{link_gbps:g} Gbit/s" if link_gbps else "unpaced"
     typer.echo(
@@ -259,7 +259,7 @@ def _run_decode(node, host: str, port: int, prefill: str, scheme: str, ready_fil
     from smartgen.roles.http_api import create_app
     from smartgen.roles.processes import write_ready_file
 
-    app = create_app(node.scheduler)
+    app = create_app(node.scheduler, metrics=node.monitoring.exposition)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # fail in-flight requests first, so their streams end

@@ -71,6 +71,9 @@ class DecodeScheduler:
         self.ready = False
         self.stop_reason = "decode node is shutting down"
         self._recent: deque[dict[str, Any]] = deque(maxlen=100)  # the last finished requests' usage, for /status
+        # monitoring hangs here (roles.monitoring): called with (reason, metrics) / with the status snapshot
+        self.finish_listeners: list[Callable[[str, RequestMetrics | None], None]] = []
+        self.status_hooks: list[Callable[[dict[str, Any]], None]] = []
 
     # -- the service ---------------------------------------------------------------------
     def start(self) -> None:
@@ -147,7 +150,7 @@ class DecodeScheduler:
                 entry["masks"] = []
             entry["scheme"] = request.policy.label
             requests.append(entry)
-        return {
+        snapshot = {
             "role": "decode",
             "model": self.model_name,
             "health": self.health(),
@@ -159,6 +162,9 @@ class DecodeScheduler:
             "requests": requests,
             "recent": list(self._recent),
         }
+        for hook in self.status_hooks:
+            hook(snapshot)
+        return snapshot
 
     def stop(self, reason: str = "decode node is shutting down", timeout: float = 10.0) -> None:
         """Stops the loop; every request still in flight fails with `reason`."""
@@ -237,6 +243,11 @@ class DecodeScheduler:
             "scheme": active.request.policy.label,
         }
         self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
+        for listener in self.finish_listeners:
+            try:
+                listener(reason, metrics)
+            except Exception:  # monitoring must never fail a request
+                log.exception("finish listener failed")
         active.handle.put(FinishEvent(reason, error, usage))
 
     def _fail_waiting(self, reason: str) -> None:
