@@ -6,11 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from smartgen.engine.decode import DecodeEngine, RequestFailed
-from smartgen.engine.metrics import PathCounters
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import LinkEnd
 from smartgen.roles.live_state import RateHistory, block_map, path_label
-from smartgen.roles.prometheus import NodeMetrics, Peer, exposition, lane_is_up
+from smartgen.roles.prometheus import NodeMetrics, NodeSources, Peer, exposition, lane_is_up
 
 __all__ = ["NodeMonitoring", "decode_monitoring", "prefill_monitoring"]
 
@@ -18,20 +17,11 @@ __all__ = ["NodeMonitoring", "decode_monitoring", "prefill_monitoring"]
 class NodeMonitoring:
     """Counters sampled once a second for the last minute; `decorate` adds them (and more) to a status snapshot."""
 
-    def __init__(
-        self,
-        role: str,
-        model: str,
-        counters: PathCounters,
-        peers: Callable[[], Sequence[Peer]],
-        gauges: Callable[[], dict[str, tuple[str, float]]],
-        totals: Callable[[], dict[str, tuple[str, float]]] = dict,
-        interval_s: float = 1.0,
-    ) -> None:
-        self.role = role
-        self.counters = counters
-        self.peers = peers
-        self.metrics = NodeMetrics(role, model, counters, peers, gauges, totals)
+    def __init__(self, sources: NodeSources, interval_s: float = 1.0) -> None:
+        self.role = sources.role
+        self.counters = sources.counters
+        self.peers = sources.peers
+        self.metrics = NodeMetrics(sources)
         self.request_maps: Callable[[str, int], list[str]] | None = None  # decode: (request id, length) -> maps
         self.history = RateHistory(self._cumulative, interval_s=interval_s).start()
 
@@ -105,7 +95,7 @@ def decode_monitoring(
         masks = engine.pool.masks.values[:, slot, :length].clone()  # [L, n]: one copy, not one per layer
         return [block_map(row) for row in masks]
 
-    monitoring = NodeMonitoring("decode", model, engine.counters, lambda: peers, gauges)
+    monitoring = NodeMonitoring(NodeSources("decode", model, engine.counters, lambda: peers, gauges))
     monitoring.request_maps = maps
     scheduler.finish_listeners.append(monitoring.metrics.request_finished)
     scheduler.status_hooks.append(monitoring.decorate)
@@ -129,4 +119,4 @@ def prefill_monitoring(engine: PrefillEngine, model: str, num_prefilled: Callabl
     def totals() -> dict[str, tuple[str, float]]:
         return {"requests_prefilled": ("Requests prefilled.", num_prefilled())}
 
-    return NodeMonitoring("prefill", model, engine.counters, peers, gauges, totals)
+    return NodeMonitoring(NodeSources("prefill", model, engine.counters, peers, gauges, totals))

@@ -20,7 +20,7 @@ from smartgen.engine.metrics import PATHS, PathCounters, RequestMetrics
 from smartgen.lanes.link import LinkEnd
 from smartgen.roles.live_state import path_label
 
-__all__ = ["PREFIX", "Peer", "NodeMetrics", "exposition"]
+__all__ = ["PREFIX", "Peer", "NodeSources", "NodeMetrics", "exposition"]
 
 PREFIX = "smartgen:"
 # fetches take a millisecond on loopback and seconds behind a busy paced link
@@ -36,6 +36,18 @@ class Peer:
     link: LinkEnd
 
 
+@dataclass(slots=True)
+class NodeSources:
+    """Where a node's figures come from, read on every scrape: gauges and totals are name -> (help, value)."""
+
+    role: str  # "decode" | "prefill"
+    model: str
+    counters: PathCounters
+    peers: Callable[[], Sequence[Peer]]
+    gauges: Callable[[], dict[str, tuple[str, float]]]
+    totals: Callable[[], dict[str, tuple[str, float]]] = dict
+
+
 def lane_is_up(link: LinkEnd) -> bool:
     """Whether both lanes of a link are open (lanes without a `closed` flag count as open)."""
     return not (getattr(link.push, "closed", False) or getattr(link.control, "closed", False))
@@ -44,17 +56,14 @@ def lane_is_up(link: LinkEnd) -> bool:
 class _NodeCollector(Collector):
     """Reads the engine's path counters, the links' lane counters and the node's gauges on every scrape."""
 
-    def __init__(
-        self,
-        role: str,
-        model: str,
-        counters: PathCounters,
-        peers: Callable[[], Sequence[Peer]],
-        gauges: Callable[[], dict[str, tuple[str, float]]],
-        totals: Callable[[], dict[str, tuple[str, float]]],
-    ) -> None:
-        self.role, self.model = role, model
-        self.counters, self.peers, self.gauges, self.totals = counters, peers, gauges, totals
+    def __init__(self, sources: NodeSources) -> None:
+        self.role, self.model = sources.role, sources.model
+        self.counters, self.peers, self.gauges, self.totals = (
+            sources.counters,
+            sources.peers,
+            sources.gauges,
+            sources.totals,
+        )
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -135,25 +144,17 @@ class _NodeCollector(Collector):
 class NodeMetrics:
     """A node's own CollectorRegistry (never the global one: tests run several nodes in one process)."""
 
-    def __init__(
-        self,
-        role: str,
-        model: str,
-        counters: PathCounters,
-        peers: Callable[[], Sequence[Peer]],
-        gauges: Callable[[], dict[str, tuple[str, float]]],
-        totals: Callable[[], dict[str, tuple[str, float]]] = dict,
-    ) -> None:
+    def __init__(self, sources: NodeSources) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_NodeCollector(role, model, counters, peers, gauges, totals))
+        self.registry.register(_NodeCollector(sources))
         self.fetch_latency = Histogram(
             PREFIX + "kv_fetch_latency_seconds",
             "On-demand fetch round trip, FETCH sent to reply landed.",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        counters.observe(self._on_transfer)
-        if role != "decode":
+        sources.counters.observe(self._on_transfer)
+        if sources.role != "decode":
             return
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "TTFT from arrival.", buckets=TOKEN_BUCKETS, registry=self.registry
