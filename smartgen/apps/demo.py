@@ -42,6 +42,10 @@ class DemoConfig:
     lane: str = "tcp"
     profile_prompts: int = 8
     seed: int = 0
+    # monitoring (`demo --monitor`): told the nodes' status URLs once both are up (decode, [prefill]); and
+    # called before the nodes stop, so a dashboard can keep watching until its user is done
+    on_nodes: Callable[[str, list[str]], None] | None = None
+    before_stop: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -193,7 +197,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
             env=env,
         )
         processes.append(prefill)
-        prefill_address = _wait_ready(run_dir / "prefill.json", prefill, 120, "prefill node")["listen"]
+        prefill_ready = _wait_ready(run_dir / "prefill.json", prefill, 120, "prefill node")
+        prefill_address = prefill_ready["listen"]
         decode = subprocess.Popen(
             [
                 *launch,
@@ -217,6 +222,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         processes.append(decode)
         http_address = _wait_ready(run_dir / "decode.json", decode, 120, "decode node")["http"]
         say(f"prefill node on {prefill_address}, decode node on http://{http_address}/v1")
+        if config.on_nodes is not None:
+            config.on_nodes(f"http://{http_address}", [f"http://{prefill_ready['status']}"])
         results = []
         for scheme in config.schemes:
             result = SchemeResult(scheme)
@@ -239,6 +246,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
                 result.scores.append(score_sample(sample, answer["choices"][0]["text"]))
             say(f"{scheme}: {len(result.scores)} requests done")
             results.append(result)
+        if config.before_stop is not None:
+            config.before_stop()
         return results, setup
     finally:
         stop_processes(processes)
