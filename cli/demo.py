@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -41,6 +44,14 @@ def demo(
     lane: Annotated[
         str, typer.Option(help="Transport between the two nodes: tcp, mooncake, nixl or rdma (see `serve --help`).")
     ] = "tcp",
+    monitor: Annotated[
+        bool,
+        typer.Option(
+            "--monitor",
+            help="Watch the run in the dashboard: in this terminal when it is interactive (press q when done to see "
+            "the results), else print the `smartgen monitor` command to run in another terminal.",
+        ),
+    ] = False,
 ) -> None:
     """Run the main job: two real nodes over a paced loopback link, schemes side by side (a few minutes)."""
     from rich.console import Console
@@ -65,8 +76,16 @@ def demo(
         transfer_ratio=transfer_ratio,
         lane=lane,
     )
+    say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
     try:
-        results, setup = run_demo(config, say=lambda line: console.print(f"[dim]{line}[/]"))
+        if monitor and sys.stdin.isatty() and sys.stdout.isatty():
+            results, setup = _run_beside_dashboard(config, say)
+        else:
+            if monitor:
+                config.on_nodes = lambda decode, prefill: console.print(
+                    f"watch it from another terminal: [bold]{_monitor_command(decode, prefill)}[/]"
+                )
+            results, setup = run_demo(config, say=say)
     except (RuntimeError, ValueError, OSError, StoreError) as exc:
         fail(str(exc), code=1)
     table = Table(
@@ -92,3 +111,47 @@ def demo(
             "-" if not (first and ttst) else f"{first / ttst:.2f}x",
         )
     console.print(table)
+
+
+def _monitor_command(decode: str, prefill: list[str]) -> str:
+    return " ".join(["smartgen monitor dashboard --decode", decode, *(f"--prefill {url}" for url in prefill)])
+
+
+def _run_beside_dashboard(config: Any, say: Callable[[str], None]) -> tuple[list, dict]:
+    """The demo in a thread and the dashboard in this terminal; the nodes stay up until the dashboard quits."""
+    from smartgen.apps.demo import run_demo
+    from smartgen.tui.app import DashboardApp
+    from smartgen.tui.feed import HttpFeed
+
+    nodes: dict[str, Any] = {}
+    ready, quit_ = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    held: list[str] = []  # log lines while the dashboard owns the terminal, printed after it
+
+    def on_nodes(decode: str, prefill: list[str]) -> None:
+        nodes.update(decode=decode, prefill=prefill)
+        ready.set()
+
+    def work() -> None:
+        try:
+            outcome["result"] = run_demo(config, say=lambda line: held.append(line) if ready.is_set() else say(line))
+        except BaseException as exc:  # re-raised in the caller's thread
+            outcome["error"] = exc
+        finally:
+            ready.set()
+
+    config.on_nodes, config.before_stop = on_nodes, quit_.wait
+    thread = threading.Thread(target=work, name="demo", daemon=True)
+    thread.start()
+    ready.wait()
+    if nodes:
+        DashboardApp(HttpFeed(nodes["decode"], nodes["prefill"]), interval=0.5).run()
+    quit_.set()
+    if thread.is_alive():
+        say("dashboard closed; the demo goes on")
+    thread.join()
+    for line in held:
+        say(line)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]

@@ -165,6 +165,13 @@ def serve(
             rich_help_panel=PANEL_NET,
         ),
     ] = None,
+    record: Annotated[
+        Path | None,
+        typer.Option(
+            help="Append this node's /status to FILE once a second (JSON lines) for `smartgen monitor --replay FILE`.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
     secret: Annotated[
         str,
         typer.Option(
@@ -201,6 +208,8 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
     if not secret and not insecure:
         fail("no shared secret: set $SMARTGEN_SECRET (or --secret) to the same value on both nodes, or pass --insecure")
+    if record is not None and not record.parent.is_dir():
+        fail(f"cannot write --record {record}: folder {record.parent} does not exist")
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
     from smartgen.lanes.backends import LANES, unavailable
@@ -217,7 +226,7 @@ def serve(
         if role == Role.prefill:
             host, port = parse_address(listen)
             node, profile_note = build_prefill_node(settings, host, port, db, fallback_strategy, model_name, max_queue)
-            _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file)
+            _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file, record)
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
@@ -232,7 +241,7 @@ def serve(
                 max_waiting,
                 emulate_layer_ms,
             )
-            _run_decode(decode_node, host, port, prefill, scheme, ready_file)
+            _run_decode(decode_node, host, port, prefill, scheme, ready_file, record)
     except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:
         fail(str(exc))
     except OSError as exc:
@@ -240,16 +249,23 @@ def serve(
 
 
 def _run_prefill(
-    node, profile_note: str, link_gbps: float, status: tuple[str, int] | None, ready_file: Path | None
+    node,
+    profile_note: str,
+    link_gbps: float,
+    status: tuple[str, int] | None,
+    ready_file: Path | None,
+    record: Path | None,
 ) -> None:
     from smartgen.roles.processes import write_ready_file
+    from smartgen.roles.recorder import StatusRecorder
     from smartgen.roles.status import StatusServer
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     node.start()
-    status_server = StatusServer(*status, node.snapshot) if status else None
+    status_server = StatusServer(*status, node.snapshot, node.monitoring.exposition) if status else None
+    recorder = StatusRecorder(record, "prefill", node.snapshot) if record is not None else None
     host, port = node.address
     rate = f"{link_gbps:g} Gbit/s" if link_gbps else "unpaced"
     typer.echo(
@@ -263,20 +279,25 @@ def _run_prefill(
         write_ready_file(ready_file, ready)
     stop.wait()
     typer.echo("prefill node stopping", err=True)
+    if recorder is not None:
+        recorder.close()
     if status_server is not None:
         status_server.close()
     node.stop()
 
 
-def _run_decode(node, host: str, port: int, prefill: str, scheme: str, ready_file: Path | None) -> None:
+def _run_decode(
+    node, host: str, port: int, prefill: str, scheme: str, ready_file: Path | None, record: Path | None
+) -> None:
     import socket
 
     import uvicorn
 
     from smartgen.roles.http_api import create_app
     from smartgen.roles.processes import write_ready_file
+    from smartgen.roles.recorder import StatusRecorder
 
-    app = create_app(node.scheduler)
+    app = create_app(node.scheduler, metrics=node.monitoring.exposition)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # fail in-flight requests first, so their streams end
@@ -300,8 +321,11 @@ def _run_decode(node, host: str, port: int, prefill: str, scheme: str, ready_fil
                 write_ready_file(ready_file, {"role": "decode", "http": f"{host}:{port}"})
 
     threading.Thread(target=announce, name="announce", daemon=True).start()
+    recorder = StatusRecorder(record, "decode", node.scheduler.status) if record is not None else None
     try:
         server.run(sockets=[sock])
     finally:
+        if recorder is not None:
+            recorder.close()
         node.stop()
         typer.echo("decode node stopped", err=True)

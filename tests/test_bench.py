@@ -58,7 +58,8 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert ctl[0] == pytest.approx(request["ttft"]) and ctl[1] == pytest.approx(request["ttst"])
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
             prompt = sum(r["prompt_tokens"] for r in group["requests"])
-            assert group["path_bytes"]["proactive"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
+            assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
+            assert group["path_bytes"]["proactive"] == 0
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0

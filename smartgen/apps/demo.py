@@ -35,6 +35,10 @@ class DemoConfig:
     lane: str = "tcp"
     profile_prompts: int = 8
     seed: int = 0
+    # monitoring (`demo --monitor`): told the nodes' status URLs once both are up (decode, [prefill]); and
+    # called before the nodes stop, so a dashboard can keep watching until its user is done
+    on_nodes: Callable[[str, list[str]], None] | None = None
+    before_stop: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +111,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     )
     with LocalCluster(spec) as cluster:
         say(f"prefill node and decode node up, OpenAI API on {cluster.url}/v1")
+        if config.on_nodes is not None:
+            config.on_nodes(cluster.url, [f"http://{address}" for address in cluster.prefill_status])
         results = []
         for scheme in config.schemes:
             result = SchemeResult(scheme)
@@ -129,4 +135,6 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
                 result.scores.append(score_sample(sample, answer["choices"][0]["text"]))
             say(f"{scheme}: {len(result.scores)} requests done")
             results.append(result)
+        if config.before_stop is not None:
+            config.before_stop()
         return results, setup

@@ -224,6 +224,7 @@ def simulate(
         _wait(lambda: prefill.store.num_requests == 0, 10)
         push = prefill_end.push.counters.snapshot()
         path_bytes = {path: prefill.counters.bytes.get(path, 0) for path in ("proactive", "speculative", "on_demand")}
+        path_bytes["proactive"] += prefill.counters.bytes.get("full", 0)  # a full transfer's pushes, for the table
         return SimulationResult(
             policy=" | ".join(dict.fromkeys(p.label for p in policies)),
             requests=[m.snapshot() for m in metrics],

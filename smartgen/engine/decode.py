@@ -160,6 +160,7 @@ class DecodeEngine:
             self._fail_request(request_id, "prefill node connection lost")
         for _fetch_id, future in pending:
             if not future.done():
+                self.counters.add_failure("on_demand")
                 future.set_exception(RequestFailed("prefill node connection lost"))
 
     def _fail_request(self, request_id: str, reason: str) -> None:
@@ -291,12 +292,14 @@ class DecodeEngine:
         early_stop = torch.where(parallel_rows, local_stop, local_start)
         started = time.monotonic()
         gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, early_stop, k_out, v_out)
-        self.counters.add("local", seconds=time.monotonic() - started)
+        entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
+        self.counters.add("local", int((early_stop - local_start).sum()) * entry_bytes, time.monotonic() - started)
         self._land_fetches(layer, fetches, timeout)
         if not bool(parallel_rows.all()):
             local_started = time.monotonic()
             gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, early_stop, local_stop, k_out, v_out)
-            self.counters.add("local", seconds=time.monotonic() - local_started)
+            late_bytes = int((local_stop - early_stop).sum()) * entry_bytes
+            self.counters.add("local", late_bytes, time.monotonic() - local_started)
         if fetches:
             zeros = torch.zeros_like(num_remote)
             gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, zeros, num_remote, k_out, v_out)
@@ -364,11 +367,13 @@ class DecodeEngine:
             try:
                 reply: msg.FetchReply = future.result(timeout=timeout)
             except TimeoutError:
+                self.counters.add_failure("on_demand")
                 raise RequestFailed(
                     f"fetch for {request.request_id} layer {layer} timed out after {timeout} s"
                 ) from None
             expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
             if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+                self.counters.add_failure("on_demand")
                 raise RequestFailed(f"fetch reply for {request.request_id} layer {layer}: K/V not of shape {expected}")
             self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
             request.fetch_counts[layer, positions] += 1

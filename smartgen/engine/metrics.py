@@ -5,13 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 __all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
 
-PATHS = ("proactive", "on_demand", "speculative", "local", "metadata")
+# "full" is what a full-transfer request pushes during prefill (counted apart from SmartGen's proactive set)
+PATHS = ("proactive", "full", "on_demand", "speculative", "local", "metadata")
 
 
 class RequestState(str, Enum):
@@ -88,19 +90,34 @@ class RequestMetrics:
 
 
 class PathCounters:
-    """Bytes and seconds per transfer path, plus selected/remote entry counts (thread-safe)."""
+    """Bytes, seconds and transfers per path, failed transfers, selected/remote entry counts (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
+        self.transfers: dict[str, int] = defaultdict(int)
+        self.failed: dict[str, int] = defaultdict(int)
         self.selected_entries = 0
         self.remote_entries = 0
+        self._observers: list[Callable[[str, int, float], None]] = []
+
+    def observe(self, callback: Callable[[str, int, float], None]) -> None:
+        """Calls `callback(path, num_bytes, seconds)` after every `add` (Prometheus histograms hang here)."""
+        self._observers.append(callback)
 
     def add(self, path: str, num_bytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
             self.bytes[path] += num_bytes
             self.seconds[path] += seconds
+            self.transfers[path] += 1
+        for callback in self._observers:
+            callback(path, num_bytes, seconds)
+
+    def add_failure(self, path: str) -> None:
+        """A transfer on `path` that did not complete (timed out, malformed reply, link lost)."""
+        with self._lock:
+            self.failed[path] += 1
 
     def add_selection(self, selected: int, remote: int) -> None:
         with self._lock:
@@ -117,6 +134,8 @@ class PathCounters:
             return {
                 "bytes": {p: self.bytes.get(p, 0) for p in PATHS},
                 "seconds": {p: self.seconds.get(p, 0.0) for p in PATHS},
+                "transfers": {p: self.transfers.get(p, 0) for p in PATHS},
+                "failed": {p: self.failed.get(p, 0) for p in PATHS},
                 "selected_entries": self.selected_entries,
                 "remote_entries": self.remote_entries,
                 "on_demand_ratio": self.remote_entries / self.selected_entries if self.selected_entries else 0.0,

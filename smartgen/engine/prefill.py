@@ -26,7 +26,7 @@ from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
-from smartgen.engine.policy import Policy, Strategy, get_policy
+from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
 from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
@@ -269,7 +269,8 @@ class PrefillEngine:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
         completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
-        self.counters.add(tag, kv_bytes)
+        full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
+        self.counters.add("full" if full else tag, kv_bytes)
         if tag == "speculative":
             request.spec_in_flight = completion
         return kv_bytes
@@ -297,6 +298,16 @@ class PrefillEngine:
         with self._lock:
             self._requests.pop(request_id, None)
         return self.store.release(request_id)
+
+    @property
+    def links(self) -> list[LinkEnd]:
+        """The decode nodes' links, in the order they attached."""
+        return list(self._links)
+
+    @property
+    def num_queued(self) -> int:
+        """Opened requests waiting for prefill."""
+        return self._opened.qsize()
 
     @property
     def num_open(self) -> int:

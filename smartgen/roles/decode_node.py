@@ -17,6 +17,7 @@ from smartgen.engine.policy import Policy
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.roles.identity import node_identity
+from smartgen.roles.monitoring import decode_monitoring
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector
@@ -72,6 +73,8 @@ class DecodeNode:
             raise
         self.runner = DecodeRunner(model, selector, self.engine, emulate_layer_s=emulate_layer_s)
         self.scheduler = DecodeScheduler(self.runner, tokenizer, policy, model_name, max_waiting=max_waiting)
+        peers = [f"{host}:{port}" for host, port in prefill_addresses]
+        self.monitoring = decode_monitoring(self.engine, self.scheduler, self.links, peers, model_name)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -79,5 +82,6 @@ class DecodeNode:
     def stop(self, reason: str = "decode node is shutting down") -> None:
         """Fails in-flight requests with `reason`, releases them on the prefill nodes, closes the links."""
         self.scheduler.stop(reason)
+        self.monitoring.close()
         self.runner.close()
         self.engine.close()

@@ -16,14 +16,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,8 +83,11 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
 
 
-def create_app(service: DecodeService) -> FastAPI:
-    """The FastAPI app serving `service` (run it with uvicorn; `smartgen serve --role decode` does)."""
+def create_app(service: DecodeService, metrics: Callable[[], tuple[bytes, str]] | None = None) -> FastAPI:
+    """The FastAPI app serving `service` (run it with uvicorn; `smartgen serve --role decode` does).
+
+    `metrics` renders the node's Prometheus registry (body, content type) for GET /metrics.
+    """
     app = FastAPI(title="SmartGen decode node", version="1")
     _install_error_handlers(app)
 
@@ -105,6 +108,14 @@ def create_app(service: DecodeService) -> FastAPI:
                 {"error": {"message": "this service has no status", "type": "not_found", "code": 404}}, 404
             )
         return JSONResponse(snapshot())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text format: bytes and time per path, latencies, requests, pool, links."""
+        if metrics is None:
+            return JSONResponse({"error": {"message": "no metrics here", "type": "not_found", "code": 404}}, 404)
+        body, content_type = await run_in_threadpool(metrics)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

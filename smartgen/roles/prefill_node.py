@@ -29,6 +29,7 @@ from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.roles.identity import node_identity
+from smartgen.roles.monitoring import prefill_monitoring
 from smartgen.roles.planner import NodePlanner
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.runtime.prefill_worker import PrefillWorker
@@ -67,6 +68,7 @@ class PrefillNode:
             host, port, secret, self.identity, Pacer(link_gbps, delay_s), lane_factory=lane_factory(lane)
         )
         self.address = self.listener.address
+        self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True),
@@ -78,8 +80,8 @@ class PrefillNode:
             thread.start()
 
     def snapshot(self) -> dict[str, Any]:
-        """Live state for the monitor: requests held, bytes per path, link counters."""
-        return {
+        """Live state for the monitor: requests held, bytes per path, link counters, throughput."""
+        snapshot = {
             "role": "prefill",
             "model": self.identity["model"],
             "requests_held": self.engine.store.num_requests,
@@ -92,10 +94,13 @@ class PrefillNode:
                 for link in self.engine._links
             ],
         }
+        self.monitoring.decorate(snapshot)
+        return snapshot
 
     def stop(self) -> None:
         """Stops accepting and prefilling; connected decode nodes see their links close."""
         self._stop.set()
+        self.monitoring.close()
         self.listener.close()
         self.engine.close()
         for thread in self._threads:

@@ -71,6 +71,9 @@ class DecodeScheduler:
         self.ready = False
         self.stop_reason = "decode node is shutting down"
         self._recent: deque[dict[str, Any]] = deque(maxlen=100)  # the last finished requests' usage, for /status
+        # monitoring hangs here (roles.monitoring): called with (reason, metrics) / with the status snapshot
+        self.finish_listeners: list[Callable[[str, RequestMetrics | None], None]] = []
+        self.status_hooks: list[Callable[[dict[str, Any]], None]] = []
 
     # -- the service ---------------------------------------------------------------------
     def start(self) -> None:
@@ -150,7 +153,7 @@ class DecodeScheduler:
                 entry["masks"] = []
             entry["scheme"] = request.policy.label
             requests.append(entry)
-        return {
+        snapshot = {
             "role": "decode",
             "model": self.model_name,
             "health": self.health(),
@@ -162,6 +165,9 @@ class DecodeScheduler:
             "requests": requests,
             "recent": list(self._recent),
         }
+        for hook in self.status_hooks:
+            hook(snapshot)
+        return snapshot
 
     def stop(self, reason: str = "decode node is shutting down", timeout: float = 10.0) -> None:
         """Stops the loop; every request still in flight fails with `reason`."""
@@ -242,6 +248,11 @@ class DecodeScheduler:
             "fetched_tokens": metrics.fetched_tokens if metrics else None,
         }
         self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
+        for listener in self.finish_listeners:
+            try:
+                listener(reason, metrics)
+            except Exception:  # monitoring must never fail a request
+                log.exception("finish listener failed")
         # each token's arrival (CTL) goes to the client only when asked for (`return_token_times`)
         active.handle.put(FinishEvent(reason, error, {**usage, "ctl": metrics.ctl if metrics else None}))
 

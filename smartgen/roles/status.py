@@ -1,4 +1,4 @@
-"""A small JSON status endpoint for a node (`/status`): what the monitor and the tests read."""
+"""A small HTTP endpoint for a node: JSON live state on `/status`, Prometheus metrics on `/metrics`."""
 
 from __future__ import annotations
 
@@ -12,17 +12,27 @@ __all__ = ["StatusServer"]
 
 
 class StatusServer:
-    """Serves `snapshot()` as JSON on GET /status in a background thread."""
+    """Serves `snapshot()` as JSON on GET /status (and `metrics()` on GET /metrics) in a background thread."""
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        snapshot: Callable[[], dict[str, Any]],
+        metrics: Callable[[], tuple[bytes, str]] | None = None,
+    ) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.rstrip("/") != "/status":
-                    self.send_error(404, "only /status is served here")
+                path = self.path.split("?")[0].rstrip("/")
+                if path == "/metrics" and metrics is not None:
+                    body, content_type = metrics()
+                elif path == "/status":
+                    body, content_type = json.dumps(snapshot()).encode(), "application/json"
+                else:
+                    self.send_error(404, "only /status and /metrics are served here")
                     return
-                body = json.dumps(snapshot()).encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

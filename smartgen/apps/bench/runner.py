@@ -29,7 +29,7 @@ __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
 PILOT_TOKENS = 8
 PILOT_RUNS = 3
-TRANSFER_PATHS = ("proactive", "on_demand", "speculative", "metadata")
+TRANSFER_PATHS = ("full", "proactive", "on_demand", "speculative", "metadata")  # "full": full transfer's pushes
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.ttst_bound),
         )
     transfers = _table(
-        "per request, MiB by path (push: proactive, fetch: on-demand, spec: speculative, meta: selector metadata); "
+        "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector metadata); "
         "od%: on-demand ratio; desc: descriptors posted; link%: utilisation; acc%: answers right",
         ["scheme", "push", "fetch", "spec", "meta", "od%", "desc", "link%", "acc%"],
     )
@@ -77,7 +77,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         failed = f" ({s.failed} failed)" if s.failed else ""
         transfers.add_row(
             Text(s.scheme + failed),
-            f"{paths.get('proactive', 0) / MIB:.1f}",
+            f"{(paths.get('proactive', 0) + paths.get('full', 0)) / MIB:.1f}",
             f"{paths.get('on_demand', 0) / MIB:.1f}",
             f"{paths.get('speculative', 0) / MIB:.1f}",
             f"{paths.get('metadata', 0) / MIB:.2f}",
