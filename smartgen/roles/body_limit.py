@@ -8,10 +8,6 @@ from typing import Any
 __all__ = ["BodyLimit"]
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
     """Checks Content-Length first (nothing read); a chunked body is counted as it streams in."""
 
@@ -35,26 +31,28 @@ class BodyLimit:
                 await self._refuse(send, 413, self._message(size))
                 return
         seen = 0
-        started = False
+        over = False  # once over the limit the app's own answer is dropped and 413 goes out instead
 
         async def counted_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, over
+            if over:
+                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    over = True  # the app sees an empty end of body; FastAPI would turn an exception into a 400
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        async def tracked_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def guarded_send(message: Any) -> None:
+            if not over:
+                await send(message)
 
         try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
+            await self.app(scope, counted_receive, guarded_send)
+        finally:
+            if over:
                 await self._refuse(send, 413, self._message(seen))
 
     def _message(self, size: int) -> str:
