@@ -54,6 +54,11 @@ def _nonce_bytes(nonce: Any) -> bytes:
         raise HandshakeError("malformed handshake: bad nonce") from None
 
 
+def _same(claimed: Any, expected: str) -> bool:
+    """Constant-time comparison of a peer's MAC (any JSON value, any characters) with ours."""
+    return hmac.compare_digest(str(claimed).encode("utf-8", "replace"), expected.encode())
+
+
 def client_mac(secret: str, nonce_s: Any, hello: dict[str, Any]) -> str:
     """The decode node's proof, over both nonces and the rest of its HELLO."""
     return _hmac(secret, b"client", _nonce_bytes(nonce_s), _nonce_bytes(hello.get("nonce")), _digest(hello))
@@ -94,7 +99,7 @@ def _check_hello(secret: str, nonce: str, hello: dict[str, Any], identity: dict[
         expected = client_mac(secret, nonce, hello)
     except HandshakeError as exc:
         return str(exc)
-    if not hmac.compare_digest(str(hello.get("mac", "")), expected):
+    if not _same(hello.get("mac"), expected):
         return "authentication failed: wrong shared secret"
     if hello.get("fingerprint") != identity.get("fingerprint"):
         return (
@@ -134,7 +139,7 @@ def client_handshake(sock: socket.socket, secret: str, hello: dict[str, Any], ve
     if reply.type != FrameType.WELCOME:
         raise HandshakeError(f"expected WELCOME, got {reply.type.name}")
     expected = server_mac(secret, nonce_s, meta["nonce"], meta["mac"])
-    if not hmac.compare_digest(str(reply.meta.get("mac", "")), expected):
+    if not _same(reply.meta.get("mac"), expected):
         raise HandshakeError(
             "the prefill node did not prove the shared secret (wrong secret, or not a SmartGen prefill node)"
         )

@@ -52,7 +52,9 @@ class _Batch:
 class TcpLane(QueuedLane):
     """One endpoint of a connected socket (both peers wrap their socket in a TcpLane)."""
 
-    def __init__(self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> None:
+    def __init__(
+        self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False, *, threads: bool = True
+    ) -> None:
         super().__init__(name, pacer, bulk)
         self._sock = sock
         self._send_lock = threading.Lock()  # ACKs from the receive thread share the socket
@@ -62,6 +64,9 @@ class TcpLane(QueuedLane):
         self._pending_lock = threading.Condition()
         self.error: str | None = None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not threads:  # driven by hand (the fuzz tests call `_receive_loop` on a scripted socket)
+            self._threads: list[threading.Thread] = []
+            return
         self._threads = [
             threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
             threading.Thread(target=self._receive_loop, name=f"{name}-rx", daemon=True),
@@ -170,10 +175,11 @@ class TcpLane(QueuedLane):
         try:
             while not self._closed.is_set():
                 frame = recv_header(self._sock)
-                if "t" in frame.meta:
+                if "t" in frame.meta and self._pacer_delay():
+                    # emulated one-way delay; capped at it, so a stamp from the future cannot stall this thread
                     delay = float(frame.meta["t"]) + self._pacer_delay() - time.time()
                     if delay > 0:
-                        time.sleep(min(delay, 60.0))
+                        time.sleep(min(delay, self._pacer_delay()))
                 if frame.type == FrameType.WRITE:
                     self._receive_write(frame)
                 elif frame.type == FrameType.MESSAGE:
