@@ -177,9 +177,9 @@ def serve(
     lease: Annotated[
         float,
         typer.Option(
-            min=0.5,
+            min=2.0,
             help="Seconds a peer may stay silent before it is declared dead; heartbeats go every lease/4 on every "
-            "connection. The same on both nodes.",
+            "connection. The same on both nodes. At least 2 (a bulk push may pause up to 1 s for urgent traffic).",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 3.0,

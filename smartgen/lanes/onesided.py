@@ -302,7 +302,9 @@ class OneSidedLane(QueuedLane):
         hang_up(self._sock, self._send_lock)
         self._inbox.put(STOP)
         for thread in self._threads:
-            if thread is not threading.current_thread():
+            if (
+                thread is not threading.current_thread() and thread.ident is not None
+            ):  # started (a peer may hang up first)
                 thread.join(timeout=5)
         # Only now, with no write of ours in flight: the peer can no longer land anything in our regions.
         self._sources.clear()

@@ -113,7 +113,9 @@ class TcpLane(QueuedLane):
         self._fail_pending()
         self._inbox.put(STOP)
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
-            if thread is not threading.current_thread():
+            if (
+                thread is not threading.current_thread() and thread.ident is not None
+            ):  # started (a peer may hang up first)
                 thread.join(timeout=2)
 
     def _fail_pending(self) -> None:
