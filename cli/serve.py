@@ -17,6 +17,7 @@ PANEL_MODEL = "Model and selection"
 PANEL_NET = "Network"
 PANEL_DECODE = "Decode node"
 PANEL_PREFILL = "Prefill node"
+PANEL_FAULTS = "Failures and limits"
 
 log = logging.getLogger("smartgen.serve")
 
@@ -131,7 +132,7 @@ def serve(
         int,
         typer.Option(
             min=1,
-            help="Decode node: requests waiting for a slot before new ones get 429.",
+            help="Decode node: requests waiting for a slot before new ones get 503 (overloaded).",
             rich_help_panel=PANEL_DECODE,
         ),
     ] = 64,
@@ -180,6 +181,48 @@ def serve(
             rich_help_panel=PANEL_NET,
         ),
     ] = "",
+    lease: Annotated[
+        float,
+        typer.Option(
+            min=2.0,
+            help="Seconds a peer may stay silent before it is declared dead; heartbeats go every lease/4 on every "
+            "connection. The same on both nodes. At least 2 (a bulk push may pause up to 1 s for urgent traffic).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 3.0,
+    first_token_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Decode node: seconds from dispatch to the first token before the request fails.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 120.0,
+    fetch_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Decode node: seconds a decode step waits for one request's on-demand fetch before that request "
+            "fails (the rest of the batch goes on).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 30.0,
+    on_prefill_failure: Annotated[
+        str,
+        typer.Option(
+            help="Decode node: what happens to requests of a lost prefill node: fail (a clear error) or recompute "
+            "(requests not yet prefilled are prefilled again on another prefill node; decoding ones fail).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = "fail",
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            min=1024,
+            help="Decode node: largest HTTP request body; larger ones get 413 before they are read.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 4 * 2**20,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -202,10 +245,13 @@ def serve(
     from smartgen.lanes.tcp_link import parse_address
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
+    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits
     from smartgen.runtime.models import ModelLoadError
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
+    if on_prefill_failure not in ON_PREFILL_FAILURE:
+        fail(f"--on-prefill-failure must be one of {', '.join(ON_PREFILL_FAILURE)}, got {on_prefill_failure!r}")
     if not secret and not insecure:
         fail("no shared secret: set $SMARTGEN_SECRET (or --secret) to the same value on both nodes, or pass --insecure")
     if record is not None and not record.parent.is_dir():
@@ -219,7 +265,9 @@ def serve(
     missing = unavailable(lane)
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
-    settings = NodeSettings(model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane)
+    settings = NodeSettings(
+        model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane, lease
+    )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name
     try:
@@ -230,6 +278,7 @@ def serve(
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
+            limits = DecodeLimits(lease, first_token_timeout, fetch_timeout, on_prefill_failure, max_body_bytes)
             decode_node = build_decode_node(
                 settings,
                 addresses,
@@ -239,9 +288,10 @@ def serve(
                 max_batch,
                 max_tokens,
                 max_waiting,
-                emulate_layer_ms,
+                emulate_layer_ms=emulate_layer_ms,
+                limits=limits,
             )
-            _run_decode(decode_node, host, port, prefill, scheme, ready_file, record)
+            _run_decode(decode_node, host, port, prefill, scheme, ready_file, record, limits.max_body_bytes)
     except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:
         fail(str(exc))
     except OSError as exc:
@@ -287,7 +337,14 @@ def _run_prefill(
 
 
 def _run_decode(
-    node, host: str, port: int, prefill: str, scheme: str, ready_file: Path | None, record: Path | None
+    node,
+    host: str,
+    port: int,
+    prefill: str,
+    scheme: str,
+    ready_file: Path | None,
+    record: Path | None,
+    max_body_bytes: int,
 ) -> None:
     import socket
 
@@ -297,7 +354,7 @@ def _run_decode(
     from smartgen.roles.processes import write_ready_file
     from smartgen.roles.recorder import StatusRecorder
 
-    app = create_app(node.scheduler, metrics=node.monitoring.exposition)
+    app = create_app(node.scheduler, metrics=node.monitoring.exposition, max_body_bytes=max_body_bytes)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # fail in-flight requests first, so their streams end

@@ -83,6 +83,21 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         sock.close()
 
 
+def _drain(process: subprocess.Popen, lines: list[str]) -> None:
+    """Reads a node's output as it comes (kept for the test to read), so its pipe never fills."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+    _DRAINED.add(process.pid)
+
+
+_DRAINED: set[int] = set()
+
+
+def _eof(process: subprocess.Popen) -> bool:
+    return process.pid in _DRAINED
+
+
 class Nodes:
     """A prefill node and a decode node as two `smartgen serve` processes on ports the system picks."""
 
@@ -94,40 +109,65 @@ class Nodes:
         decode_secret: str | None = None,
         decode_model: Path | None = None,
         extra: tuple[str, ...] = ("--blocks", "16", "--link-gbps", "1"),
+        decode_extra: tuple[str, ...] = (),
     ) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        launch = [sys.executable, "-m", "smartgen", "serve"]
-        env = {**os.environ, "SMARTGEN_DB": str(run_dir / "none.db")}
-        self.prefill = subprocess.Popen(
-            [*launch, "--role", "prefill", "--model", str(model_dir), "--listen", "127.0.0.1:0"]
-            + ["--status", "127.0.0.1:0", "--ready-file", str(run_dir / "prefill.json"), "--secret", secret, *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        self._launch = [sys.executable, "-m", "smartgen", "serve"]
+        self._env = {**os.environ, "SMARTGEN_DB": str(run_dir / "none.db")}
+        self._model_dir, self._secret, self._extra = model_dir, secret, extra
         self.decode: subprocess.Popen | None = None
-        ready = self._ready("prefill.json", self.prefill)
-        self.prefill_address, self.status_address = ready["listen"], ready["status"]
+        self.prefill = self.start_prefill("127.0.0.1:0")
         self.decode = subprocess.Popen(
-            [*launch, "--role", "decode", "--model", str(decode_model or model_dir)]
+            [*self._launch, "--role", "decode", "--model", str(decode_model or model_dir)]
             + ["--prefill", self.prefill_address, "--http", "127.0.0.1:0", "--ready-file", str(run_dir / "decode.json")]
-            + ["--secret", decode_secret or secret, "--max-tokens", "512", *extra],
+            + ["--secret", decode_secret or secret, "--max-tokens", "512", *extra, *decode_extra],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one pipe, drained below: a chatty node never blocks on a full pipe
             text=True,
-            env=env,
+            env=self._env,
         )
+        threading.Thread(target=_drain, args=(self.decode, self.logs.setdefault("decode", [])), daemon=True).start()
+
+    logs: dict[str, list[str]]
+
+    def start_prefill(self, listen: str) -> subprocess.Popen:
+        """Starts the prefill node on `listen` (port 0 at first; its old address to restart it) and waits for it."""
+        ready_file = self.run_dir / "prefill.json"
+        ready_file.unlink(missing_ok=True)
+        process = subprocess.Popen(
+            [*self._launch, "--role", "prefill", "--model", str(self._model_dir), "--listen", listen]
+            + ["--status", "127.0.0.1:0", "--ready-file", str(ready_file), "--secret", self._secret, *self._extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self._env,
+        )
+        if not hasattr(self, "logs"):
+            self.logs = {}
+        lines = self.logs.setdefault("prefill", [])
+        threading.Thread(target=_drain, args=(process, lines), daemon=True).start()
+        self.prefill = process
+        ready = self._ready("prefill.json", process)
+        self.prefill_address, self.status_address = ready["listen"], ready["status"]
+        return process
 
     def _ready(self, name: str, process: subprocess.Popen) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             if process.poll() is not None:
-                raise AssertionError(f"{name} node exited: {process.stderr.read() if process.stderr else ''}")
+                time.sleep(0.2)  # let the drain thread read the last lines
+                raise AssertionError(f"{name} node exited: {''.join(self.logs.get(name.split('.')[0], []))}")
             path = self.run_dir / name
             return json.loads(path.read_text()) if path.exists() else None
 
         return wait_until(ready, 60, f"the node to write {name}")
+
+    def output(self, name: str) -> str:
+        """What node `name` ("prefill" or "decode") printed so far (after it exits: all of it)."""
+        process = self.decode if name == "decode" else self.prefill
+        if process is not None and process.poll() is not None:
+            wait_until(lambda: process.stdout is None or process.stdout.closed or _eof(process), 5, "the output")
+        return "".join(self.logs.get(name, []))
 
     @property
     def status_url(self) -> str:

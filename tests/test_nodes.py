@@ -117,7 +117,7 @@ def test_refusals_are_clear(cluster):
         decode.scheduler.submit(_prompt(1, 20), GenerationParams(scheme="fastest"))
     with pytest.raises(ServiceError, match="empty"):
         decode.scheduler.submit([], GenerationParams())
-    # a scheduler whose loop is not running: its bounded queue fills and then refuses with 429
+    # a scheduler whose loop is not running: its bounded queue fills and then refuses with 503 and the reason
     from smartgen.roles.scheduler import DecodeScheduler
 
     idle = DecodeScheduler(decode.runner, _Tokenizer(), get_policy("smartgen"), "tiny", max_waiting=2)
@@ -125,7 +125,7 @@ def test_refusals_are_clear(cluster):
         idle.submit(_prompt(2, 20), GenerationParams())
     with pytest.raises(ServiceError) as refused:
         idle.submit(_prompt(2, 20), GenerationParams())
-    assert refused.value.status == 429
+    assert refused.value.status == 503 and "overloaded: 2 requests already wait" in str(refused.value)
 
 
 def test_status_shows_paths_lanes_and_recent_requests(cluster):

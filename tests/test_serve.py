@@ -90,7 +90,7 @@ def test_the_handshake_refuses_with_the_reason(tmp_path, model_dir, case):
     pair = Nodes(model_dir, tmp_path, decode_secret="nope" if case == "wrong secret" else None, decode_model=other)
     try:
         code = pair.decode.wait(60)
-        err = pair.decode.stderr.read()
+        err = pair.output("decode")
         assert code != 0
         assert ("wrong shared secret" if case == "wrong secret" else "model mismatch") in err
         assert "Traceback" not in err

@@ -13,6 +13,11 @@ A request on the decode node:
 4. Fully local: `end_step()` sends RELEASE once every block is local.
 5. `finish()` / `abort()`: the lane stops accepting writes for the request, its slot is
    freed, and RELEASE / ABORT goes to the prefill node if it was not sent yet.
+A prefill node lost (its link closed: dead, silent past its lease, or misbehaving): the link
+leaves the list at once, so no new request picks it; requests that still needed it fail with
+the reason (or, with `recompute`, those still prefilling are opened again on another prefill
+node); requests already fully local go on. Inside a decode step a failed request is only
+marked, never raised, so the step completes for the rest of the batch (see DecodeDriver).
 """
 
 from __future__ import annotations
@@ -83,21 +88,35 @@ class _Request:
     first_token: Future = field(default_factory=Future)
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
+    open_message: msg.Open | None = None  # kept to open the request again elsewhere (recompute)
 
 
 class DecodeEngine:
     """Owns the decode pool and talks to the prefill nodes attached with `attach()`."""
 
-    def __init__(self, layout: KVLayout, num_slots: int, max_tokens: int, *, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        max_tokens: int,
+        *,
+        device: str = "cpu",
+        fetch_timeout: float = 30.0,
+        recompute: bool = False,
+    ) -> None:
         self.layout = layout
         self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
         self.counters = PathCounters()
+        self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
+        self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
+        self.on_link_lost: Callable[[LinkEnd, str], None] | None = None  # told after a link is dropped
         self._links: list[LinkEnd] = []
         self._requests: dict[str, _Request] = {}
-        self._fetches: dict[int, Future] = {}
+        self._fetches: dict[int, tuple[Future, LinkEnd]] = {}
         self._fetch_ids = itertools.count()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._closing = False
 
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd) -> None:
@@ -110,6 +129,7 @@ class DecodeEngine:
         self._threads.append(thread)
 
     def close(self) -> None:
+        self._closing = True
         for request_id in list(self._requests):
             self.abort(request_id, "decode engine closed")
         for link in self._links:
@@ -117,11 +137,20 @@ class DecodeEngine:
         for thread in self._threads:
             thread.join(timeout=5)
 
+    @property
+    def links(self) -> list[LinkEnd]:
+        """The live links (a lost one leaves this list at once)."""
+        with self._lock:
+            return list(self._links)
+
     def _listen(self, link: LinkEnd) -> None:
         while True:
-            message = link.control.recv()
+            message = link.control.recv(timeout=0.25)
             if message is None:
-                self._fail_link(link)
+                if link.alive:
+                    continue
+                link.close()  # one lane broke (its lease, a bad frame): the link goes as a whole
+                self._fail_link(link, link.error or "connection closed")
                 return
             try:
                 self._handle(msg.unpack(message))
@@ -133,9 +162,9 @@ class DecodeEngine:
         match message:
             case msg.FetchReply():
                 with self._lock:
-                    future = self._fetches.pop(message.fetch_id, None)
-                if future is not None:
-                    future.set_result(message)
+                    waiting = self._fetches.pop(message.fetch_id, None)
+                if waiting is not None and not waiting[0].done():
+                    waiting[0].set_result(message)
             case msg.Metadata():
                 request = self._requests.get(message.request_id)
                 if request is not None and 0 <= message.layer < self.layout.num_layers:
@@ -151,33 +180,69 @@ class DecodeEngine:
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
 
-    def _fail_link(self, link: LinkEnd) -> None:
-        """The prefill node is gone: every request it served fails, every waiter wakes up."""
+    def _fail_link(self, link: LinkEnd, reason: str = "connection closed") -> None:
+        """The prefill node is gone: drop the link, fail (or re-open) what needed it, wake its fetch waiters."""
         with self._lock:
-            victims = [r.request_id for r in self._requests.values() if r.link is link]
-            pending = list(self._fetches.items())
-        for request_id in victims:
-            self._fail_request(request_id, "prefill node connection lost")
+            if link not in self._links:
+                return  # already handled (the listener and `open` may both notice)
+            self._links.remove(link)
+            victims = [r for r in self._requests.values() if r.link is link and self._needs_link(r)]
+            pending = [(i, f) for i, (f, owner) in self._fetches.items() if owner is link]
+            for fetch_id, _ in pending:
+                self._fetches.pop(fetch_id, None)
+        error = f"prefill node connection lost: {reason}"
+        log.log(
+            logging.INFO if self._closing else logging.WARNING,
+            "decode: %s; %d request(s) needed it",
+            error,
+            len(victims),
+        )
+        for request in victims:
+            if not (self.recompute and not request.first_token.done() and self._reopen(request)):
+                self._fail_request(request.request_id, error)
         for _fetch_id, future in pending:
             if not future.done():
                 self.counters.add_failure("on_demand")
-                future.set_exception(RequestFailed("prefill node connection lost"))
+                future.set_exception(RequestFailed(error))
+        if self.on_link_lost is not None:
+            self.on_link_lost(link, reason)
+
+    def _needs_link(self, request: _Request) -> bool:
+        """False for a request already released with every block local: it decodes on without its prefill node."""
+        return not (request.released and self.pool.masks.all_local(request.slot, request.length))
+
+    def _reopen(self, request: _Request) -> bool:
+        """Opens a request that had not been prefilled yet on another live prefill node; False when none is left."""
+        try:
+            link = self._pick_link()
+        except RequestFailed:
+            return False
+        assert request.open_message is not None
+        request.link = link
+        link.push.accept(request.request_id, self.pool.geometry.slot_extents(request.slot, request.length))
+        link.control.send(request.open_message.pack())
+        log.info("decode: request %s prefilled again on another prefill node", request.request_id)
+        return True
 
     def _fail_request(self, request_id: str, reason: str) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
-        request.metrics.error = reason
+        if not request.metrics.error:
+            request.metrics.error = reason
         if not request.first_token.done():
             request.first_token.set_exception(RequestFailed(reason))
 
     def _pick_link(self) -> LinkEnd:
-        if not self._links:
-            raise RuntimeError("no prefill node attached")
-        load = {id(link): 0 for link in self._links}
-        for request in self._requests.values():
-            load[id(request.link)] += 1
-        return min(self._links, key=lambda link: load[id(link)])
+        with self._lock:
+            live = [link for link in self._links if link.alive]
+            if not live:
+                raise RequestFailed("no live prefill node: every link is down (see /health)")
+            load = {id(link): 0 for link in live}
+            for request in self._requests.values():
+                if id(request.link) in load:
+                    load[id(request.link)] += 1
+            return min(live, key=lambda link: load[id(link)])
 
     # -- request life -----------------------------------------------------------------
     def open(
@@ -196,8 +261,9 @@ class DecodeEngine:
         (time.monotonic(), default now) is when the request arrived: its TTFT and TTST count from it.
         """
         request_id = request_id or uuid.uuid4().hex
+        link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
         slot = self.pool.allocate(length, max_new_tokens)
-        link = self._pick_link()
+        message = msg.Open(request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids)
         request = _Request(
             request_id,
             slot,
@@ -209,13 +275,20 @@ class DecodeEngine:
             ),
             fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
             metadata=[{} for _ in range(self.layout.num_layers)],
+            open_message=message,
         )
         with self._lock:
             self._requests[request_id] = request
-        link.push.accept(request_id)
-        message = msg.Open(request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids)
+        link.push.accept(request_id, self.pool.geometry.slot_extents(slot, length))
         link.control.send(message.pack())
         request.metrics.state = RequestState.PREFILLING
+        if not link.alive:  # closed under us: OPEN went nowhere, so fail (or re-open) now rather than wait
+            reason = link.error or "connection closed"
+            self._fail_link(link, reason)
+            if request.link is link and not request.metrics.error and not (self.recompute and self._reopen(request)):
+                self._fail_request(
+                    request_id, f"prefill node connection lost: {reason}"
+                )  # the link was dropped just before
         return request_id
 
     def wait_first_token(self, request_id: str, timeout: float | None = None) -> int:
@@ -242,6 +315,12 @@ class DecodeEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def failed(self, request_ids: list[str]) -> list[int]:
+        """Indices (into `request_ids`) of requests that failed and must leave the batch."""
+        return [
+            i for i, rid in enumerate(request_ids) if rid not in self._requests or self._requests[rid].metrics.error
+        ]
+
     def _require_any(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)
         if request is None:
@@ -262,18 +341,22 @@ class DecodeEngine:
     def begin_layer(self, layer: int, request_ids: list[str]) -> None:
         """The start of an attention layer: tell prefill nodes the link is idle (speculative policies)."""
         for request_id in request_ids:
-            request = self._require(request_id)
-            if request.policy.speculative and not request.released:
+            request = self._require_any(request_id)
+            if request.policy.speculative and not request.released and not request.metrics.error:
                 request.link.control.send(msg.Idle(request_id, layer).pack())
 
-    def assemble(self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float = 60.0) -> Assembled:
+    def assemble(
+        self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None
+    ) -> Assembled:
         """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows.
 
         Every policy decision is the request's own, never the batch's: a drop-remote request's
         remote entries turn into padding while its neighbours' are fetched, and a parallel
         request gathers its local entries while the fetches are in flight, a sequential one after.
+        A fetch that fails or outlasts `timeout` (default: the engine's fetch_timeout) fails its own
+        request only (marked, not raised): the layer is assembled for the rest of the batch.
         """
-        requests = [self._require(rid) for rid in request_ids]
+        requests = [self._require_any(rid) for rid in request_ids]
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
@@ -294,7 +377,7 @@ class DecodeEngine:
         gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, local_start, early_stop, k_out, v_out)
         entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
         self.counters.add("local", int((early_stop - local_start).sum()) * entry_bytes, time.monotonic() - started)
-        self._land_fetches(layer, fetches, timeout)
+        self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
         if not bool(parallel_rows.all()):
             local_started = time.monotonic()
             gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, early_stop, local_stop, k_out, v_out)
@@ -327,7 +410,7 @@ class DecodeEngine:
         Returns K and V views ([n_b, H, d], no copy) when every one of those tokens is local,
         else None (use `assemble`, which fetches what is missing).
         """
-        requests = [self._require(rid) for rid in request_ids]
+        requests = [self._require_any(rid) for rid in request_ids]
         mask = self.pool.masks.values[layer]
         for request, start, stop in zip(requests, starts, stops):
             if stop > start and bool((mask[request.slot, start:stop] != LOCAL).any()):
@@ -349,13 +432,17 @@ class DecodeEngine:
         for b, request in enumerate(requests):
             rows = slice(b * num_heads, (b + 1) * num_heads)
             status = split.status[rows]
-            if not bool((status == REMOTE).any()):
-                continue
+            if not bool((status == REMOTE).any()) or request.metrics.error:
+                continue  # a failed request's rows are assembled from what is local; it leaves after the step
             positions = split.index[rows][status == REMOTE].unique().cpu()
             future: Future = Future()
             with self._lock:
                 fetch_id = next(self._fetch_ids)
-                self._fetches[fetch_id] = future
+                self._fetches[fetch_id] = (future, request.link)
+            if not request.link.alive:
+                future.set_exception(
+                    RequestFailed(f"prefill node connection lost: {request.link.error or 'connection closed'}")
+                )
             request.link.control.send(
                 msg.Fetch(request.request_id, layer, fetch_id, positions).pack(), tag="fetch_request"
             )
@@ -363,18 +450,23 @@ class DecodeEngine:
         return fetches
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
+        """Lands each fetch reply; one deadline for the whole layer, and a failure fails only its request."""
+        deadline = time.monotonic() + timeout
         for request, positions, future, sent in fetches:
             try:
-                reply: msg.FetchReply = future.result(timeout=timeout)
+                reply: msg.FetchReply = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 self.counters.add_failure("on_demand")
-                raise RequestFailed(
-                    f"fetch for {request.request_id} layer {layer} timed out after {timeout} s"
-                ) from None
+                self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
+                continue
+            except RequestFailed as exc:
+                self._fail_request(request.request_id, str(exc))
+                continue
             expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
             if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
                 self.counters.add_failure("on_demand")
-                raise RequestFailed(f"fetch reply for {request.request_id} layer {layer}: K/V not of shape {expected}")
+                self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
+                continue
             self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
             request.fetch_counts[layer, positions] += 1
             request.metrics.fetched_tokens += positions.numel()
@@ -382,7 +474,7 @@ class DecodeEngine:
 
     def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
         """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
-        return self.pool.append(layer, self._require(request_id).slot, k, v)
+        return self.pool.append(layer, self._require_any(request_id).slot, k, v)
 
     def end_step(self, request_ids: list[str]) -> None:
         """After a step: record the token, and RELEASE requests whose blocks are now all local."""

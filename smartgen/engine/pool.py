@@ -39,6 +39,14 @@ class PoolGeometry:
         """Byte offset of (layer, slot, token) in the int8 mask region."""
         return (layer * self.num_slots + slot) * self.max_tokens + token
 
+    def slot_extents(self, slot: int, length: int) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges a prefill node may write for a request of `length` prompt tokens in `slot`:
+        per layer, its prompt tokens in K, V and the mask (what a lane checks every descriptor against)."""
+        layers = range(self.layout.num_layers)
+        kv = [(self.kv_offset(layer, slot, 0), self.kv_offset(layer, slot, length)) for layer in layers]
+        mask = [(self.mask_offset(layer, slot, 0), self.mask_offset(layer, slot, length)) for layer in layers]
+        return {"k": kv, "v": kv, "mask": mask}
+
 
 class DecodePool:
     """The decode node's KV pool: K and V [L, S, N, H, d] plus the mask table [L, S, N].

@@ -98,21 +98,31 @@ class PrefillEngine:
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd, geometry: PoolGeometry) -> None:
         """Serves one decode node over `link`; `geometry` is its pool's (exchanged at the handshake)."""
-        self._links.append(link)
+        with self._lock:
+            self._links.append(link)
         thread = threading.Thread(target=self._serve, args=(link, geometry), name="prefill-serve", daemon=True)
         thread.start()
         self._threads.append(thread)
 
+    @property
+    def links(self) -> list[LinkEnd]:
+        """The decode nodes connected now."""
+        with self._lock:
+            return list(self._links)
+
     def close(self) -> None:
-        for link in self._links:
+        for link in self.links:
             link.close()
         for thread in self._threads:
             thread.join(timeout=5)
 
     def _serve(self, link: LinkEnd, geometry: PoolGeometry) -> None:
         while True:
-            message = link.control.recv()
+            message = link.control.recv(timeout=0.25)
             if message is None:
+                if link.alive:
+                    continue
+                link.close()  # one lane broke (lease expired, bad frame): the decode node is gone as a whole
                 self._drop_link(link)
                 return
             try:
@@ -142,9 +152,12 @@ class PrefillEngine:
                 raise msg.MessageError(f"a prefill node does not take {type(message).__name__.upper()} messages")
 
     def _drop_link(self, link: LinkEnd) -> None:
-        """The decode node is gone: free every request it had here."""
+        """The decode node is gone (closed, or silent past its lease): free every request it had here."""
         with self._lock:
             gone = [rid for rid, req in self._requests.items() if req.link is link]
+            if link in self._links:
+                self._links.remove(link)
+        log.warning("prefill: a decode node's link closed (%s); freed %d request(s)", link.error or "closed", len(gone))
         for request_id in gone:
             self.release(request_id)
 
@@ -298,11 +311,6 @@ class PrefillEngine:
         with self._lock:
             self._requests.pop(request_id, None)
         return self.store.release(request_id)
-
-    @property
-    def links(self) -> list[LinkEnd]:
-        """The decode nodes' links, in the order they attached."""
-        return list(self._links)
 
     @property
     def num_queued(self) -> int:

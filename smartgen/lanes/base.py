@@ -163,8 +163,9 @@ class Lane(ABC):
         """Exposes a flat uint8 buffer to the peer's one-sided writes."""
 
     @abstractmethod
-    def accept(self, request_id: str) -> None:
-        """Lets writes for this request land in the registered regions."""
+    def accept(self, request_id: str, extents: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> None:
+        """Lets writes for this request land in the registered regions: only inside `extents` (region ->
+        byte ranges, the request's slot) when given; a write outside them is dropped, not applied."""
 
     @abstractmethod
     def revoke(self, request_id: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from smartgen.lanes.base import Message, MessageKind
+from smartgen.lanes.checks import check_payload_spec
 from smartgen.lanes.wire import Frame, recv_into_exact
 
 __all__ = ["bytes_view", "message_frame", "recv_message"]
@@ -30,17 +31,14 @@ def message_frame(message: Message) -> tuple[dict[str, Any], list[memoryview]]:
 
 
 def recv_message(sock: socket.socket, frame: Frame) -> Message:
-    """Reads a MESSAGE frame's payload into fresh tensors; the declared shapes must add up to the payload length."""
-    tensors = {}
-    for name, dtype, shape in frame.meta["payload"]:
-        kind = getattr(torch, str(dtype), None)
-        if not isinstance(kind, torch.dtype):
-            raise ConnectionError(f"unknown payload dtype {dtype!r}")
-        tensors[name] = torch.empty(shape, dtype=kind)
-    declared = sum(t.numel() * t.element_size() for t in tensors.values())
-    if declared != frame.payload_length:
-        raise ConnectionError(f"message payload of {frame.payload_length} bytes, its tensors need {declared}")
+    """Reads a MESSAGE frame's payload into fresh tensors, allocated only once the spec checks out."""
+    spec = check_payload_spec(frame.meta, frame.payload_length)
+    try:
+        kind = MessageKind(frame.meta["kind"])
+    except ValueError:
+        raise ConnectionError(f"unknown message kind {frame.meta['kind']}") from None
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in spec}
     for tensor in tensors.values():
         if tensor.numel():
             recv_into_exact(sock, bytes_view(tensor))
-    return Message(MessageKind(frame.meta["kind"]), frame.request_id, frame.meta["meta"], tensors)
+    return Message(kind, frame.request_id, frame.meta["meta"], tensors)

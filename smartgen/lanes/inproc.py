@@ -65,11 +65,15 @@ class InprocLane(QueuedLane):
         with self._apply_lock:
             if batch.request_id not in self._accepted:
                 return False
+            applied = True
             for op in batch.ops:
+                dst = self._target(batch.request_id, op.dst, op.dst_offset, op.length)
+                if dst is None:  # outside the request's slot: dropped, like on the wire lanes
+                    applied = False
+                    continue
                 src = batch.sources[op.src]
-                dst = self._regions[op.dst]
                 dst[op.dst_offset : op.dst_offset + op.length].copy_(src[op.src_offset : op.src_offset + op.length])
-            return True
+            return applied
 
     # -- sending side ---------------------------------------------------------------
     def post_writes(

@@ -28,6 +28,16 @@ class LinkEnd:
         self.push.close()
         self.control.close()
 
+    @property
+    def alive(self) -> bool:
+        """False once either lane has closed (peer gone, lease expired, bad frame, or closed here)."""
+        return not (getattr(self.push, "closed", False) or getattr(self.control, "closed", False))
+
+    @property
+    def error(self) -> str | None:
+        """Why a lane broke, when one did (lanes that record it)."""
+        return getattr(self.control, "error", None) or getattr(self.push, "error", None)
+
 
 def inproc_link(gbps: float | None = None, delay_s: float = 0.0, name: str = "link") -> tuple[LinkEnd, LinkEnd]:
     """An in-process link paced at `gbps` each way; returns (prefill end, decode end)."""

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from smartgen.lanes.base import Completion, Message, WriteOp
+from smartgen.lanes.extents import ExtentMap
 from smartgen.lanes.framing import message_frame, recv_message
+from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportError
@@ -88,6 +90,10 @@ class OneSidedLane(QueuedLane):
             threading.Thread(target=loop, name=f"{name}-{what}", daemon=True)
             for what, loop in (("pace", self._pace_loop), ("post", self._post_loop), ("rx", self._receive_loop))
         ]
+        lease = lease_of(sock)
+        if lease is not None:  # heartbeats on the side channel: the transport's writes bypass it
+            beats = (sock, self._send_lock, self._closed, self._on_broken, lease)
+            self._threads.append(threading.Thread(target=heartbeat_loop, args=beats, name=f"{name}-hb", daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -118,8 +124,9 @@ class OneSidedLane(QueuedLane):
         meta = {"name": name, "addr": buffer.data_ptr(), "length": buffer.numel(), "key": key}
         self._send_control(FrameType.REGION, "", meta)
 
-    def accept(self, request_id: str) -> None:
-        super().accept(request_id)
+    def accept(self, request_id: str, extents: ExtentMap | None = None) -> None:
+        # the writer checks descriptors against regions; slot extents are kept on this side only
+        super().accept(request_id, extents)
         self._round_trip(FrameType.ACCEPT, request_id)
 
     def revoke(self, request_id: str) -> None:
@@ -273,12 +280,18 @@ class OneSidedLane(QueuedLane):
                     event = self._confirmed.get(int(frame.meta["token"]))
                     if event is not None:
                         event.set()
+                elif frame.type == FrameType.HEARTBEAT:
+                    pass  # its arrival is the point: the recv above did not time out (liveness.py)
                 elif frame.type == FrameType.BYE:
                     raise ConnectionClosed("peer said goodbye")
                 else:
                     raise ConnectionError(f"unexpected {frame.type.name} frame")
+        except TimeoutError:
+            self._on_broken("peer silent for longer than the lease: lease expired")
         except (OSError, ConnectionError, ValueError, KeyError) as exc:
             self._on_broken(f"connection lost: {exc}")
+        except Exception as exc:  # a malformed frame must end this connection with a reason, not kill a thread
+            self._on_broken(f"bad frame from peer: {type(exc).__name__}: {exc}")
 
     # -- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -289,7 +302,9 @@ class OneSidedLane(QueuedLane):
         hang_up(self._sock, self._send_lock)
         self._inbox.put(STOP)
         for thread in self._threads:
-            if thread is not threading.current_thread():
+            if (
+                thread is not threading.current_thread() and thread.ident is not None
+            ):  # started (a peer may hang up first)
                 thread.join(timeout=5)
         # Only now, with no write of ours in flight: the peer can no longer land anything in our regions.
         self._sources.clear()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
+from smartgen.lanes.extents import ExtentMap, SlotExtents
 from smartgen.lanes.pacer import Pacer
 
 __all__ = ["QueuedLane", "STOP"]
@@ -29,7 +30,7 @@ class QueuedLane(Lane):
         self.counters = LaneCounters()
         self._pacer = pacer or Pacer(None)
         self._regions: dict[str, torch.Tensor] = {}
-        self._accepted: set[str] = set()
+        self._accepted: dict[str, SlotExtents | None] = {}  # request id -> where it may write (None: anywhere)
         self._apply_lock = threading.Lock()  # held while a batch lands, so revoke() waits for it
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
@@ -41,13 +42,25 @@ class QueuedLane(Lane):
             raise ValueError("a region must be a flat, contiguous uint8 tensor")
         self._regions[name] = buffer
 
-    def accept(self, request_id: str) -> None:
+    def accept(self, request_id: str, extents: ExtentMap | None = None) -> None:
+        allowed = None if extents is None else SlotExtents(extents)
         with self._apply_lock:
-            self._accepted.add(request_id)
+            self._accepted[request_id] = allowed
 
     def revoke(self, request_id: str) -> None:
         with self._apply_lock:
-            self._accepted.discard(request_id)
+            self._accepted.pop(request_id, None)
+
+    def _target(self, request_id: str, dst: str, offset: int, length: int) -> torch.Tensor | None:
+        """The region a descriptor may land in, or None: request not accepted, unknown region, outside the
+        region or outside the request's own extents (its slot). Call with the apply lock held."""
+        if request_id not in self._accepted:
+            return None
+        region = self._regions.get(dst)
+        if region is None or not 0 <= offset <= offset + length <= region.numel():
+            return None
+        allowed = self._accepted[request_id]
+        return region if allowed is None or allowed.allows(dst, offset, length) else None
 
     # -- one-sided writes ---------------------------------------------------------------
     def _new_batch(self, ops: Sequence[WriteOp], tag: str) -> tuple[list[WriteOp], Completion, int]:
@@ -77,6 +90,8 @@ class QueuedLane(Lane):
             return None
         if item is STOP:
             self._inbox.put(STOP)  # let every other receiver see it too
+            if not self._closed.is_set():
+                self.close()  # the peer hung up (in-process lanes): this end is closed too, so `closed` says so
             return None
         return item
 

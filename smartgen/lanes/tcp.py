@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from smartgen.lanes.base import Completion, Message, WriteOp
+from smartgen.lanes.checks import check_write_ops, drain
 from smartgen.lanes.framing import bytes_view, message_frame, recv_message
+from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.wire import (
@@ -50,7 +52,9 @@ class _Batch:
 class TcpLane(QueuedLane):
     """One endpoint of a connected socket (both peers wrap their socket in a TcpLane)."""
 
-    def __init__(self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> None:
+    def __init__(
+        self, sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False, *, threads: bool = True
+    ) -> None:
         super().__init__(name, pacer, bulk)
         self._sock = sock
         self._send_lock = threading.Lock()  # ACKs from the receive thread share the socket
@@ -60,10 +64,17 @@ class TcpLane(QueuedLane):
         self._pending_lock = threading.Condition()
         self.error: str | None = None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not threads:  # driven by hand (the fuzz tests call `_receive_loop` on a scripted socket)
+            self._threads: list[threading.Thread] = []
+            return
         self._threads = [
             threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
             threading.Thread(target=self._receive_loop, name=f"{name}-rx", daemon=True),
         ]
+        lease = lease_of(sock)  # an armed socket (tcp_link) carries the lease; a bare one runs without
+        if lease is not None:
+            beats = (sock, self._send_lock, self._closed, self._on_broken, lease)
+            self._threads.append(threading.Thread(target=heartbeat_loop, args=beats, name=f"{name}-hb", daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -102,7 +113,9 @@ class TcpLane(QueuedLane):
         self._fail_pending()
         self._inbox.put(STOP)
         for thread in self._threads:  # let them unwind before the interpreter (or the caller) moves on
-            if thread is not threading.current_thread():
+            if (
+                thread is not threading.current_thread() and thread.ident is not None
+            ):  # started (a peer may hang up first)
                 thread.join(timeout=2)
 
     def _fail_pending(self) -> None:
@@ -164,46 +177,49 @@ class TcpLane(QueuedLane):
         try:
             while not self._closed.is_set():
                 frame = recv_header(self._sock)
-                if "t" in frame.meta:
-                    delay = frame.meta["t"] + self._pacer_delay() - time.time()
+                if "t" in frame.meta and self._pacer_delay():
+                    # emulated one-way delay; capped at it, so a stamp from the future cannot stall this thread
+                    delay = float(frame.meta["t"]) + self._pacer_delay() - time.time()
                     if delay > 0:
-                        time.sleep(delay)
+                        time.sleep(min(delay, self._pacer_delay()))
                 if frame.type == FrameType.WRITE:
                     self._receive_write(frame)
                 elif frame.type == FrameType.MESSAGE:
                     self._receive_message(frame)
                 elif frame.type == FrameType.ACK:
                     self._on_ack(int(frame.meta["seq"]), bool(frame.meta.get("applied", True)))
+                elif frame.type == FrameType.HEARTBEAT:
+                    pass  # its arrival is the point: the recv above did not time out
                 elif frame.type == FrameType.BYE:
                     raise ConnectionClosed("peer said goodbye")
                 else:
                     raise ConnectionError(f"unexpected {frame.type.name} frame")
-        except (OSError, ConnectionError, ValueError) as exc:
-            self._on_broken(f"connection lost: {exc}")
+        except TimeoutError:
+            lease = lease_of(self._sock)
+            self._on_broken(f"peer silent for {lease.seconds if lease else '?'} s: lease expired", protocol=True)
+        except (OSError, ConnectionError) as exc:
+            self._on_broken(f"connection lost: {exc}", protocol=not isinstance(exc, ConnectionClosed))
+        except Exception as exc:  # a malformed frame (bad meta types, ...): this connection ends, with the reason
+            self._on_broken(f"bad frame from peer: {type(exc).__name__}: {exc}", protocol=True)
 
     def _pacer_delay(self) -> float:
         return self._pacer.delay_s
 
     def _receive_write(self, frame) -> None:
-        ops = frame.meta["ops"]
-        if sum(int(length) for _, _, length in ops) != frame.payload_length:
-            raise ConnectionError("WRITE frame: its descriptors do not add up to its payload")
+        ops = check_write_ops(frame.meta, frame.payload_length)
         with self._apply_lock:
-            land = frame.request_id in self._accepted
-            applied = land
+            applied = frame.request_id in self._accepted
             for dst, offset, length in ops:
-                region = self._regions.get(dst) if land else None
-                if region is not None and not 0 <= offset <= offset + length <= region.numel():
-                    region = None  # out of bounds: read off the wire and dropped, like an unknown region
-                if land and region is None:
+                region = self._target(frame.request_id, dst, offset, length)
+                if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
                     applied = False
-                if region is not None and region.device.type == "cpu":
+                    drain(self._sock, length)
+                elif region.device.type == "cpu":
                     recv_into_exact(self._sock, bytes_view(region)[offset : offset + length])
-                else:
+                else:  # device memory: land through a host buffer
                     staging = bytearray(length)
                     recv_into_exact(self._sock, memoryview(staging))
-                    if region is not None:  # device memory: land through a host buffer
-                        region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
+                    region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
         with self._send_lock:
             send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": applied})
 
@@ -219,8 +235,9 @@ class TcpLane(QueuedLane):
         if completion is not None:
             completion.set(applied)
 
-    def _on_broken(self, reason: str) -> None:
+    def _on_broken(self, reason: str, protocol: bool = False) -> None:
         if not self._closed.is_set():
             self.error = reason
-            log.info("%s: %s", self.name, reason)
+            # a dead, silent or misbehaving peer is worth a warning; an orderly goodbye is not
+            log.log(logging.WARNING if protocol else logging.INFO, "%s: closing: %s", self.name, reason)
             self.close()

@@ -7,24 +7,31 @@ listener can pair them into one LinkEnd. Every connection is authenticated and c
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from smartgen.lanes.auth import client_handshake, server_handshake
 from smartgen.lanes.base import Lane
 from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp import TcpLane
-from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError, client_handshake, server_handshake
+from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError
 
 __all__ = ["TcpListener", "tcp_connect", "parse_address"]
 
 CHANNELS = ("push", "control")
+HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated peer holds a socket and a thread no longer than this
+MAX_HANDSHAKES = 16  # connections being authenticated at once; more are closed at once
 
 # Wraps an authenticated socket into a lane endpoint: TcpLane, or a one-sided lane using it as side channel.
 LaneFactory = Callable[[socket.socket, str, Pacer, bool], Lane]
+
+log = logging.getLogger(__name__)
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -50,8 +57,11 @@ class TcpListener:
         identity: dict[str, Any],
         pacer: Pacer | None = None,
         lane_factory: LaneFactory = TcpLane,
+        lease: Lease | None = Lease(),
     ) -> None:
         self.secret = secret
+        self.lease = lease
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.lane_factory = lane_factory
         self.identity = identity
         self.pacer = pacer or Pacer(None)
@@ -74,18 +84,28 @@ class TcpListener:
                 continue
             except OSError:
                 return
+            if not self._handshakes.acquire(blocking=False):  # a connection flood gets no thread per socket
+                with self._cond:
+                    self.rejections.append(f"more than {MAX_HANDSHAKES} connections authenticating: closed one")
+                sock.close()
+                continue
             threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
 
     def _admit(self, sock: socket.socket) -> None:
-        sock.settimeout(10)
         try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             hello = server_handshake(sock, self.secret, self.identity)
-        except (HandshakeError, OSError, ConnectionError, ValueError) as exc:
+        except Exception as exc:  # whatever a stranger sends, the listener answers with a logged refusal
             with self._cond:
-                self.rejections.append(str(exc))
+                self.rejections.append(
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, HandshakeError) else str(exc)
+                )
+            log.warning("refused a connection: %s", exc)
             sock.close()
             return
-        sock.settimeout(None)
+        finally:
+            self._handshakes.release()
+        arm(sock, self.lease)
         channel = hello.get("channel")
         session = str(hello.get("session"))
         if channel not in CHANNELS:
@@ -135,6 +155,7 @@ def tcp_connect(
     timeout: float = 10.0,
     version: int = PROTOCOL_VERSION,
     lane_factory: LaneFactory = TcpLane,
+    lease: Lease | None = Lease(),
 ) -> LinkEnd:
     """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
     session = uuid.uuid4().hex
@@ -148,7 +169,7 @@ def tcp_connect(
             except BaseException:
                 sock.close()
                 raise
-            sock.settimeout(None)
+            arm(sock, lease)
             try:
                 lanes[channel] = lane_factory(sock, f"decode.{channel}.{session[:8]}", pacer, False)
             except BaseException:

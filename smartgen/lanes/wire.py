@@ -10,10 +10,7 @@ See docs/protocol.md for the frame types and the handshake.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import os
 import socket
 import struct
 import threading
@@ -33,15 +30,19 @@ __all__ = [
     "send_header",
     "send_frame",
     "recv_header",
-    "server_handshake",
-    "client_handshake",
     "hang_up",
+    "MAX_META",
+    "MAX_HANDSHAKE_META",
+    "MAX_REQUEST_ID",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: mutual authentication, heartbeats
 MAGIC = b"SG"
 HEADER = struct.Struct("<2sBBHIQ")
-MAX_META = 16 * 2**20  # a frame's JSON meta above this is a protocol error, not an allocation
+# Caps checked on the header, before a byte of the frame is allocated: above them is a protocol error.
+MAX_META = 16 * 2**20  # a WRITE's descriptor list for a big layer is ~1 MiB; 16 leaves room
+MAX_HANDSHAKE_META = 64 * 2**10  # before authentication a peer gets no more than this
+MAX_REQUEST_ID = 256
 
 
 class FrameType(IntEnum):
@@ -60,6 +61,7 @@ class FrameType(IntEnum):
     ACCEPT = 12  # owner -> writer: meta {"token"}; the writer may now write for this request
     REVOKE = 13  # owner -> writer: meta {"token"}; the writer stops writing for this request
     CONFIRM = 14  # writer -> owner: meta {"token"}; the ACCEPT/REVOKE is in force (nothing in flight for a REVOKE)
+    HEARTBEAT = 15  # both ways, when idle: "still here" (see liveness.py)
 
 
 class HandshakeError(RuntimeError):
@@ -117,18 +119,33 @@ def send_frame(
         sock.sendall(part)
 
 
-def recv_header(sock: socket.socket) -> Frame:
-    """Reads a frame's header, request id and meta; the caller reads (or drops) the payload."""
+def recv_header(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
+    """Reads a frame's header, request id and meta; the caller reads (or drops) the payload.
+
+    Every length is checked against its cap before anything is allocated, and the meta must be a
+    JSON object: a peer cannot make us allocate, or crash a thread, with a malformed header.
+    """
     magic, version, frame_type, rid_length, meta_length, payload_length = HEADER.unpack(recv_exact(sock, HEADER.size))
     if magic != MAGIC:
         raise HandshakeError("not a SmartGen peer (bad frame magic)")
     if version != PROTOCOL_VERSION:
         raise HandshakeError(f"protocol version mismatch: peer speaks {version}, we speak {PROTOCOL_VERSION}")
-    if meta_length > MAX_META:
-        raise ConnectionError(f"frame meta of {meta_length} bytes is too large")
-    request_id = recv_exact(sock, rid_length).decode() if rid_length else ""
-    meta = json.loads(recv_exact(sock, meta_length)) if meta_length else {}
-    return Frame(FrameType(frame_type), request_id, meta, payload_length)
+    if meta_length > max_meta:
+        raise ConnectionError(f"frame meta of {meta_length} bytes is too large (at most {max_meta})")
+    if rid_length > MAX_REQUEST_ID:
+        raise ConnectionError(f"request id of {rid_length} bytes is too long (at most {MAX_REQUEST_ID})")
+    try:
+        kind = FrameType(frame_type)
+    except ValueError:
+        raise ConnectionError(f"unknown frame type {frame_type}") from None
+    try:
+        request_id = recv_exact(sock, rid_length).decode() if rid_length else ""
+        meta = json.loads(recv_exact(sock, meta_length)) if meta_length else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConnectionError(f"{kind.name} frame: unreadable request id or meta ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ConnectionError(f"{kind.name} frame: meta is a JSON {type(meta).__name__}, not an object")
+    return Frame(kind, request_id, meta, payload_length)
 
 
 def hang_up(sock: socket.socket, send_lock: threading.Lock) -> None:
@@ -143,68 +160,3 @@ def hang_up(sock: socket.socket, send_lock: threading.Lock) -> None:
     except OSError:
         pass
     sock.close()
-
-
-def _mac(secret: str, nonce: str) -> str:
-    return hmac.new(secret.encode(), bytes.fromhex(nonce), hashlib.sha256).hexdigest()
-
-
-def server_handshake(sock: socket.socket, secret: str, identity: dict[str, Any]) -> dict[str, Any]:
-    """Prefill side: challenge, check the HELLO (version, secret, model), welcome or reject.
-
-    `identity` holds this node's model fingerprint and KV layout; returns the client's HELLO meta.
-    """
-    nonce = os.urandom(16).hex()
-    send_frame(sock, FrameType.CHALLENGE, meta={"nonce": nonce, "version": PROTOCOL_VERSION})
-    try:
-        frame = recv_header(sock)
-    except HandshakeError as exc:
-        # a peer speaking another version: tell it why before hanging up
-        _reject(sock, str(exc))
-        raise
-    if frame.type != FrameType.HELLO:
-        raise HandshakeError(f"expected HELLO, got {frame.type.name}")
-    hello = frame.meta
-    reason = None
-    if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, nonce)):
-        reason = "authentication failed: wrong shared secret"
-    elif hello.get("fingerprint") != identity.get("fingerprint"):
-        reason = (
-            f"model mismatch: prefill node serves {identity.get('model')} ({identity.get('fingerprint')}), "
-            f"decode node has {hello.get('model')} ({hello.get('fingerprint')})"
-        )
-    elif hello.get("layout") != identity.get("layout"):
-        reason = f"KV layout mismatch: prefill {identity.get('layout')}, decode {hello.get('layout')}"
-    elif hello.get("lane", "tcp") != identity.get("lane", "tcp"):
-        reason = (
-            f"lane mismatch: prefill node runs --lane {identity.get('lane', 'tcp')}, decode {hello.get('lane', 'tcp')}"
-        )
-    if reason:
-        _reject(sock, reason)
-        raise HandshakeError(reason)
-    send_frame(sock, FrameType.WELCOME, meta={"version": PROTOCOL_VERSION})
-    return hello
-
-
-def _reject(sock: socket.socket, reason: str) -> None:
-    try:
-        send_frame(sock, FrameType.REJECT, meta={"reason": reason})
-    except OSError:
-        pass
-
-
-def client_handshake(sock: socket.socket, secret: str, hello: dict[str, Any], version: int = PROTOCOL_VERSION) -> None:
-    """Decode side: answer the challenge with our HELLO; raise HandshakeError with the server's reason on refusal."""
-    frame = recv_header(sock)
-    if frame.type != FrameType.CHALLENGE:
-        raise HandshakeError(f"expected CHALLENGE, got {frame.type.name}")
-    meta = {**hello, "mac": _mac(secret, frame.meta["nonce"])}
-    rid = b""
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
-    # the version byte is ours to set (tests speak an old version on purpose)
-    sock.sendall(HEADER.pack(MAGIC, version, int(FrameType.HELLO), len(rid), len(meta_bytes), 0) + meta_bytes)
-    reply = recv_header(sock)
-    if reply.type == FrameType.REJECT:
-        raise HandshakeError(f"prefill node refused the connection: {reply.meta.get('reason')}")
-    if reply.type != FrameType.WELCOME:
-        raise HandshakeError(f"expected WELCOME, got {reply.type.name}")

@@ -15,9 +15,13 @@ from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.policy import Policy
 from smartgen.lanes.backends import lane_factory
+from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.liveness import Lease
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.roles.identity import node_identity
+from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.monitoring import decode_monitoring
+from smartgen.roles.peers import PrefillPeers
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector
@@ -46,10 +50,19 @@ class DecodeNode:
         max_waiting: int = 64,
         lane: str = "tcp",
         emulate_layer_s: float = 0.0,
+        limits: DecodeLimits | None = None,
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
-        self.engine = DecodeEngine(layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device))
+        limits = limits or DecodeLimits()
+        self.engine = DecodeEngine(
+            layout,
+            num_slots=max_batch,
+            max_tokens=max_tokens,
+            device=str(model.device),
+            fetch_timeout=limits.fetch_timeout_s,
+            recompute=limits.on_prefill_failure == "recompute",
+        )
         hello = {
             **node_identity(model, layout, model_name),
             "lane": lane,
@@ -57,30 +70,43 @@ class DecodeNode:
             "node": uuid.uuid4().hex[:8],
         }
         factory = lane_factory(lane)
-        self.links = []
+        lease = Lease(limits.lease_s)
+
+        def connect(host: str, port: int) -> LinkEnd:
+            return tcp_connect(
+                host, port, secret, hello, gbps=link_gbps, delay_s=delay_s, lane_factory=factory, lease=lease
+            )
+
+        self.peers = PrefillPeers(self.engine, prefill_addresses, connect)
         try:
-            for host, port in prefill_addresses:
-                try:
-                    link = tcp_connect(host, port, secret, hello, gbps=link_gbps, delay_s=delay_s, lane_factory=factory)
-                except OSError as exc:
-                    raise ConnectionError(
-                        f"cannot reach the prefill node at {host}:{port}: {exc.strerror or exc}"
-                    ) from exc
-                self.links.append(link)
-                self.engine.attach(link)
+            self.peers.connect_all()
         except BaseException:
+            self.peers.stop()
             self.engine.close()
             raise
         self.runner = DecodeRunner(model, selector, self.engine, emulate_layer_s=emulate_layer_s)
-        self.scheduler = DecodeScheduler(self.runner, tokenizer, policy, model_name, max_waiting=max_waiting)
+        self.scheduler = DecodeScheduler(
+            self.runner,
+            tokenizer,
+            policy,
+            model_name,
+            max_waiting=max_waiting,
+            prefill_timeout=limits.first_token_timeout_s,
+            peers=self.peers.snapshot,
+        )
         peers = [f"{host}:{port}" for host, port in prefill_addresses]
         self.monitoring = decode_monitoring(self.engine, self.scheduler, self.links, peers, model_name)
+
+    @property
+    def links(self) -> list[LinkEnd]:
+        return self.engine.links
 
     def start(self) -> None:
         self.scheduler.start()
 
     def stop(self, reason: str = "decode node is shutting down") -> None:
         """Fails in-flight requests with `reason`, releases them on the prefill nodes, closes the links."""
+        self.peers.stop()
         self.scheduler.stop(reason)
         self.monitoring.close()
         self.runner.close()

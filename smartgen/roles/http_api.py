@@ -28,12 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from smartgen.roles.body_limit import BodyLimit
 from smartgen.roles.service import DecodeService, FinishEvent, GenerationParams, RequestHandle, ServiceError
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_BODY = 4 * 2**20  # bytes; `smartgen serve --max-body-bytes`
 STOP_DRAIN_S = 2.0  # how long to wait for the service's own FinishEvent (its usage) after a stop string cancels
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -47,7 +49,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict"}  # pydantic's union
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, presence_penalty, ...) are ignored
+    # unknown OpenAI fields (user, presence_penalty, ...) are ignored; known ones are strict: "stream": "yes"
+    # and "max_tokens": true are refused rather than coerced
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -83,12 +87,17 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
 
 
-def create_app(service: DecodeService, metrics: Callable[[], tuple[bytes, str]] | None = None) -> FastAPI:
+def create_app(
+    service: DecodeService,
+    metrics: Callable[[], tuple[bytes, str]] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+) -> FastAPI:
     """The FastAPI app serving `service` (run it with uvicorn; `smartgen serve --role decode` does).
 
     `metrics` renders the node's Prometheus registry (body, content type) for GET /metrics.
     """
     app = FastAPI(title="SmartGen decode node", version="1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # before any byte of an oversized body is read
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -131,6 +140,8 @@ def create_app(service: DecodeService, metrics: Callable[[], tuple[bytes, str]] 
             if len(prompt) != 1:
                 raise ServiceError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
+        if not prompt:  # "" and [] alike: a text prompt is never silently turned into just a start token
+            raise ServiceError("the prompt is empty")
         encode = (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: service.tokenizer.encode(prompt))
         return await _serve(service, request, body, encode, chat=False)
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from smartgen.engine.policy import get_policy
+from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.roles.decode_node import DecodeNode
+from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
@@ -37,6 +39,7 @@ class NodeSettings:
     link_gbps: float | None = None
     delay_ms: float = 0.0
     lane: str = "tcp"  # a name in smartgen.lanes.backends
+    lease_s: float = DEFAULT_LEASE_S  # a peer silent this long is declared dead (heartbeats every lease / 4)
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -111,6 +114,7 @@ def build_prefill_node(
         delay_s=settings.delay_ms / 1e3,
         max_queue=max_queue,
         lane=settings.lane,
+        lease_s=settings.lease_s,
     )
     return node, profile_note
 
@@ -125,6 +129,7 @@ def build_decode_node(
     max_tokens: int,
     max_waiting: int,
     emulate_layer_ms: float = 0.0,
+    limits: DecodeLimits | None = None,
 ) -> DecodeNode:
     from transformers import AutoTokenizer
 
@@ -151,4 +156,5 @@ def build_decode_node(
         max_waiting=max_waiting,
         lane=settings.lane,
         emulate_layer_s=emulate_layer_ms / 1e3,
+        limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
     )

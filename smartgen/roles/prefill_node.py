@@ -11,7 +11,9 @@ A request's life on a prefill node:
 4. FIRST_TOKEN goes out with the selector metadata.
 5. FETCH requests are answered and each idle notice pushes the next speculative slice
    (the engine's serve thread, per decode node).
-6. RELEASE, ABORT, or the decode node's connection lost: the store is freed.
+6. RELEASE, ABORT, or the decode node's connection lost (closed, or silent past its lease:
+   heartbeats flow both ways on every connection): the store is freed; other decode nodes
+   are served on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.backends import lane_factory
+from smartgen.lanes.liveness import DEFAULT_LEASE_S, Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.roles.identity import node_identity
@@ -56,6 +59,7 @@ class PrefillNode:
         delay_s: float = 0.0,
         max_queue: int = 64,
         lane: str = "tcp",
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -65,7 +69,13 @@ class PrefillNode:
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
         self.listener = TcpListener(
-            host, port, secret, self.identity, Pacer(link_gbps, delay_s), lane_factory=lane_factory(lane)
+            host,
+            port,
+            secret,
+            self.identity,
+            Pacer(link_gbps, delay_s),
+            lane_factory=lane_factory(lane),
+            lease=Lease(lease_s),
         )
         self.address = self.listener.address
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
@@ -89,9 +99,10 @@ class PrefillNode:
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
             "paths": self.engine.counters.snapshot(),
+            "decode_nodes": len(self.engine.links),
             "links": [
                 {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
-                for link in self.engine._links
+                for link in self.engine.links
             ],
         }
         self.monitoring.decorate(snapshot)

@@ -1,8 +1,9 @@
 """The decode node's scheduler: admission, dispatch to prefill nodes, and continuous batching at step granularity.
 
 A request's life on the decode node:
-1. `submit()`: validated and queued (a bounded queue: refused with 429 when full, 413 when
-   the prompt cannot fit a pool slot).
+1. `submit()`: validated (roles.admission: 400 for bad ids, 413 over the model's context or a
+   pool slot; 503 with no live prefill node) and queued (a bounded queue: 503 with the reason
+   when full). A refused request changes nothing on either node.
 2. Dispatched when a pool slot is free: handed to the decode driver (`runtime.driver`), which
    opens it on the engine (slot, masks remote, OPEN to the least-loaded prefill node).
 3.-4. The driver's lifecycle: prefilling, first token (streamed: TTFT), joining the running
@@ -28,6 +29,7 @@ import torch
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy, get_policy, split_label
+from smartgen.roles.admission import RequestLimits, check_request
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
@@ -56,13 +58,16 @@ class DecodeScheduler:
         model_name: str,
         *,
         max_waiting: int = 64,
-        prefill_timeout: float = 300.0,
+        prefill_timeout: float = 120.0,
+        peers: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.driver = DecodeDriver(runner, prefill_timeout=prefill_timeout)
         self.engine: DecodeEngine = runner.engine
         self.tokenizer = tokenizer
         self.default_policy = default_policy
         self.model_name = model_name
+        self.peers = peers  # per prefill node: address, state, last error (for /health)
+        self.limits = RequestLimits.of(runner.model.config, self.engine.pool.max_tokens)
         self._waiting: queue.Queue[_Active] = queue.Queue(maxsize=max_waiting)
         self._active: dict[str, _Active] = {}
         self._stop = threading.Event()
@@ -83,16 +88,9 @@ class DecodeScheduler:
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> RequestHandle:
         if self._stop.is_set():
             raise ServiceError("the decode node is shutting down", 503)
-        if not prompt_ids:
-            raise ServiceError("the prompt is empty")
-        if params.max_tokens < 1:
-            raise ServiceError("max_tokens must be at least 1")
-        if len(prompt_ids) + params.max_tokens > self.engine.pool.max_tokens:
-            raise ServiceError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"{self.engine.pool.max_tokens} tokens a pool slot holds",
-                413,
-            )
+        if not self.engine.links:
+            raise ServiceError("no prefill node is connected (see /health); try again later", 503)
+        check_request(prompt_ids, params, self.limits)
         try:
             policy = get_policy(params.scheme) if params.scheme else self.default_policy
             explicit = params.scheme is not None and split_label(params.scheme)[1] is not None
@@ -116,7 +114,11 @@ class DecodeScheduler:
         try:
             self._waiting.put_nowait(_Active(handle, request))
         except queue.Full:
-            raise ServiceError("too many requests waiting; try again later", 429) from None
+            raise ServiceError(
+                f"overloaded: {self._waiting.maxsize} requests already wait for one of the "
+                f"{self.engine.pool.num_slots} pool slots; try again later",
+                503,
+            ) from None
         self._wake.set()
         return handle
 
@@ -128,15 +130,19 @@ class DecodeScheduler:
         return stop_ids.__contains__
 
     def health(self) -> dict[str, Any]:
-        return {
-            "ready": self.ready and not self._stop.is_set(),
+        live = len(self.engine.links)
+        report = {
+            "ready": self.ready and not self._stop.is_set() and live > 0,
             "model": self.model_name,
-            "prefill_nodes": len(self.engine._links),
+            "prefill_nodes": live,
             "running": len(self.driver.running),
             "prefilling": len(self.driver.prefilling),
             "waiting": self._waiting.qsize(),
             "free_slots": self.engine.pool.num_free,
         }
+        if self.peers is not None:
+            report["peers"] = self.peers()
+        return report
 
     def status(self) -> dict[str, Any]:
         """Engine counters, lane counters, and per request: state, timings and per-layer mask summary."""
@@ -160,7 +166,7 @@ class DecodeScheduler:
             "paths": engine.counters.snapshot(),
             "links": [
                 {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
-                for link in engine._links
+                for link in engine.links
             ],
             "requests": requests,
             "recent": list(self._recent),

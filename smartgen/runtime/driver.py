@@ -79,7 +79,7 @@ Event = Token | Finished
 class DecodeDriver:
     """Runs requests on a DecodeEngine and a DecodeRunner; not thread-safe (one caller drives it)."""
 
-    def __init__(self, runner: DecodeRunner, *, prefill_timeout: float = 300.0) -> None:
+    def __init__(self, runner: DecodeRunner, *, prefill_timeout: float = 120.0) -> None:
         self.runner = runner
         self.engine: DecodeEngine = runner.engine
         self.prefill_timeout = prefill_timeout
@@ -194,9 +194,23 @@ class DecodeDriver:
             _, logits = self.runner.step(batch)
         except RequestFailed as exc:
             return self._fail_broken(str(exc))
+        # Requests whose fetch failed or timed out in this step (their prefill node lost or stalled) were
+        # only marked: the step ran to its end for everyone, and now they leave; the others go on.
+        events: list[Event] = []
+        failed = self.engine.failed(batch.request_ids)
+        if failed:
+            keep = [b for b in range(len(self.running)) if b not in set(failed)]
+            victims = [self.running[b] for b in failed]
+            self._leave_batch(failed)
+            for request in victims:
+                rid = request.request_id
+                error = self.engine.metrics(rid).error if self.engine.has_request(rid) else None
+                events.append(self._abort(request, error or "its prefill node failed it", "error"))
+            if not self.running:
+                return events
+            logits = logits[keep]
         self.engine.end_step(batch.request_ids)
         tokens = torch.stack([request.sampler(logits[b : b + 1])[0] for b, request in enumerate(self.running)])
-        events: list[Event] = []
         done = []
         for b, request in enumerate(self.running):
             if request.keep_logits:

@@ -1,0 +1,138 @@
+"""Two prefill nodes, one decode node, one process, real TCP: a lost or stalled prefill node fails only the
+requests that need it (or re-prefills them elsewhere), and the others finish."""
+
+import time
+
+import pytest
+import torch
+from conftest import wait_until
+from tiny_models import tiny_config
+
+from smartgen.engine.policy import get_policy
+from smartgen.roles.decode_node import DecodeNode
+from smartgen.roles.limits import DecodeLimits
+from smartgen.roles.planner import NodePlanner
+from smartgen.roles.prefill_node import PrefillNode
+from smartgen.roles.service import FinishEvent, GenerationParams
+from smartgen.runtime.models import kv_layout, model_from_config, model_info
+from smartgen.selectors import make_selector
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = model_from_config(tiny_config("llama"))
+    layout = kv_layout(model, num_blocks=16)
+    return model, layout, model_info(model)
+
+
+def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
+    model, layout, info = parts
+    node = PrefillNode(
+        model,
+        make_selector("quest", info, budget=0.3, page_size=4),
+        layout,
+        NodePlanner(layout, None, "streaming", link_gbps=0.5),
+        port=0,
+        secret="s",
+    )
+    if not prefills:  # accepts requests but never prefills them: they stay "prefilling" until it goes away
+
+        def nothing_to_prefill(timeout: float | None = None) -> None:
+            time.sleep(timeout or 0)
+
+        node.engine.next_request = nothing_to_prefill  # type: ignore[method-assign]
+    node.start()
+    return node
+
+
+def _decode_node(parts, prefills: list[PrefillNode], limits: DecodeLimits) -> DecodeNode:
+    model, layout, info = parts
+    node = DecodeNode(
+        model,
+        _Tokenizer(),
+        make_selector("quest", info, budget=0.3, page_size=4),
+        layout,
+        get_policy("partial"),
+        [p.address for p in prefills],
+        secret="s",
+        max_batch=4,
+        max_tokens=256,
+        limits=limits,
+    )
+    node.start()
+    return node
+
+
+def _finish(handle, timeout: float = 60) -> FinishEvent:
+    events = list(handle.events(timeout=timeout))
+    assert isinstance(events[-1], FinishEvent)
+    return events[-1]
+
+
+def _prompt(seed: int, n: int = 120) -> list[int]:
+    return torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_finish(parts, policy):
+    stuck, healthy = _prefill_node(parts, prefills=False), _prefill_node(parts)
+    decode = _decode_node(parts, [stuck, healthy], DecodeLimits(on_prefill_failure=policy))
+    try:
+        params = GenerationParams(max_tokens=8, ignore_eos=True)
+        handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (1, 2)]  # least loaded: one each
+        deadline = time.monotonic() + 30
+        while stuck.engine.num_open < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stuck.engine.num_open == 1
+        stuck.stop()  # the prefill node holding one request goes away before prefilling it
+        finishes = [_finish(h) for h in handles]
+        reasons = sorted(f.reason for f in finishes)
+        if policy == "fail":
+            assert reasons == ["error", "length"]
+            failed = next(f for f in finishes if f.reason == "error")
+            assert "prefill node connection lost" in (failed.error or "")
+        else:
+            assert reasons == ["length", "length"], [f.error for f in finishes]
+        assert len(decode.engine.links) == 1 and decode.engine.pool.num_free == 4
+        # RELEASE reaches the healthy prefill node after the client's FinishEvent: wait for it
+        wait_until(lambda: healthy.engine.store.num_requests == 0, 10, "the healthy prefill node to free")
+    finally:
+        decode.stop()
+        healthy.stop()
+        stuck.stop()
+
+
+def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
+    stalled, healthy = _prefill_node(parts), _prefill_node(parts)
+    release = False
+
+    def never_answer(link, message):  # alive (heartbeats flow) but never answers a fetch
+        while not release:
+            time.sleep(0.05)
+
+    stalled.engine._serve_fetch = never_answer  # type: ignore[method-assign]
+    decode = _decode_node(parts, [stalled, healthy], DecodeLimits(fetch_timeout_s=1.5))
+    try:
+        params = GenerationParams(max_tokens=24, ignore_eos=True)
+        started = time.monotonic()
+        handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (3, 4)]
+        finishes = [_finish(h) for h in handles]
+        elapsed = time.monotonic() - started
+        by_reason = {f.reason: f for f in finishes}
+        assert set(by_reason) == {"error", "length"}, [(f.reason, f.error) for f in finishes]
+        assert "timed out after 1.5 s" in (by_reason["error"].error or "")
+        assert by_reason["length"].usage["completion_tokens"] == 24
+        assert elapsed < 30  # a hang guard: the healthy request waited out one fetch timeout, not forever
+        print(f"\nstalled fetch: failed its request; the other finished, both done in {elapsed:.2f} s")
+    finally:
+        release = True
+        decode.stop()
+        healthy.stop()
+        stalled.stop()

@@ -1,0 +1,249 @@
+"""A hostile or broken peer on the TCP wire: every frame is checked before it touches memory, a bad one
+closes that connection with a reason, and the rest of the node goes on. Also leases and mutual auth."""
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from smartgen.lanes.auth import client_mac
+from smartgen.lanes.liveness import Lease, arm
+from smartgen.lanes.tcp import TcpLane
+from smartgen.lanes.tcp_link import TcpListener, tcp_connect
+from smartgen.lanes.wire import HEADER, MAGIC, PROTOCOL_VERSION, FrameType, HandshakeError, recv_header, send_header
+
+IDENTITY = {"fingerprint": "f", "model": "m", "layout": [2, 2, 4, "float32", 8]}
+REGION = 256
+SLOT = (64, 128)  # the accepted request's bytes in region "k"
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected loopback TCP sockets (the lanes set TCP options a Unix socketpair lacks)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname()[:2])
+        accepted, _ = server.accept()
+    return accepted, client
+
+
+@pytest.fixture
+def lane():
+    """A receiving TcpLane (regions k and mask, request "r" accepted in SLOT) and the raw socket of its peer."""
+    mine, theirs = _tcp_pair()
+    endpoint = TcpLane(mine, "victim")
+    endpoint.register_region("k", torch.zeros(REGION, dtype=torch.uint8))
+    endpoint.accept("r", {"k": [SLOT]})
+    theirs.settimeout(5)
+    yield endpoint, theirs
+    endpoint.close()
+    theirs.close()
+
+
+def _write(sock, request_id, ops, payload: bytes, seq=1) -> None:
+    send_header(sock, FrameType.WRITE, request_id, {"seq": seq, "ops": ops}, len(payload))
+    sock.sendall(payload)
+
+
+def _ack(sock) -> dict:
+    frame = recv_header(sock)
+    assert frame.type == FrameType.ACK
+    return frame.meta
+
+
+def _closed_with(endpoint, reason: str) -> None:
+    deadline = time.monotonic() + 5
+    while not endpoint.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert endpoint.closed, "the lane should have closed"
+    assert reason in (endpoint.error or ""), endpoint.error
+
+
+@pytest.mark.parametrize(
+    "request_id,offset,length,why",
+    [
+        ("r", REGION, 8, "past the region's end"),
+        ("r", REGION - 4, 8, "straddling the end"),
+        ("r", 0, 8, "inside the region, before the request's slot"),
+        ("r", SLOT[1] - 4, 8, "straddling the slot's end"),
+        ("other", SLOT[0], 8, "a request that was never accepted"),
+    ],
+)
+def test_writes_outside_the_requests_slot_are_dropped_and_the_stream_stays_in_sync(
+    lane, request_id, offset, length, why
+):
+    endpoint, peer = lane
+    region = endpoint._regions["k"]
+    _write(peer, request_id, [["k", offset, length]], b"\xff" * length)
+    assert _ack(peer) == {"seq": 1, "applied": False}, why
+    assert int(region.sum()) == 0, f"{why}: nothing may land"
+    _write(peer, "r", [["k", SLOT[0], 8]], b"\x01" * 8, seq=2)  # in sync: the next frame lands
+    assert _ack(peer) == {"seq": 2, "applied": True}
+    assert int(region.sum()) == 8 and not endpoint.closed
+
+
+@pytest.mark.parametrize(
+    "frame,reason",
+    [
+        (lambda s: _write(s, "r", [["k", -8, 8]], b"\0" * 8), "offset -8"),
+        (lambda s: _write(s, "r", [["k", SLOT[0], 8]], b"\0" * 12), "add up to 8 bytes, the payload is 12"),
+        (lambda s: _write(s, "r", [["k", "64", 8]], b"\0" * 8), "not an integer"),
+        (lambda s: _write(s, "r", [["k", 64, True]], b"\0" * 1), "not an integer"),
+        (lambda s: _write(s, "r", "all of it", b""), "ops is not a list"),
+        (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 2, 0) + b"[]"), "meta is a JSON list"),
+        (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 3, 0) + b"{{{"), "unreadable"),
+        (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 2**30, 0)), "too large"),
+        (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 4000, 2, 0)), "request id of 4000 bytes"),
+        (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 99, 0, 0, 0)), "unknown frame type 99"),
+        (lambda s: s.sendall(HEADER.pack(b"XX", PROTOCOL_VERSION, 5, 0, 0, 0)), "bad frame magic"),
+        (lambda s: _message(s, [["k", "float32", [2**40]]], 4), "tensors of more than"),
+        (lambda s: _message(s, [["k", "float32", [-1]]], 0), "negative dimension"),
+        (lambda s: _message(s, [["k", "evil", [1]]], 4), "unknown payload dtype"),
+        (lambda s: _message(s, [["k", "float32", [2]]], 4), "its tensors need 8"),
+        (lambda s: send_header(s, FrameType.MESSAGE, "r", {"kind": 42, "meta": {}, "payload": []}, 0), "kind 42"),
+        (lambda s: send_header(s, FrameType.ACK, "", {"seq": "x"}, 0), "bad frame from peer"),
+    ],
+)
+def test_a_malformed_frame_closes_the_connection_with_the_reason(lane, frame, reason, caplog):
+    endpoint, peer = lane
+    errors: list = []
+    hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args)
+    try:
+        frame(peer)
+        _closed_with(endpoint, reason)
+    finally:
+        threading.excepthook = hook
+    assert not errors, "no thread may die with a traceback"
+    assert int(endpoint._regions["k"].sum()) == 0
+    assert any("closing" in r.getMessage() for r in caplog.records), "the reason is logged"
+
+
+def _message(sock, spec, payload_length: int) -> None:
+    send_header(sock, FrameType.MESSAGE, "r", {"kind": 4, "meta": {}, "payload": spec}, payload_length)
+
+
+def test_a_silent_peer_is_declared_dead_within_its_lease_and_heartbeats_keep_an_idle_one_alive():
+    a, b = _tcp_pair()
+    arm(a, Lease(0.6))
+    watched = TcpLane(a, "watched")  # its peer `b` never says anything
+    try:
+        started = time.monotonic()
+        _closed_with(watched, "lease expired")
+        assert time.monotonic() - started < 5  # detection bound, generous on a shared machine
+    finally:
+        watched.close()
+        b.close()
+    a, b = _tcp_pair()
+    arm(a, Lease(0.6))
+    arm(b, Lease(0.6))
+    left, right = TcpLane(a, "left"), TcpLane(b, "right")
+    try:
+        time.sleep(2.0)  # three leases of silence but for heartbeats
+        assert not left.closed and not right.closed, (left.error, right.error)
+    finally:
+        left.close()
+        right.close()
+
+
+def _fake_prefill_node(received: list[bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A listener without the secret: challenges, then welcomes anyone, and records what it is sent."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = server.accept()
+        conn.settimeout(5)
+        send_header(conn, FrameType.CHALLENGE, "", {"nonce": "00" * 16, "version": PROTOCOL_VERSION}, 0)
+        hello = recv_header(conn)
+        received.append(json.dumps(hello.meta).encode())
+        send_header(conn, FrameType.WELCOME, "", {"version": PROTOCOL_VERSION, "mac": "0" * 64}, 0)
+        try:
+            while chunk := conn.recv(65536):
+                received.append(chunk)
+        except OSError:
+            pass
+        conn.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_a_listener_without_the_secret_is_refused_before_it_gets_anything():
+    received: list[bytes] = []
+    server, thread = _fake_prefill_node(received)
+    try:
+        with pytest.raises(HandshakeError, match="did not prove the shared secret"):
+            tcp_connect(*server.getsockname()[:2], "the-secret", IDENTITY)
+        thread.join(5)
+        assert len(received) == 1 and b"the-secret" not in received[0]  # the HELLO only: no frame after it
+    finally:
+        server.close()
+
+
+def test_a_recorded_hello_cannot_be_replayed_on_another_connection():
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY)
+    try:
+        sock = socket.create_connection(listener.address, timeout=5)
+        challenge = recv_header(sock)
+        meta = {**IDENTITY, "channel": "push", "session": "x", "nonce": "11" * 16}
+        meta["mac"] = client_mac("s", challenge.meta["nonce"], meta)
+        body = json.dumps(meta).encode()
+        hello = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(FrameType.HELLO), 0, len(body), 0) + body
+        sock.sendall(hello)
+        assert recv_header(sock).type == FrameType.WELCOME  # the genuine HELLO is accepted once
+        sock.close()
+        replay = socket.create_connection(listener.address, timeout=5)
+        recv_header(replay)  # a fresh CHALLENGE, another nonce
+        replay.sendall(hello)
+        reply = recv_header(replay)
+        assert reply.type == FrameType.REJECT and "wrong shared secret" in reply.meta["reason"]
+        replay.close()
+    finally:
+        listener.close()
+
+
+def test_an_oversized_handshake_is_refused_before_allocation_and_the_listener_serves_on():
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY)
+    try:
+        for header in (
+            HEADER.pack(MAGIC, PROTOCOL_VERSION, int(FrameType.HELLO), 0, 16 * 2**20, 0),  # 16 MiB meta
+            HEADER.pack(MAGIC, PROTOCOL_VERSION, int(FrameType.HELLO), 0, 2, 0) + b"[]",  # meta not an object
+        ):
+            hostile = socket.create_connection(listener.address, timeout=5)
+            recv_header(hostile)
+            hostile.sendall(header)
+            assert hostile.recv(1 << 16) == b""  # closed on us, with nothing allocated for the meta
+            hostile.close()
+        deadline = time.monotonic() + 5
+        while len(listener.rejections) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "too large" in listener.rejections[0] and "not an object" in listener.rejections[1]
+        good = tcp_connect(*listener.address, "s", IDENTITY)  # a real decode node still gets in
+        accepted = listener.accept(timeout=5)
+        assert accepted is not None
+        good.close()
+        accepted[0].close()
+    finally:
+        listener.close()
+
+
+def test_a_connection_flood_gets_no_thread_per_socket():
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY)
+    idle = []
+    try:
+        for _ in range(40):  # connect and say nothing: each holds a handshake slot until its timeout
+            idle.append(socket.create_connection(listener.address, timeout=5))
+        deadline = time.monotonic() + 5
+        while not any("authenticating" in r for r in listener.rejections) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any("authenticating" in r for r in listener.rejections)
+    finally:
+        for sock in idle:
+            sock.close()
+        listener.close()
+
+
+def test_struct_header_layout_is_what_the_docs_say():
+    assert HEADER.size == 18 and struct.calcsize("<2sBBHIQ") == 18
