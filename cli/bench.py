@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .lists import names, numbers
 from .store_options import DbOption
 
 PANEL_WORK = "Workload"
@@ -17,24 +18,6 @@ PANEL_RUN = "Run and output"
 
 NORMAL = {"lengths": "2048", "blocks": "1024", "output_tokens": "64", "reps": "3"}
 QUICK = {"lengths": "1024", "blocks": "256", "output_tokens": "16", "reps": "1"}
-
-
-def _floats(text: str, name: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        fail(f"{name} takes comma-separated numbers, got {text!r}")
-
-
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        fail(f"{name} takes comma-separated whole numbers, got {text!r}")
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def bench(
@@ -177,19 +160,19 @@ def bench(
     try:
         config = BenchConfig(
             model=model,
-            schemes=_names(schemes),
-            strategies=_names(strategies),
+            schemes=names(schemes),
+            strategies=names(strategies),
             selector=selector,
             lane=lane,
-            batch=_ints(batch, "--batch"),
-            lengths=_ints(lengths, "--lengths"),
-            stall_ratio=_floats(stall_ratio, "--stall-ratio"),
-            link_gbps=_floats(link_gbps, "--link-gbps"),
+            batch=numbers(batch, "--batch", int),
+            lengths=numbers(lengths, "--lengths", int),
+            stall_ratio=numbers(stall_ratio, "--stall-ratio", float),
+            link_gbps=numbers(link_gbps, "--link-gbps", float),
             decode_ratio=decode_ratio,
-            blocks=_ints(blocks, "--blocks"),
-            budget=_floats(budget, "--budget"),
-            speculative_ratio=_floats(speculative_ratio, "--speculative-ratio"),
-            prefill_nodes=_ints(prefill_nodes, "--prefill-nodes"),
+            blocks=numbers(blocks, "--blocks", int),
+            budget=numbers(budget, "--budget", float),
+            speculative_ratio=numbers(speculative_ratio, "--speculative-ratio", float),
+            prefill_nodes=numbers(prefill_nodes, "--prefill-nodes", int),
             output_tokens=output_tokens,
             reps=reps,
             warmup=warmup,

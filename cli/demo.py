@@ -13,6 +13,7 @@ import typer
 from smartgen.sysinfo import SAMPLES_DIR
 
 from .errors import fail
+from .lists import names
 
 DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
 
@@ -67,7 +68,7 @@ def demo(
         model=model,
         db=db,
         calibration=calibration,
-        schemes=tuple(s.strip() for s in schemes.split(",") if s.strip()),
+        schemes=names(schemes),
         length=length,
         per_task=per_task,
         selector=selector,

@@ -11,6 +11,7 @@ import typer
 from smartgen.cli.profiles import DbOption
 
 from .errors import fail
+from .lists import names as _split
 
 if TYPE_CHECKING:
     from smartgen.apps.evaluation import EvalReport
@@ -21,10 +22,6 @@ PANEL_QUANT = "Quantized KV (quant2)"
 PANEL_OUTPUT = "Output"
 SELECTORS = ("quest", "infinigen", "hata", "topk")
 ROW_HEADER_WIDTH = 27  # task + length columns and the table's margins
-
-
-def _split(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _length(text: str) -> int:

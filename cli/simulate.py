@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .lists import names
 
 PANEL_WORK = "Workload"
 PANEL_LINK = "Link and compute"
@@ -113,16 +114,12 @@ def simulate(
 
     try:
         try:
-            prompt_lengths = tuple(int(x) for x in lengths.split(",") if x.strip())
+            prompt_lengths = tuple(int(x) for x in names(lengths))
         except ValueError:
             raise ValueError(f"--lengths needs comma-separated token counts, e.g. 4096,3000; got {lengths!r}") from None
         if not prompt_lengths or min(prompt_lengths) < 1:
             raise ValueError("--lengths needs positive integers, e.g. 4096,3000")
-        chosen = [
-            get_policy(name.strip(), strategy=strategy, speculative_ratio=speculative_ratio)
-            for name in policies.split(",")
-            if name.strip()
-        ]
+        chosen = [get_policy(name, strategy=strategy, speculative_ratio=speculative_ratio) for name in names(policies)]
         if not chosen:
             raise ValueError("--policies is empty")
         layout = KVLayout(layers, kv_heads, head_dim, torch.float32, num_blocks=blocks)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 from conftest import wait_until
-from tiny_models import tiny_config
+from tiny_models import IdTokenizer, tiny_config
 
 from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
@@ -16,13 +16,6 @@ from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams
 from smartgen.runtime.models import kv_layout, model_from_config, model_info
 from smartgen.selectors import make_selector
-
-
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def _decode_node(parts, prefills: list[PrefillNode], limits: DecodeLimits) -> De
     model, layout, info = parts
     node = DecodeNode(
         model,
-        _Tokenizer(),
+        IdTokenizer(),
         make_selector("quest", info, budget=0.3, page_size=4),
         layout,
         get_policy("partial"),

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import IdTokenizer, tiny_config
 
 from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
@@ -14,13 +14,6 @@ from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams, ServiceError
 from smartgen.runtime.models import kv_layout, model_from_config, model_info
 from smartgen.selectors import make_selector
-
-
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,7 @@ def cluster():
         prefills.append(node)
     decode = DecodeNode(
         model,
-        _Tokenizer(),
+        IdTokenizer(),
         make_selector("quest", info, budget=0.3, page_size=4),
         layout,
         get_policy("smartgen"),
@@ -120,7 +113,7 @@ def test_refusals_are_clear(cluster):
     # a scheduler whose loop is not running: its bounded queue fills and then refuses with 503 and the reason
     from smartgen.roles.scheduler import DecodeScheduler
 
-    idle = DecodeScheduler(decode.runner, _Tokenizer(), get_policy("smartgen"), "tiny", max_waiting=2)
+    idle = DecodeScheduler(decode.runner, IdTokenizer(), get_policy("smartgen"), "tiny", max_waiting=2)
     for _ in range(2):
         idle.submit(_prompt(2, 20), GenerationParams())
     with pytest.raises(ServiceError) as refused:

@@ -119,3 +119,34 @@ def test_metadata_from_prefill_equals_metadata_from_the_full_cache(llama, select
             expected = skewed.gather(2, meta["columns"][:, None, :].expand(-1, keys.shape[1], -1))
             torch.testing.assert_close(meta["partial_keys"].float(), expected, atol=1e-5, rtol=1e-5)
     assert output.metadata[0] == {} and output.metadata[1] == {}
+
+
+def test_query_proactive_set_keeps_the_numbers_and_is_used(llama, monkeypatch):
+    """SmartGen with the "query" proactive set on a real model: same tokens as all-local, and the prefill worker
+    really handed the engine the last query's attention (it is only computed for requests that use it)."""
+    from smartgen.engine.prefill import PrefillEngine
+
+    seen = []
+    real = PrefillEngine.prefill_layer
+
+    def spy(self, request_id, layer, k, v, token_scores=None):
+        seen.append((layer, token_scores is not None))
+        return real(self, request_id, layer, k, v, token_scores)
+
+    monkeypatch.setattr(PrefillEngine, "prefill_layer", spy)
+    params = {"budget": 0.3, "page_size": 4}
+    local = _run(llama, "full", "quest", params)
+    assert not any(scored for _, scored in seen), "no scores for a request that does not use them"
+    seen.clear()
+    split = _run(
+        llama,
+        "smartgen",
+        "quest",
+        params,
+        strategy="query",
+        gbps=0.5,
+        prefill_seconds_per_token=2e-4,
+        transfer_seconds_per_token=1e-3,
+    )
+    assert [r.tokens for r in split] == [r.tokens for r in local]
+    assert {layer for layer, scored in seen if scored} == {2, 3}  # every layer past the always-sent ones

@@ -91,3 +91,12 @@ def save_tiny_model(folder, family: str = "llama", seed: int = 0):
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
+
+
+class IdTokenizer:
+    """A tokenizer stand-in for nodes built in-process: no EOS, token ids decode to their numbers."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))

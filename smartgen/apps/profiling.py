@@ -35,6 +35,7 @@ from smartgen.lanes.rate import transfer_seconds
 from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout
 from smartgen.runtime.pipeline import InprocPipeline
+from smartgen.runtime.prefill import LayerSink, PrefillOutput
 from smartgen.selectors.base import LayerMetadata, PrefillLayer, Selector, StepQuery
 from smartgen.store.profile import Profile
 
@@ -261,11 +262,17 @@ class _Calibrator:
         self._prefill = runner.run
         self._prefill_seconds: list[float] = []
         # wraps this runner's bound method (the pipeline made the runner); a subclass would need a second runner
-        runner.run = self._timed_prefill  # type: ignore[method-assign]
+        runner.run = self._timed_prefill  # type: ignore[method-assign,assignment]
 
-    def _timed_prefill(self, ids, on_layer=None):
+    def _timed_prefill(
+        self,
+        ids: torch.Tensor | list[int],
+        on_layer: LayerSink | None = None,
+        *,
+        last_query_scores: bool = False,
+    ) -> PrefillOutput:
         start = time.perf_counter()
-        output = self._prefill(ids, on_layer)
+        output = self._prefill(ids, on_layer, last_query_scores=last_query_scores)
         self._prefill_seconds.append(time.perf_counter() - start)
         return output
 

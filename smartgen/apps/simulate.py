@@ -95,7 +95,10 @@ class _SyntheticPrefill:
         self.num_layers = config.layout.num_layers
         self.kvs = kvs
 
-    def run(self, prompt: torch.Tensor, on_layer: Callable[..., object]) -> SimpleNamespace:
+    def run(
+        self, prompt: torch.Tensor, on_layer: Callable[..., object], *, last_query_scores: bool = False
+    ) -> SimpleNamespace:
+        """`last_query_scores` is accepted and ignored: a synthetic prompt has no queries (no "query" pick)."""
         k, v = self.kvs[int(prompt[0])]
         for layer in range(self.num_layers):
             if self.layer_seconds:

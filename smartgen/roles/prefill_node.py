@@ -65,7 +65,7 @@ class PrefillNode:
         self.layout = layout
         self.planner = planner
         self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
-        self.runner = PrefillRunner(model, selector, last_query_scores=True)
+        self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
         self.listener = TcpListener(

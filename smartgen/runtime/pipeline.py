@@ -89,7 +89,7 @@ class InprocPipeline:
         self.prefill_engine.attach(prefill_end, self.decode_engine.pool.geometry)
         self.decode_engine.attach(decode_end)
         self.sampler = sampler or Sampler()
-        self.prefill_runner = PrefillRunner(model, self.selector, self.sampler, last_query_scores=True)
+        self.prefill_runner = PrefillRunner(model, self.selector, self.sampler)
         self.decode_runner = DecodeRunner(model, self.selector, self.decode_engine, self.sampler)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ __all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinig
 
 
 # on_layer(layer, k [n, H, d], v [n, H, d], metadata[, token_scores [n]]); what it returns is ignored.
-# token_scores (a runner made with last_query_scores=True, layers >= 2): the last query's attention per token.
+# token_scores (a run with last_query_scores=True, layers >= 2): the last query's attention per token.
 LayerSink = Callable[..., object]
 
 
@@ -79,13 +79,8 @@ class PrefillRunner:
         model: PreTrainedModel,
         selector: Selector | None,
         sampler: Sampler | None = None,
-        *,
-        last_query_scores: bool = False,
     ) -> None:
-        """`last_query_scores`: hand each layer >= 2 the prompt's last query's attention per token too (the
-        "query" proactive strategy picks blocks by it)."""
         check_runnable(model)
-        self.last_query_scores = last_query_scores
         self.model = model
         self.selector = selector
         self.sampler = sampler or Sampler()
@@ -93,13 +88,23 @@ class PrefillRunner:
         needs_hidden = selector is not None and getattr(selector, "needs_prefill_hidden", False)
         self.capture = HiddenCapture(model) if needs_hidden else None
 
-    def run(self, input_ids: torch.Tensor | list[int], on_layer: LayerSink | None = None) -> PrefillOutput:
-        """Prefills one prompt; `on_layer` gets each layer's K/V as soon as it exists."""
+    def run(
+        self,
+        input_ids: torch.Tensor | list[int],
+        on_layer: LayerSink | None = None,
+        *,
+        last_query_scores: bool = False,
+    ) -> PrefillOutput:
+        """Prefills one prompt; `on_layer` gets each layer's K/V as soon as it exists.
+
+        `last_query_scores`: also hand each layer >= 2 the prompt's last query's attention per token (the
+        "query" proactive strategy picks blocks by it; only requests that use it pay for it).
+        """
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(self.model.device)
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty")
         handler = _PrefillHandler(
-            self.selector, self.kinds, on_layer or (lambda *_: None), self.capture, self.last_query_scores
+            self.selector, self.kinds, on_layer or (lambda *_: None), self.capture, last_query_scores
         )
         if self.capture is not None:
             self.capture.start()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from smartgen.engine.policy import Strategy
 from smartgen.engine.prefill import OpenedRequest, PrefillEngine, RequestGone
 from smartgen.runtime.prefill import PrefillRunner
 
@@ -66,7 +67,11 @@ class PrefillWorker:
             return False
         started = time.monotonic()
         try:
-            output = self.runner.run(request.prompt, on_layer=functools.partial(self._hand_off, rid))
+            output = self.runner.run(
+                request.prompt,
+                on_layer=functools.partial(self._hand_off, rid),
+                last_query_scores=request.policy.strategy == Strategy.QUERY,
+            )
             if self.on_prefilled is not None:
                 self.on_prefilled(request.length, time.monotonic() - started)
             self.engine.finish_prefill(rid, output.first_token)

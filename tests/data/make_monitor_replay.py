@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import tiny_config  # noqa: E402
+from tiny_models import IdTokenizer, tiny_config  # noqa: E402
 
 from smartgen.engine.policy import get_policy  # noqa: E402
 from smartgen.roles.decode_node import DecodeNode  # noqa: E402
@@ -25,13 +25,6 @@ from smartgen.selectors import make_selector  # noqa: E402
 
 OUT = Path(__file__).with_name("monitor_replay.jsonl")
 GBPS = 0.0008  # slow enough that speculation takes a few seconds on the tiny model
-
-
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def main() -> None:
@@ -52,7 +45,7 @@ def main() -> None:
     prefill.start()
     decode = DecodeNode(
         model,
-        _Tokenizer(),
+        IdTokenizer(),
         make_selector("quest", info, budget=0.2, page_size=4),
         layout,
         get_policy("smartgen"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ class BenchConfig:
     seed: int = 0
     db: Path | None = None
     out: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for scheme in self.all_schemes:

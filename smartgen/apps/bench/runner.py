@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -87,8 +88,6 @@ class BenchResult:
 
 
 def _machine() -> dict[str, Any]:
-    import os
-
     from smartgen.sysinfo import collect_info
 
     info = collect_info()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
 
 from smartgen.apps.bench.runner import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
@@ -47,7 +46,6 @@ class Summary:
     accuracy: float | None  # mean score, 0-1
     vs_full: dict[str, float | None] = field(default_factory=dict)  # ratios against full transfer
     ttst_bound: float | None = None  # prefill + what prefill cannot hide + one all-local step
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
