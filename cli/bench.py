@@ -209,3 +209,5 @@ def bench(
             console.print(table)
     written = write_outputs(result, summaries, out)
     console.print(f"\nwrote {', '.join(str(p) for p in written)}")
+    if not any(p.suffix == ".png" for p in written):
+        console.print("no figures: they need matplotlib (pip install 'smartgen[plot]')")
