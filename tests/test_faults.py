@@ -74,6 +74,8 @@ def test_a_killed_prefill_node_is_dropped_at_once_and_reconnected_after_restart(
         refuse_s = time.monotonic() - started
         assert refused.status_code == 503 and "no prefill node" in refused.json()["error"]["message"]
         assert refuse_s < 5, "a new request must not wait on a dead link"
+        mistake = httpx.post(pair.url + "/v1/completions", json={"prompt": "", "max_tokens": 4}, timeout=30)
+        assert mistake.status_code == 400, "a bad request is the client's to fix, prefill node or not"
         pair.prefill.wait(10)
         restarted = time.monotonic()
         pair.start_prefill(pair.prefill_address)  # the same port, as an operator restarting it would

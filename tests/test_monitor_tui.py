@@ -167,3 +167,20 @@ def test_downsample_keeps_remote_visible():
     assert downsample("LLLLRLLL", 4) == "LLML"
     assert downsample("....LLLL", 2) == ".L"
     assert downsample("LR", 8) == "LR"
+
+
+def test_a_finished_request_shows_its_final_on_demand_ratio():
+    from smartgen.tui.model import Frame
+
+    model = DashboardModel()
+    active = {"request_id": "r1", "state": "decoding", "on_demand_ratio": 0.5, "masks": []}
+    model.update(Frame(0.0, {"role": "decode", "requests": [active], "recent": []}))
+    done = {"request_id": "r1", "finish_reason": "length", "completion_tokens": 8, "on_demand_ratio": 0.03}
+    model.update(Frame(1.0, {"role": "decode", "requests": [], "recent": [done]}))
+    (row,) = [r for r in model.requests() if r.request_id == "r1"]
+    assert row.on_demand_ratio == 0.03  # the node's final figure, not the last one seen mid-run
+    older = {"request_id": "r2", "finish_reason": "length", "completion_tokens": 8}  # a node that did not report it
+    model.update(Frame(0.0, {"role": "decode", "requests": [{**active, "request_id": "r2"}], "recent": []}))
+    model.update(Frame(1.0, {"role": "decode", "requests": [], "recent": [older]}))
+    (row,) = [r for r in model.requests() if r.request_id == "r2"]
+    assert row.on_demand_ratio == 0.5

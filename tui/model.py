@@ -135,7 +135,8 @@ class DashboardModel:
                 self._ratios[entry["request_id"]] = entry["on_demand_ratio"]
         for entry in decode.get("recent", []):
             row = self._finished[entry["request_id"]] = _finished_row(entry)
-            row.on_demand_ratio = self._ratios.get(row.request_id)
+            if row.on_demand_ratio is None:  # a node that does not report it at the finish: the last value seen
+                row.on_demand_ratio = self._ratios.get(row.request_id)
         while len(self._finished) > FINISHED_KEEP:
             self._finished.pop(next(iter(self._finished)))
         shown = {r.request_id for r in self.requests()}
@@ -277,6 +278,6 @@ def _finished_row(e: dict[str, Any]) -> RequestRow:
         e.get("ttst"),
         e.get("tbt"),
         e.get("completion_tokens"),
-        None,
+        e.get("on_demand_ratio"),  # the request's final ratio, which the decode node now reports at the finish
         False,
     )

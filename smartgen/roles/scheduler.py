@@ -88,8 +88,6 @@ class DecodeScheduler:
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> RequestHandle:
         if self._stop.is_set():
             raise ServiceError("the decode node is shutting down", 503)
-        if not self.engine.links:
-            raise ServiceError("no prefill node is connected (see /health); try again later", 503)
         check_request(prompt_ids, params, self.limits)
         try:
             policy = get_policy(params.scheme) if params.scheme else self.default_policy
@@ -101,6 +99,9 @@ class DecodeScheduler:
             sampler = Sampler(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
         except ValueError as exc:
             raise ServiceError(str(exc)) from None
+        # after the input checks: a bad request is the client's to fix whether or not a prefill node is up
+        if not self.engine.links:
+            raise ServiceError("no prefill node is connected (see /health); try again later", 503)
         handle = RequestHandle(uuid.uuid4().hex, len(prompt_ids))
         request = DriverRequest(
             handle.request_id,
