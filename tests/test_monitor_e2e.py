@@ -98,6 +98,8 @@ def test_metrics_parse_and_equal_the_engine_counters(nodes):
     assert decode[("smartgen:time_to_first_token_seconds_count", ())] == len(finished)
     assert decode[("smartgen:requests_finished_total", (("reason", "length"),))] == len(finished)
     prefill = _samples(nodes.status_url.removesuffix("/status") + "/metrics")
+    # pushes are timed from posting to applied at the decode node: full transfer's took real link time
+    assert prefill[("smartgen:kv_transfer_seconds_total", (("path", "full"),))] > 0
     assert prefill[("smartgen:kv_transfer_bytes_total", (("path", "full"),))] > 0  # the full scheme's own path
     assert prefill[("smartgen:prefill_store_requests", ())] == 0
 

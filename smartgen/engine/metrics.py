@@ -114,6 +114,11 @@ class PathCounters:
         for callback in self._observers:
             callback(path, num_bytes, seconds)
 
+    def add_time(self, path: str, seconds: float) -> None:
+        """Time a transfer already counted by `add` took to complete (a push batch, from posting to applied)."""
+        with self._lock:
+            self.seconds[path] += seconds
+
     def add_failure(self, path: str) -> None:
         """A transfer on `path` that did not complete (timed out, malformed reply, link lost)."""
         with self._lock:

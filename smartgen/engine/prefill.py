@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -283,7 +284,15 @@ class PrefillEngine:
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
         completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
         full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
-        self.counters.add("full" if full else tag, kv_bytes)
+        path = "full" if full else tag
+        self.counters.add(path, kv_bytes)
+        posted = time.monotonic()
+
+        def landed(applied: bool) -> None:  # posting to applied at the decode node: the push's transfer time
+            if applied:  # a batch dropped because its request ended meanwhile is no transfer (and no failure)
+                self.counters.add_time(path, time.monotonic() - posted)
+
+        completion.add_done_callback(landed)
         if tag == "speculative":
             request.spec_in_flight = completion
         return kv_bytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -96,11 +96,25 @@ class Completion:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[bool], None]] = []
         self.applied = False
 
     def set(self, applied: bool) -> None:
-        self.applied = applied
-        self._event.set()
+        with self._lock:
+            self.applied = applied
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(applied)
+
+    def add_done_callback(self, callback: Callable[[bool], None]) -> None:
+        """Calls `callback(applied)` once the batch is done (at once if it already is), on the setter's thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self.applied)
 
     def done(self) -> bool:
         return self._event.is_set()
