@@ -158,7 +158,11 @@ class PrefillEngine:
             gone = [rid for rid, req in self._requests.items() if req.link is link]
             if link in self._links:
                 self._links.remove(link)
-        log.warning("prefill: a decode node's link closed (%s); freed %d request(s)", link.error or "closed", len(gone))
+        # an orderly close with nothing in flight (a pipeline or node shutting down) is news, not a warning
+        level = logging.WARNING if gone or link.error else logging.INFO
+        log.log(
+            level, "prefill: a decode node's link closed (%s); freed %d request(s)", link.error or "closed", len(gone)
+        )
         for request_id in gone:
             self.release(request_id)
 
