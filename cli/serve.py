@@ -202,11 +202,21 @@ def serve(
         float,
         typer.Option(
             min=0.1,
-            help="Decode node: seconds a decode step waits for one request's on-demand fetch before that request "
-            "fails (the rest of the batch goes on).",
+            help="Decode node: seconds one request may wait for an on-demand fetch before it fails (the rest of the "
+            "batch goes on).",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 30.0,
+    fetch_stall_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Decode node: a decode step waits this many ms for one request's fetch, then goes on without it: "
+            "that request leaves the batch (its step is redone) until the fetch lands, so a stalled prefill node "
+            "never holds up requests that do not need it. 0 = wait up to --fetch-timeout.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 1000.0,
     on_prefill_failure: Annotated[
         str,
         typer.Option(
@@ -278,7 +288,14 @@ def serve(
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
-            limits = DecodeLimits(lease, first_token_timeout, fetch_timeout, on_prefill_failure, max_body_bytes)
+            limits = DecodeLimits(
+                lease,
+                first_token_timeout,
+                fetch_timeout,
+                on_prefill_failure,
+                max_body_bytes,
+                fetch_stall_s=fetch_stall_ms / 1e3 or None,
+            )
             decode_node = build_decode_node(
                 settings,
                 addresses,

@@ -1,6 +1,7 @@
 """Two prefill nodes, one decode node, one process, real TCP: a lost or stalled prefill node fails only the
 requests that need it (or re-prefills them elsewhere), and the others finish."""
 
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.planner import NodePlanner
 from smartgen.roles.prefill_node import PrefillNode
-from smartgen.roles.service import FinishEvent, GenerationParams
+from smartgen.roles.service import FinishEvent, GenerationParams, TokenEvent
 from smartgen.runtime.models import kv_layout, model_from_config, model_info
 from smartgen.selectors import make_selector
 
@@ -126,6 +127,44 @@ def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
         print(f"\nstalled fetch: failed its request; the other finished, both done in {elapsed:.2f} s")
     finally:
         release = True
+        decode.stop()
+        healthy.stop()
+        stalled.stop()
+
+
+def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts):
+    """A prefill node that stops answering fetches: after --fetch-stall-ms its request leaves the batch (its step
+    is taken back), the other request decodes to its end meanwhile; once the fetch is answered the parked request
+    comes back and finishes with exactly the tokens it would have had without the stall."""
+    stalled, healthy = _prefill_node(parts), _prefill_node(parts)
+    gate = threading.Event()
+    real_serve = stalled.engine._serve_fetch
+
+    def held_back(link, message):  # the prefill node is alive (heartbeats flow) but its fetch replies wait
+        gate.wait(60)
+        real_serve(link, message)
+
+    stalled.engine._serve_fetch = held_back  # type: ignore[method-assign]
+    decode = _decode_node(parts, [stalled, healthy], DecodeLimits(fetch_timeout_s=60, fetch_stall_s=0.2))
+    try:
+        params = GenerationParams(max_tokens=24, ignore_eos=True)
+        handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (5, 6)]  # least loaded: one each
+        wait_until(lambda: stalled.engine.num_open == 1, 30, "one request to open on each prefill node")
+        on_stalled = next(i for i, h in enumerate(handles) if stalled.engine._get(h.request_id) is not None)
+        other = handles[1 - on_stalled]
+        # the other request finishes while the stall lasts: it is never held up by it (its fetches go elsewhere)
+        finish = _finish(other, timeout=30)
+        assert finish.reason == "length" and finish.usage["completion_tokens"] == 24
+        assert decode.scheduler.health()["parked"] == 1
+        gate.set()
+        events = list(handles[on_stalled].events(timeout=60))
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        assert len(tokens) == 24
+        reference = list(decode.scheduler.submit(_prompt(5 + on_stalled), params).events(timeout=60))
+        assert [e.token_id for e in reference if isinstance(e, TokenEvent)] == tokens  # the redone steps lost nothing
+    finally:
+        gate.set()
         decode.stop()
         healthy.stop()
         stalled.stop()

@@ -89,6 +89,10 @@ class _Request:
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
     open_message: msg.Open | None = None  # kept to open the request again elsewhere (recompute)
+    # fetches a step gave up waiting for (stall_timeout): (layer, positions, future, sent); landed when they arrive
+    late: list[tuple[int, torch.Tensor, Future, float]] = field(default_factory=list)
+    deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
+    deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
 
 
 class DecodeEngine:
@@ -103,12 +107,16 @@ class DecodeEngine:
         device: str = "cpu",
         fetch_timeout: float = 30.0,
         recompute: bool = False,
+        stall_timeout: float | None = None,
     ) -> None:
+        """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
+        padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`."""
         self.layout = layout
         self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
+        self.stall_timeout = stall_timeout
         self.on_link_lost: Callable[[LinkEnd, str], None] | None = None  # told after a link is dropped
         self._links: list[LinkEnd] = []
         self._requests: dict[str, _Request] = {}
@@ -357,10 +365,13 @@ class DecodeEngine:
         request only (marked, not raised): the layer is assembled for the rest of the batch.
         """
         requests = [self._require_any(rid) for rid in request_ids]
+        self._land_late(requests)
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
         drop_rows = self._rows_where(requests, index.device, lambda policy: policy.drop_remote)
+        # a request this step already gave up on fetches nothing more: its step is redone anyway
+        drop_rows |= torch.tensor([r.deferred for r in requests], device=index.device).repeat_interleave(num_heads)
         if bool(drop_rows.any()):
             split = _drop_remote_rows(split, drop_rows)
         num_rows, k = index.shape
@@ -386,13 +397,16 @@ class DecodeEngine:
         if fetches:
             zeros = torch.zeros_like(num_remote)
             gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, zeros, num_remote, k_out, v_out)
-        selected = int(local_stop.sum())
-        remote = int(num_remote.sum())
-        self.counters.add_selection(selected, remote)
+        selected = remote = 0
         for b, request in enumerate(requests):
+            if request.deferred:
+                continue  # its step is redone: counted then
             rows = slice(b * num_heads, (b + 1) * num_heads)
             request.metrics.selected_entries += int(local_stop[rows].sum())
             request.metrics.remote_entries += int(num_remote[rows].sum())
+            selected += int(local_stop[rows].sum())
+            remote += int(num_remote[rows].sum())
+        self.counters.add_selection(selected, remote)
         return Assembled(k_out, v_out, local_stop, split)
 
     def _rows_where(
@@ -435,6 +449,14 @@ class DecodeEngine:
             if not bool((status == REMOTE).any()) or request.metrics.error:
                 continue  # a failed request's rows are assembled from what is local; it leaves after the step
             positions = split.index[rows][status == REMOTE].unique().cpu()
+            in_flight = [entry for entry in request.late if entry[0] == layer]
+            if in_flight:  # a redone step waits for what an earlier try asked for instead of asking again
+                request.late = [entry for entry in request.late if entry[0] != layer]
+                fetches += [(request, pos, fut, sent) for _, pos, fut, sent in in_flight]
+                asked = torch.cat([pos for _, pos, _, _ in in_flight])
+                positions = positions[~torch.isin(positions, asked)]
+                if not positions.numel():
+                    continue
             future: Future = Future()
             with self._lock:
                 fetch_id = next(self._fetch_ids)
@@ -450,27 +472,83 @@ class DecodeEngine:
         return fetches
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
-        """Lands each fetch reply; one deadline for the whole layer, and a failure fails only its request."""
-        deadline = time.monotonic() + timeout
+        """Lands each fetch reply; a failure fails only its request.
+
+        A request waits at most `timeout` from its fetch's sending (and its first late try) before it fails;
+        with a `stall_timeout`, a fetch not back by then defers its request instead: the layer is assembled
+        for the rest of the batch, and the fetch lands when it arrives (`_land_late`).
+        """
         for request, positions, future, sent in fetches:
+            if request.deferred:
+                request.late.append((layer, positions, future, sent))
+                continue
+            first = request.deferred_since if request.deferred_since is not None else sent
+            limit = first + timeout
+            if self.stall_timeout is not None:
+                limit = min(limit, sent + self.stall_timeout)
             try:
-                reply: msg.FetchReply = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                reply: msg.FetchReply = future.result(timeout=max(0.0, limit - time.monotonic()))
             except TimeoutError:
+                if self.stall_timeout is not None and time.monotonic() - first < timeout:
+                    request.deferred = True
+                    request.deferred_since = first
+                    request.late.append((layer, positions, future, sent))
+                    continue
                 self.counters.add_failure("on_demand")
                 self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
                 continue
             except RequestFailed as exc:
                 self._fail_request(request.request_id, str(exc))
                 continue
-            expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
-            if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+            self._land_reply(request, layer, positions, reply, sent)
+
+    def _land_reply(
+        self, request: _Request, layer: int, positions: torch.Tensor, reply: msg.FetchReply, sent: float
+    ) -> None:
+        expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
+        if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+            self.counters.add_failure("on_demand")
+            self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
+            return
+        self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
+        request.fetch_counts[layer, positions] += 1
+        request.metrics.fetched_tokens += positions.numel()
+        self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
+
+    def _land_late(self, requests: list[_Request]) -> None:
+        """Lands the replies of fetches an earlier step gave up waiting for, as far as they have arrived."""
+        for request in requests:
+            waiting = []
+            for layer, positions, future, sent in request.late:
+                if not future.done():
+                    waiting.append((layer, positions, future, sent))
+                    continue
+                try:
+                    self._land_reply(request, layer, positions, future.result(), sent)
+                except RequestFailed as exc:
+                    self._fail_request(request.request_id, str(exc))
+            request.late = waiting
+
+    # -- stalled requests (stall_timeout) ---------------------------------------------------
+    def deferred(self, request_ids: list[str]) -> list[int]:
+        """Indices (into `request_ids`) of requests whose step this time waited too long for a fetch."""
+        return [i for i, rid in enumerate(request_ids) if rid in self._requests and self._requests[rid].deferred]
+
+    def undo_step(self, request_id: str) -> None:
+        """Takes back a deferred request's step: the token it appended goes, the step will be done again."""
+        request = self._require_any(request_id)
+        self.pool.drop_last(request.slot)
+        request.deferred = False
+
+    def ready_to_resume(self, request_id: str) -> bool:
+        """A deferred request may step again: its late fetches have landed, or it failed (past fetch_timeout)."""
+        request = self._require_any(request_id)
+        self._land_late([request])
+        if request.late and request.deferred_since is not None:
+            if time.monotonic() - request.deferred_since > self.fetch_timeout:
                 self.counters.add_failure("on_demand")
-                self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
-                continue
-            self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
-            request.fetch_counts[layer, positions] += 1
-            request.metrics.fetched_tokens += positions.numel()
-            self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
+                self._fail_request(request_id, f"fetch timed out after {self.fetch_timeout:g} s")
+        return not request.late or bool(request.metrics.error)
 
     def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
         """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
@@ -480,7 +558,9 @@ class DecodeEngine:
         """After a step: record the token, and RELEASE requests whose blocks are now all local."""
         now = time.monotonic()
         for request_id in request_ids:
-            self._require(request_id).metrics.token_times.append(now)
+            request = self._require(request_id)
+            request.metrics.token_times.append(now)
+            request.deferred_since = None
         self.release_fully_local(request_ids)
 
     def release_fully_local(self, request_ids: list[str]) -> list[str]:

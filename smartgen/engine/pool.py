@@ -119,6 +119,12 @@ class DecodePool:
         self.masks.values[layer, slot, position] = LOCAL
         return position
 
+    def drop_last(self, slot: int) -> None:
+        """Forgets the slot's last appended token (a decode step taken back); its cells are simply rewritten."""
+        if self.lengths[slot] <= 0:
+            raise ValueError(f"slot {slot} holds no token to drop")
+        self.lengths[slot] -= 1
+
     def write_tokens(self, layer: int, slot: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Lands fetched tokens ([T, H, d] each) in the pool, then marks them local (data before mask)."""
         self.k[layer, slot, positions] = k.to(self.k.device)

@@ -61,6 +61,7 @@ class DecodeNode:
             max_tokens=max_tokens,
             device=str(model.device),
             fetch_timeout=limits.fetch_timeout_s,
+            stall_timeout=limits.fetch_stall_s,
             recompute=limits.on_prefill_failure == "recompute",
         )
         hello = {

@@ -138,6 +138,7 @@ class DecodeScheduler:
             "prefill_nodes": live,
             "running": len(self.driver.running),
             "prefilling": len(self.driver.prefilling),
+            "parked": len(self.driver.parked),  # out of the batch, waiting for a late fetch (--fetch-stall-ms)
             "waiting": self._waiting.qsize(),
             "free_slots": self.engine.pool.num_free,
         }
@@ -149,7 +150,7 @@ class DecodeScheduler:
         """Engine counters, lane counters, and per request: state, timings and per-layer mask summary."""
         engine = self.engine
         requests = []
-        for request in list(self.driver.prefilling) + list(self.driver.running):
+        for request in list(self.driver.prefilling) + list(self.driver.running) + list(self.driver.parked):
             rid = request.request_id
             if not engine.has_request(rid):
                 continue

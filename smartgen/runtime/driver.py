@@ -85,6 +85,7 @@ class DecodeDriver:
         self.prefill_timeout = prefill_timeout
         self.prefilling: list[DriverRequest] = []
         self.running: list[DriverRequest] = []
+        self.parked: list[DriverRequest] = []  # out of the batch until a fetch it waits for lands (stall_timeout)
         self._batch: DecodeBatch | None = None
 
     # -- the lifecycle ---------------------------------------------------------------------
@@ -109,14 +110,14 @@ class DecodeDriver:
 
     def step(self) -> list[Event]:
         """Collects first tokens, then runs one decode step over the running batch (if any)."""
-        events = self.collect_first_tokens()
+        events = self.collect_first_tokens() + self._resume_parked()
         if self.running:
             events += self._decode_step()
         return events
 
     def cancel(self, request_id: str, reason: str, *, aborted: bool = True) -> list[Event]:
         """Ends a request wherever it is (client gone, shutdown); its KV is freed on both nodes."""
-        for group in (self.prefilling, self.running):
+        for group in (self.prefilling, self.running, self.parked):
             for index, request in enumerate(group):
                 if request.request_id == request_id:
                     if group is self.running:
@@ -128,9 +129,9 @@ class DecodeDriver:
 
     def cancel_all(self, reason: str) -> list[Event]:
         events: list[Event] = []
-        for request in self.prefilling + self.running:
+        for request in self.prefilling + self.running + self.parked:
             events.append(self._abort(request, reason, "error"))
-        self.prefilling, self.running, self._batch = [], [], None
+        self.prefilling, self.running, self.parked, self._batch = [], [], [], None
         return events
 
     @property
@@ -141,7 +142,7 @@ class DecodeDriver:
 
     @property
     def num_active(self) -> int:
-        return len(self.prefilling) + len(self.running)
+        return len(self.prefilling) + len(self.running) + len(self.parked)
 
     # -- inside a step ---------------------------------------------------------------------
     def collect_first_tokens(self) -> list[Event]:
@@ -171,10 +172,26 @@ class DecodeDriver:
         self.prefilling = still
         return events
 
+    def _resume_parked(self) -> list[Event]:
+        """Parked requests whose late fetches have landed join the batch again; failed ones end."""
+        events: list[Event] = []
+        still = []
+        for request in self.parked:
+            rid = request.request_id
+            if not self.engine.ready_to_resume(rid):
+                still.append(request)
+            elif self.engine.metrics(rid).error:
+                events.append(self._abort(request, self.engine.metrics(rid).error or "fetch failed", "error"))
+            else:
+                self._join_batch(request)
+        self.parked = still
+        return events
+
     def _join_batch(self, request: DriverRequest) -> None:
         rid, length = request.request_id, request.prompt_ids.numel()
         metadata = self.engine.request_metadata(rid)
-        position = torch.tensor([length], dtype=torch.int64)
+        # the token to feed is the last one emitted; a request back from parking is past its first
+        position = torch.tensor([length + len(request.tokens) - 1], dtype=torch.int64)
         last = torch.tensor([request.tokens[-1]], dtype=torch.int64)
         if self._batch is None or not self._batch.request_ids:
             self._batch = DecodeBatch([rid], [length], [metadata], last, position)
@@ -206,6 +223,20 @@ class DecodeDriver:
                 rid = request.request_id
                 error = self.engine.metrics(rid).error if self.engine.has_request(rid) else None
                 events.append(self._abort(request, error or "its prefill node failed it", "error"))
+            if not self.running:
+                return events
+            logits = logits[keep]
+        # Requests this step gave up waiting for (a fetch past the stall timeout): their step is taken back and
+        # they wait outside the batch until the fetch lands, so the others keep their pace.
+        deferred = self.engine.deferred(batch.request_ids)
+        if deferred:
+            gone = set(deferred)
+            keep = [b for b in range(len(self.running)) if b not in gone]
+            parked = [self.running[b] for b in deferred]
+            self._leave_batch(deferred)
+            for request in parked:
+                self.engine.undo_step(request.request_id)
+            self.parked += parked
             if not self.running:
                 return events
             logits = logits[keep]
