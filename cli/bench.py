@@ -14,6 +14,7 @@ from .store_options import DbOption
 PANEL_WORK = "Workload"
 PANEL_REGIME = "Regime (link and decode side)"
 PANEL_RUN = "Run and output"
+PANEL_LOAD = "Load mode"
 
 
 NORMAL = {"lengths": "2048", "blocks": "1024", "output_tokens": "64", "reps": "3"}
@@ -101,6 +102,25 @@ def bench(
             rich_help_panel=PANEL_REGIME,
         ),
     ] = None,
+    load_rate: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Load mode: Poisson arrivals at this many requests per second against the decode node's API, "
+            "each scheme for --load-duration, instead of rounds; reports goodput (like `vllm bench serve`).",
+            rich_help_panel=PANEL_LOAD,
+        ),
+    ] = None,
+    load_duration: Annotated[
+        float, typer.Option(min=1.0, help="Load mode: seconds of arrivals per scheme.", rich_help_panel=PANEL_LOAD)
+    ] = 30.0,
+    slo_ttft: Annotated[
+        float, typer.Option(min=0.001, help="Load mode: TTFT objective in seconds.", rich_help_panel=PANEL_LOAD)
+    ] = 2.0,
+    slo_tbt: Annotated[
+        float,
+        typer.Option(min=0.0001, help="Load mode: mean-TBT objective in seconds.", rich_help_panel=PANEL_LOAD),
+    ] = 0.2,
     lane: Annotated[
         str, typer.Option(help="Transport: tcp, mooncake, nixl or rdma (see serve --help).", rich_help_panel=PANEL_RUN)
     ] = "tcp",
@@ -149,7 +169,7 @@ def bench(
     from smartgen.apps.bench import BenchConfig, run_bench
     from smartgen.apps.bench.output import write_outputs
     from smartgen.apps.bench.stats import summarize
-    from smartgen.apps.bench.tables import point_tables, regime_line
+    from smartgen.apps.bench.tables import load_table, point_tables, regime_line
     from smartgen.store import StoreError
 
     defaults = QUICK if quick else NORMAL
@@ -177,6 +197,10 @@ def bench(
             reps=reps,
             warmup=warmup,
             seed=seed,
+            load_rate=load_rate,
+            load_duration_s=load_duration,
+            slo_ttft_s=slo_ttft,
+            slo_tbt_s=slo_tbt,
             db=db,
         )
     except ValueError as exc:
@@ -205,9 +229,9 @@ def bench(
         console.print(f"[yellow]note:[/] {note}")
     for index in range(len(result.points)):
         console.print(f"\n[bold]{regime_line(result, index)}[/]")
-        for table in point_tables(result, summaries, index):
+        for table in [load_table(result, index)] if result.loads else point_tables(result, summaries, index):
             console.print(table)
     written = write_outputs(result, summaries, out)
     console.print(f"\nwrote {', '.join(str(p) for p in written)}")
-    if not any(p.suffix == ".png" for p in written):
-        console.print("no figures: they need matplotlib (pip install 'smartgen[plot]')")
+    if not result.loads and not any(p.suffix == ".png" for p in written):
+        console.print("no figures: they need matplotlib (pip install 'smartgen\\[plot]')")

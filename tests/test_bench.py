@@ -104,3 +104,31 @@ def test_percentile() -> None:
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+
+
+def test_load_mode_counts_goodput_against_both_objectives():
+    from smartgen.apps.bench.load import LoadSpec, run_load
+
+    answers = [
+        {"ttft": 0.5, "tbt": 0.05},  # meets both
+        {"ttft": 3.0, "tbt": 0.05},  # TTFT too slow
+        {"ttft": 0.5, "tbt": 0.5},  # TBT too slow
+    ]
+
+    def send(i: int) -> dict:
+        if i % 4 == 3:
+            raise OSError("HTTP Error 503: Service Unavailable")
+        return answers[i % 4]
+
+    spec = LoadSpec(rate=200.0, duration_s=0.5, slo_ttft_s=2.0, slo_tbt_s=0.2)
+    run = run_load(send, spec, point=0, scheme="full", seed=1)
+    assert run.arrivals > 20  # Poisson at 200/s over 0.5 s: about 100
+    assert run.completed + run.failed == run.arrivals == len(run.requests)
+    assert run.failed == run.arrivals // 4
+    assert run.met_slo == (run.arrivals + 3) // 4  # requests 0, 4, 8, ...
+    assert run.goodput == pytest.approx(run.met_slo / 0.5)
+    assert run.percentiles("ttft")["p50"] == 0.5
+    with pytest.raises(ValueError, match="positive"):
+        LoadSpec(rate=0)
+    with pytest.raises(ValueError, match="--slo-ttft"):
+        BenchConfig(load_rate=1.0, slo_ttft_s=0)

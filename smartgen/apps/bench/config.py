@@ -65,6 +65,11 @@ class BenchConfig:
     warmup: int = 1
     tasks: tuple[str, ...] = ("passkey", "niah_single")
     seed: int = 0
+    # load mode (`--load-rate`): Poisson arrivals for load_duration_s per scheme instead of rounds, goodput under SLOs
+    load_rate: float | None = None
+    load_duration_s: float = 30.0
+    slo_ttft_s: float = 2.0
+    slo_tbt_s: float = 0.2
     db: Path | None = None
     out: Path | None = None
 
@@ -95,6 +100,15 @@ class BenchConfig:
             raise ValueError("--speculative-ratio values must be in (0, 1]")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
+        self.load_spec()  # its own checks
+
+    def load_spec(self) -> Any:
+        """The load mode's LoadSpec, or None when the run is in rounds."""
+        from smartgen.apps.bench.load import LoadSpec  # here: load -> stats -> runner -> config
+
+        if self.load_rate is None:
+            return None
+        return LoadSpec(self.load_rate, self.load_duration_s, self.slo_ttft_s, self.slo_tbt_s)
 
     @property
     def all_schemes(self) -> tuple[str, ...]:

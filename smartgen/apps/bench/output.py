@@ -101,8 +101,58 @@ def write_outputs(result: BenchResult, summaries: list[Summary], out: Path) -> l
         for s in summaries:
             writer.writerow(_row(result, s))
     written.append(path)
+    if result.loads:
+        written.append(_load_csv(result, out / "load.csv"))
+        return written  # the figures draw rounds; a load run has none
     written.extend(_figures(result, summaries, out))
     return written
+
+
+LOAD_COLUMNS = (
+    "point",
+    "length",
+    "link_gbps",
+    "scheme",
+    "offered_rate",
+    "arrivals",
+    "completed",
+    "failed",
+    "met_slo",
+    "goodput",
+    "throughput",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tbt_p50_s",
+    "tbt_p99_s",
+)
+
+
+def _load_csv(result: BenchResult, path: Path) -> Path:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=LOAD_COLUMNS)
+        writer.writeheader()
+        for run in result.loads:
+            ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
+            writer.writerow(
+                {
+                    "point": run.point,
+                    "length": result.points[run.point].length,
+                    "link_gbps": result.regimes[run.point].link_gbps,
+                    "scheme": run.scheme,
+                    "offered_rate": run.offered_rate,
+                    "arrivals": run.arrivals,
+                    "completed": run.completed,
+                    "failed": run.failed,
+                    "met_slo": run.met_slo,
+                    "goodput": run.goodput,
+                    "throughput": run.throughput,
+                    "ttft_p50_s": ttft["p50"],
+                    "ttft_p99_s": ttft["p99"],
+                    "tbt_p50_s": tbt["p50"],
+                    "tbt_p99_s": tbt["p99"],
+                }
+            )
+    return path
 
 
 def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Path]:

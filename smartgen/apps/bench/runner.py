@@ -72,6 +72,7 @@ class BenchResult:
     points: list[Point]
     regimes: list[Regime]  # one per point
     groups: list[Group] = field(default_factory=list)
+    loads: list[Any] = field(default_factory=list)  # load mode: a LoadRun per point and scheme
     machine: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -84,6 +85,7 @@ class BenchResult:
             "notes": self.notes,
             "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
             "groups": [asdict(g) for g in self.groups],
+            "loads": [{**asdict(run), "goodput": run.goodput, "throughput": run.throughput} for run in self.loads],
         }
 
 
@@ -130,7 +132,9 @@ def run_bench(
     prompts = _Prompts(config, tokenizer)
     say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
     pilot = _pilot(config, model_path, prompts)
-    total = len(points) * (config.warmup + config.reps) * len(config.all_schemes)
+    load = config.load_spec()
+    rounds = 1 if load is not None else config.warmup + config.reps
+    total = len(points) * rounds * len(config.all_schemes)
     done = 0
     by_nodes: dict[tuple, list[int]] = {}
     for i, point in enumerate(points):
@@ -149,6 +153,14 @@ def run_bench(
             for i in indices:
                 regimes[i] = regime
                 point = points[i]
+                if load is not None:
+                    _request(cluster.url, prompts.sample(config.tasks[0], point.length, config.seed).prompt, "full", 4)
+                    for scheme in config.all_schemes:
+                        result.loads.append(_run_load(cluster, config, i, point, scheme, prompts, load))
+                        done += 1
+                        if progress:
+                            progress(f"{scheme} under load ({point.label(config.link_mode)})", done, total)
+                    continue
                 for rep in range(config.warmup + config.reps):
                     batch_prompts = prompts.batch(point, rep)
                     for scheme in config.all_schemes:
@@ -360,3 +372,19 @@ def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:
         if all(node["requests_held"] == 0 for node in cluster.status()["prefill"]):
             return
         time.sleep(0.05)
+
+
+def _run_load(
+    cluster: LocalCluster, config: BenchConfig, index: int, point: Point, scheme: str, prompts: _Prompts, load: Any
+) -> Any:
+    from smartgen.apps.bench.load import run_load
+
+    tasks = config.tasks
+
+    def send(i: int) -> dict[str, Any]:
+        sample = prompts.sample(tasks[i % len(tasks)], point.length, config.seed + i)
+        return _request(cluster.url, sample.prompt, scheme, config.output_tokens)["usage"]
+
+    run = run_load(send, load, index, scheme, config.seed)
+    _settle(cluster)
+    return run

@@ -9,7 +9,7 @@ from rich.text import Text
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["point_tables", "regime_line"]
+__all__ = ["point_tables", "regime_line", "load_table"]
 
 MIB = 2**20
 
@@ -87,3 +87,27 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _pct(s.accuracy),
         )
     return timings, transfers
+
+
+def load_table(result: BenchResult, point: int) -> Table:
+    """The load mode's view of one point: per scheme, what was offered, what finished, goodput, latencies."""
+    config = result.config
+    table = _table(
+        f"Poisson load, {config.load_rate:g} req/s for {config.load_duration_s:g} s; goodput: req/s within TTFT <= "
+        f"{config.slo_ttft_s:g} s and TBT <= {config.slo_tbt_s * 1e3:g} ms; latencies in ms",
+        ["scheme", "sent", "done", "fail", "good/s", "done/s", "TTFT p50", "TTFT p99", "TBT p99"],
+    )
+    for run in (r for r in result.loads if r.point == point):
+        ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
+        table.add_row(
+            Text(run.scheme),
+            str(run.arrivals),
+            str(run.completed),
+            str(run.failed),
+            f"{run.goodput:.2f}",
+            f"{run.throughput:.2f}",
+            _ms(ttft["p50"]),
+            _ms(ttft["p99"]),
+            _ms(tbt["p99"]),
+        )
+    return table
