@@ -1,9 +1,12 @@
 """The model runtime against Hugging Face's own generate, for every supported family."""
 
+import copy
+
 import pytest
 import torch
 from conftest import wait_until
 from tiny_models import FAMILIES, tiny_config
+from transformers import AutoModelForCausalLM
 
 from smartgen.engine.policy import get_policy
 from smartgen.runtime.models import ModelLoadError, load_model, model_from_config
@@ -43,6 +46,18 @@ def test_dense_all_local_equals_hf_generate(family_model):
     assert result.tokens == expected, family
     for ours, theirs in zip(result.logits, expected_logits[1:]):
         torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_smartgen_attention_equals_the_family_s_own_eager_attention(family_model):
+    """The hook against an independent reference: the same weights under transformers' eager attention (a
+    soft-capping family's eager path once took the SDPA mask interface's booleans as logits to add)."""
+    family, model = family_model
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="eager")
+    reference.load_state_dict(model.state_dict())
+    ids = _prompt(40)[None]
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids).logits, reference.eval()(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=family)
 
 
 def test_padded_batch_equals_each_prompt_alone(family_model):

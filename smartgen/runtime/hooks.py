@@ -51,8 +51,22 @@ def dense_attention(
     if kwargs.get("softcap") is not None:
         from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return eager_attention_forward(module, query, key, value, _additive_mask(attention_mask, query, key), **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """The mask eager attention adds to its logits: the mask interface gives booleans (True = attend), or None
+    where SDPA would run causal by itself, which eager attention does not."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if mask is None:
+        if q_len == 1:
+            return None
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    blocked = torch.finfo(query.dtype).min
+    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, blocked)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -63,8 +77,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _mask(*args: Any, **kwargs: Any):
-    # Decode steps attend over gathered rows whose validity the engine tracks; no 4D mask needed.
-    if _ACTIVE.get() is not None and kwargs.get("q_length", 0) == 1:
+    # Decode steps attend over gathered rows whose validity the engine tracks; no 4D mask needed. A prefill
+    # handler's one-token run after a cached prefix still needs one (a sliding window must not see it all).
+    handler = _ACTIVE.get()
+    if handler is not None and kwargs.get("q_length", 0) == 1 and not getattr(handler, "needs_mask", False):
         return None
     return sdpa_mask(*args, **kwargs)
 
