@@ -12,12 +12,14 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .sizes import byte_size
 
 PANEL_MODEL = "Model and selection"
 PANEL_NET = "Network"
 PANEL_DECODE = "Decode node"
 PANEL_PREFILL = "Prefill node"
 PANEL_FAULTS = "Failures and limits"
+PANEL_CACHE = "Prefix caching"
 
 log = logging.getLogger("smartgen.serve")
 
@@ -241,6 +243,26 @@ def serve(
             rich_help_panel=PANEL_NET,
         ),
     ] = False,
+    prefix_cache_bytes: Annotated[
+        str,
+        typer.Option(
+            help="KV of recent prompts kept by token blocks, up to this size (K/M/G suffixes; 0 = off). Prefill node: "
+            "a prompt starting with cached blocks prefills only the rest. Decode node: finished requests' prompt KV "
+            "is kept, and a new request's cached leading blocks are never transferred. LRU eviction; blocks in use "
+            "are never evicted.",
+            rich_help_panel=PANEL_CACHE,
+        ),
+    ] = "1G",
+    prefix_block_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=4096,
+            help="Tokens per prefix-cache block (a prompt's cached part is a whole number of blocks); the same on "
+            "both nodes.",
+            rich_help_panel=PANEL_CACHE,
+        ),
+    ] = 16,
     emulate_layer_ms: Annotated[
         float,
         typer.Option(
@@ -276,7 +298,19 @@ def serve(
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
     settings = NodeSettings(
-        model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane, lease
+        model,
+        dtype,
+        device,
+        selector,
+        budget,
+        blocks,
+        secret,
+        link_gbps or None,
+        delay_ms,
+        lane,
+        lease,
+        byte_size(prefix_cache_bytes, "--prefix-cache-bytes"),
+        prefix_block_tokens,
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name

@@ -90,15 +90,23 @@ class _SyntheticPrefill:
     one prefill worker (`runtime.prefill_worker`) can run it like a model's prompt.
     """
 
+    selector_reads_queries = False
+
     def __init__(self, config: SimulationConfig, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.layer_seconds = config.prefill_seconds_per_token / config.layout.num_layers
         self.num_layers = config.layout.num_layers
         self.kvs = kvs
 
     def run(
-        self, prompt: torch.Tensor, on_layer: Callable[..., object], *, last_query_scores: bool = False
+        self,
+        prompt: torch.Tensor,
+        on_layer: Callable[..., object],
+        *,
+        last_query_scores: bool = False,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SimpleNamespace:
-        """`last_query_scores` is accepted and ignored: a synthetic prompt has no queries (no "query" pick)."""
+        """`last_query_scores` is accepted and ignored: a synthetic prompt has no queries (no "query" pick);
+        `prefix` never comes (the simulation's prefill engine has no prefix cache)."""
         k, v = self.kvs[int(prompt[0])]
         for layer in range(self.num_layers):
             if self.layer_seconds:

@@ -41,6 +41,7 @@ from smartgen.engine.mask import LOCAL, REMOTE
 from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
 from smartgen.engine.pool import DecodePool
+from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.link import LinkEnd
 
 __all__ = ["DecodeEngine", "Assembled", "RequestFailed"]
@@ -108,10 +109,15 @@ class DecodeEngine:
         fetch_timeout: float = 30.0,
         recompute: bool = False,
         stall_timeout: float | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
-        padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`."""
+        padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
+        `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt starts with
+        cached blocks gets them in its slot at once (local), and its prefill node never sends them."""
         self.layout = layout
+        self.prefix_cache = prefix_cache or PrefixCache(0)
+        self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
         self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
@@ -182,6 +188,7 @@ class DecodeEngine:
                 if request is not None and not request.first_token.done():
                     for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
                         request.metadata[layer].update(entry)
+                    request.metrics.prefill_cached_tokens = message.cached
                     request.first_token.set_result(message.token)
             case msg.Error() | msg.Abort():
                 self._fail_request(message.request_id, message.reason or "prefill node failed")
@@ -271,7 +278,10 @@ class DecodeEngine:
         request_id = request_id or uuid.uuid4().hex
         link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
         slot = self.pool.allocate(length, max_new_tokens)
-        message = msg.Open(request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids)
+        held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None else 0
+        message = msg.Open(
+            request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids, held
+        )
         request = _Request(
             request_id,
             slot,
@@ -285,6 +295,7 @@ class DecodeEngine:
             metadata=[{} for _ in range(self.layout.num_layers)],
             open_message=message,
         )
+        request.metrics.held_tokens = held
         with self._lock:
             self._requests[request_id] = request
         link.push.accept(request_id, self.pool.geometry.slot_extents(slot, length))
@@ -298,6 +309,34 @@ class DecodeEngine:
                     request_id, f"prefill node connection lost: {reason}"
                 )  # the link was dropped just before
         return request_id
+
+    def _fill_from_cache(self, slot: int, prompt_ids: torch.Tensor) -> int:
+        """Copies the prompt's cached leading blocks into the slot, local in every layer; returns their tokens."""
+        hit = self.prefix_cache.match(prompt_ids)
+        if hit is None:
+            return 0
+        try:
+            k, v = hit.kv()
+            held = hit.tokens
+            self.pool.k[:, slot, :held] = k.to(self.pool.k.device)
+            self.pool.v[:, slot, :held] = v.to(self.pool.v.device)
+            self.pool.masks.values[:, slot, :held] = LOCAL  # after the data, as a push does
+        finally:
+            self.prefix_cache.release(hit)
+        self.held_bytes += self.layout.kv_bytes(held)
+        return held
+
+    def _cache_prompt(self, request: _Request) -> None:
+        """A finished request's prompt blocks that are local in every layer go to the prefix cache (only the
+        prompt: generated tokens' K/V come from sparse decode steps, not from prefill)."""
+        prompt = request.open_message.prompt_ids if request.open_message is not None else None
+        if prompt is None or not self.prefix_cache.enabled:
+            return
+        local = self.pool.masks.local_prefix(request.slot, request.length)
+        local -= local % self.prefix_cache.block_tokens
+        if local:
+            k, v = self.pool.k[:, request.slot, :local], self.pool.v[:, request.slot, :local]
+            self.prefix_cache.insert(prompt[:local], k, v)
 
     def wait_first_token(self, request_id: str, timeout: float | None = None) -> int:
         request = self._require(request_id)
@@ -591,6 +630,7 @@ class DecodeEngine:
         request = self._require(request_id)
         request.link.push.revoke(request_id)
         self._release(request, msg.Release(request_id))
+        self._cache_prompt(request)
         self.pool.free(request.slot)
         request.metrics.state = RequestState.FINISHED
         with self._lock:

@@ -34,12 +34,17 @@ def block_runs(blocks: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def block_write_ops(
-    geometry: PoolGeometry, entry: RequestKV, slot: int, layer_blocks: list[tuple[int, torch.Tensor]]
+    geometry: PoolGeometry,
+    entry: RequestKV,
+    slot: int,
+    layer_blocks: list[tuple[int, torch.Tensor]],
+    skip_below: int = 0,
 ) -> tuple[list[WriteOp], int]:
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
-    entry turns local before its bytes are in. Returns (ops, KV bytes).
+    entry turns local before its bytes are in. Tokens before `skip_below` (a prefix the decode
+    node already holds) are never written. Returns (ops, KV bytes).
     """
     length = entry.length
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
@@ -49,8 +54,8 @@ def block_write_ops(
     kv_bytes = 0
     for layer, blocks in layer_blocks:
         for first, stop in block_runs(blocks):
-            start_tok, stop_tok = bounds[first], bounds[stop]
-            if stop_tok == start_tok:
+            start_tok, stop_tok = max(bounds[first], skip_below), bounds[stop]
+            if stop_tok <= start_tok:
                 continue
             num_bytes = (stop_tok - start_tok) * token_bytes
             src = entry.kv_offset(layer, start_tok)

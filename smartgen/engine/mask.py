@@ -63,5 +63,10 @@ class MaskTable:
         counts = torch.bincount(self.values[layer, slot].long(), minlength=3)
         return MaskSummary(int(counts[PAD]), int(counts[LOCAL]), int(counts[REMOTE]))
 
+    def local_prefix(self, slot: int, length: int) -> int:
+        """How many leading tokens of the slot's first `length` are local in every layer."""
+        local = (self.values[:, slot, :length] == LOCAL).all(dim=0).to(torch.int8)
+        return int(local.cumprod(0).sum())
+
     def all_local(self, slot: int, length: int) -> bool:
         return bool((self.values[:, slot, :length] == LOCAL).all())

@@ -88,6 +88,7 @@ class Open:
     strategy: str  # the proactive-set strategy
     speculative_ratio: float
     prompt_ids: torch.Tensor | None = None  # [n] int64, when the prefill node runs a model
+    held: int = 0  # leading prompt tokens already in the decode node's slot (its prefix cache): never pushed
 
     def pack(self) -> Message:
         meta = {
@@ -96,6 +97,7 @@ class Open:
             "scheme": self.scheme,
             "strategy": self.strategy,
             "speculative_ratio": self.speculative_ratio,
+            "held": self.held,
         }
         payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
         return Message(self.KIND, self.request_id, meta, payload)
@@ -111,6 +113,7 @@ class Open:
             _field(meta, "strategy", str, what),
             _field(meta, "speculative_ratio", float, what),
             message.payload.get("input_ids"),
+            _field(meta, "held", int, what) if "held" in meta else 0,
         )
 
 
@@ -140,13 +143,16 @@ class FirstToken:
     request_id: str
     token: int
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # pack_metadata's flat form
+    cached: int = 0  # prompt tokens the prefill node's prefix cache supplied (not computed)
 
     def pack(self) -> Message:
-        return Message(self.KIND, self.request_id, {"token": self.token}, dict(self.metadata))
+        return Message(self.KIND, self.request_id, {"token": self.token, "cached": self.cached}, dict(self.metadata))
 
     @classmethod
     def unpack(cls, message: Message) -> FirstToken:
-        return cls(message.request_id, _field(message.meta, "token", int, "FIRST_TOKEN"), dict(message.payload))
+        meta, what = message.meta, "FIRST_TOKEN"
+        cached = _field(meta, "cached", int, what) if "cached" in meta else 0
+        return cls(message.request_id, _field(meta, "token", int, what), dict(message.payload), cached)
 
 
 @dataclass(frozen=True, slots=True)

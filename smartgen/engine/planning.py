@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from smartgen.engine.layout import DENSE_LAYERS, effective_blocks, resample_importance, token_blocks
+from smartgen.engine.layout import DENSE_LAYERS, block_bounds, effective_blocks, resample_importance, token_blocks
 
 __all__ = [
     "ImportanceAccumulator",
@@ -24,6 +24,7 @@ __all__ = [
     "speculative_slice_size",
     "Planner",
     "TransferPlanner",
+    "held_blocks",
 ]
 
 
@@ -199,7 +200,14 @@ class TransferPlanner(Protocol):
     """What the prefill engine plans with: a Planner, or the prefill node's NodePlanner (profile per length)."""
 
     def plan(
-        self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None
+        self,
+        length: int,
+        mode: str,
+        strategy: str,
+        request_counts: torch.Tensor | None = None,
+        *,
+        computed: int | None = None,
+        held: int = 0,
     ) -> TransferPlan: ...
 
 
@@ -219,18 +227,38 @@ class Planner:
     transfer_seconds_per_token: float = 0.0
     seed: int = 0
 
-    def budget(self, length: int, mode: str) -> int:
-        """K_r for a request: all blocks, just layers 0-1 ("floor"), or the formula ("budget")."""
+    def budget(self, length: int, mode: str, computed: int | None = None) -> int:
+        """K_r for a request: all blocks, just layers 0-1 ("floor"), or the formula ("budget").
+
+        `computed`: the tokens prefill really computes (fewer than `length` after a prefix cache hit): T_p
+        scales with them, T_t with the whole prompt.
+        """
         m_eff = effective_blocks(length, self.num_blocks)
         if mode == "all":
             return self.num_layers * m_eff
         if mode == "floor":
             return DENSE_LAYERS * m_eff
+        prefill_tokens = length if computed is None else computed
         return proactive_budget(
-            self.num_layers, m_eff, self.prefill_seconds_per_token * length, self.transfer_seconds_per_token * length
+            self.num_layers,
+            m_eff,
+            self.prefill_seconds_per_token * prefill_tokens,
+            self.transfer_seconds_per_token * length,
         )
 
-    def plan(self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None) -> TransferPlan:
+    def plan(
+        self,
+        length: int,
+        mode: str,
+        strategy: str,
+        request_counts: torch.Tensor | None = None,
+        *,
+        computed: int | None = None,
+        held: int = 0,
+    ) -> TransferPlan:
+        """The request's plan; `computed` as in `budget`; `held`: leading tokens the decode node already holds,
+        whose blocks cost the link nothing, so they join the proactive set on top of K_r (and are never
+        speculated); the push skips their bytes."""
         if mode == "budget" and strategy == "profile" and self.importance is None:
             raise ValueError("no profile for this model: run `smartgen profile`, or choose another strategy")
         scores = (
@@ -246,4 +274,18 @@ class Planner:
             if mode == "budget"
             else strategy_scores("sequential", self.num_layers, length, self.num_blocks)
         )
-        return plan_transfer(scores, self.budget(length, mode))
+        budget = self.budget(length, mode, computed)
+        covered = held_blocks(length, self.num_blocks, held)
+        if covered:
+            scores = scores.clone()
+            scores[:, :covered] = float("inf")
+            budget += (self.num_layers - DENSE_LAYERS) * covered
+        return plan_transfer(scores, budget)
+
+
+def held_blocks(length: int, num_blocks: int, held: int) -> int:
+    """How many leading blocks of a `length`-token request lie wholly inside its first `held` tokens."""
+    if held <= 0:
+        return 0
+    bounds = block_bounds(length, num_blocks)
+    return int((bounds[1:] <= held).sum())

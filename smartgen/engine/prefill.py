@@ -29,6 +29,7 @@ from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
 from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
+from smartgen.engine.prefix_cache import PrefixCache, PrefixHit
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
 
@@ -58,6 +59,8 @@ class OpenedRequest:
     kv: RequestKV
     ones: torch.Tensor
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
+    held: int = 0  # leading tokens the decode node already holds: never pushed (its prefix cache)
+    prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
     spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
     spec_cursor: int = 0
@@ -83,8 +86,18 @@ class OpenedRequest:
 class PrefillEngine:
     """Serves the decode nodes attached to it; `prefill_layer` is called by the model runtime."""
 
-    def __init__(self, layout: KVLayout, planner: TransferPlanner, max_queue: int = 64) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        planner: TransferPlanner,
+        max_queue: int = 64,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        """`prefix_cache`: prompts' KV by token blocks; a request whose prompt starts with cached blocks
+        prefills only the rest (see `lookup_prefix`, `cache_prefix`)."""
         self.layout = layout
+        self.prefix_cache = prefix_cache or PrefixCache(0)
+        self.held_saved = PathCounters()  # per path: KV bytes not pushed because the decode node held them
         self.max_queue = max_queue
         self.planner = planner
         self.store = PrefillStore(layout)
@@ -172,8 +185,14 @@ class PrefillEngine:
             raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
         policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
         length = message.length
+        if not 0 <= message.held <= length:
+            raise msg.MessageError(f"OPEN: {message.held} held tokens of a {length}-token prompt")
         plan = self.planner.plan(
-            length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None)
+            length,
+            policy.proactive,
+            policy.strategy,
+            self.oracle_counts.pop(message.request_id, None),
+            held=message.held,
         )
         kv = self.store.open(message.request_id, length)
         request = OpenedRequest(
@@ -187,6 +206,7 @@ class PrefillEngine:
             kv,
             ones=torch.ones(length, dtype=torch.uint8),
             prompt=message.prompt_ids,
+            held=message.held,
         )
         with self._lock:
             self._requests[message.request_id] = request
@@ -198,6 +218,47 @@ class PrefillEngine:
             return self._opened.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def lookup_prefix(self, request: OpenedRequest) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """At the start of a request's prefill: the K/V [L, P, H, d] of its prompt's cached leading blocks
+        (pinned until `cache_prefix`), or None. On a hit the plan is made again: K_r counts the prefill
+        time of the tokens really computed, while the plan still covers the whole prompt."""
+        if request.prompt is None or not self.prefix_cache.enabled:
+            return None
+        hit = self.prefix_cache.match(request.prompt, max_tokens=request.length - 1)  # one token is computed
+        if hit is None:
+            return None
+        request.prefix_hit = hit
+        policy = request.policy
+        # K_r only matters under a budget; the optimal strategy's counts were used up by the first plan; a
+        # drop-remote policy's answers depend on its proactive set, which must not depend on the cache's state
+        if policy.proactive == ProactiveMode.BUDGET and policy.strategy != Strategy.OPTIMAL and not policy.drop_remote:
+            request.plan = self.planner.plan(
+                request.length,
+                policy.proactive,
+                policy.strategy,
+                computed=request.length - hit.tokens,
+                held=request.held,
+            )
+        return hit.kv()
+
+    def cache_prefix(self, request: OpenedRequest, raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """After a request's prefill: unpins its hit and caches its prompt's new whole blocks; `raw` is the K/V
+        [L, n, H, d] as computed when the store holds transformed K/V (quantized). Returns blocks added."""
+        hit, request.prefix_hit = request.prefix_hit, None
+        try:
+            if (
+                request.prompt is None
+                or not self.prefix_cache.enabled
+                or request.kv.layers_ready < self.layout.num_layers
+            ):
+                return 0
+            k, v = raw if raw is not None else (request.kv.k, request.kv.v)
+            block = self.prefix_cache.block_tokens
+            start = (hit.tokens // block) * block if hit is not None else 0
+            return self.prefix_cache.insert(request.prompt, k[:, start:], v[:, start:], start=start)
+        finally:
+            self.prefix_cache.release(hit)
 
     def _get(self, request_id: str) -> OpenedRequest | None:
         with self._lock:
@@ -222,6 +283,9 @@ class PrefillEngine:
         self.store.put_layer(request_id, layer, k, v)
         blocks = request.plan.proactive_blocks(layer)
         if token_scores is not None and request.policy.strategy == Strategy.QUERY and layer >= DENSE_LAYERS:
+            if request.held:  # held blocks cost nothing and fill their share of the pick first
+                token_scores = token_scores.clone()
+                token_scores[: request.held] = float("inf")
             blocks = query_blocks(token_scores, request.length, request.plan.num_blocks, blocks.numel())
         if request.sent is None:
             request.sent = torch.zeros_like(request.plan.proactive)
@@ -254,7 +318,8 @@ class PrefillEngine:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
             raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
-        message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or [])).pack()
+        cached = request.prefix_hit.tokens if request.prefix_hit is not None else 0
+        message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or []), cached).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
 
@@ -282,13 +347,16 @@ class PrefillEngine:
         return self._push(request, layer_blocks, tag="speculative")
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
-        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks)
+        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.held)
+        full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
+        path = "full" if full else tag
+        if request.held:
+            _, planned = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks)
+            self.held_saved.add(path, planned - kv_bytes)
         if not ops:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
         completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
-        full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
-        path = "full" if full else tag
         self.counters.add(path, kv_bytes)
         posted = time.monotonic()
 

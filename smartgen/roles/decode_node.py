@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.policy import Policy
+from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
@@ -51,6 +52,7 @@ class DecodeNode:
         lane: str = "tcp",
         emulate_layer_s: float = 0.0,
         limits: DecodeLimits | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
@@ -63,6 +65,7 @@ class DecodeNode:
             fetch_timeout=limits.fetch_timeout_s,
             stall_timeout=limits.fetch_stall_s,
             recompute=limits.on_prefill_failure == "recompute",
+            prefix_cache=prefix_cache,
         )
         hello = {
             **node_identity(model, layout, model_name),

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from smartgen.engine.policy import get_policy
+from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.roles.decode_node import DecodeNode
@@ -40,6 +41,11 @@ class NodeSettings:
     delay_ms: float = 0.0
     lane: str = "tcp"  # a name in smartgen.lanes.backends
     lease_s: float = DEFAULT_LEASE_S  # a peer silent this long is declared dead (heartbeats every lease / 4)
+    prefix_cache_bytes: int = 0  # this node's prefix cache (prefill: skips prefill; decode: skips transfer); 0 = off
+    prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def prefix_cache(self) -> PrefixCache:
+        return PrefixCache(self.prefix_cache_bytes, self.prefix_block_tokens)
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -115,6 +121,7 @@ def build_prefill_node(
         max_queue=max_queue,
         lane=settings.lane,
         lease_s=settings.lease_s,
+        prefix_cache=settings.prefix_cache(),
     )
     return node, profile_note
 
@@ -157,4 +164,5 @@ def build_decode_node(
         lane=settings.lane,
         emulate_layer_s=emulate_layer_ms / 1e3,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
+        prefix_cache=settings.prefix_cache(),
     )

@@ -22,6 +22,7 @@ class NodeMonitoring:
         self.counters = sources.counters
         self.peers = sources.peers
         self.metrics = NodeMetrics(sources)
+        self.prefix = sources.prefix
         self.request_maps: Callable[[str, int], list[str]] | None = None  # decode: (request id, length) -> maps
         self.history = RateHistory(self._cumulative, interval_s=interval_s).start()
 
@@ -57,6 +58,8 @@ class NodeMonitoring:
         """Adds peers, throughput series and (decode) each request's down-sampled block maps to `snapshot`."""
         snapshot["peers"] = [{"name": p.name, "up": lane_is_up(p.link)} for p in self.peers()]
         snapshot["throughput"] = self.throughput()
+        if self.prefix is not None:
+            snapshot["prefix_cache"] = self.prefix()
         if self.request_maps is not None:
             for entry in snapshot.get("requests", []):
                 entry["block_maps"] = self.request_maps(entry["request_id"], int(entry["prompt_tokens"]))
@@ -95,7 +98,11 @@ def decode_monitoring(
         masks = engine.pool.masks.values[:, slot, :length].clone()  # [L, n]: one copy, not one per layer
         return [block_map(row) for row in masks]
 
-    monitoring = NodeMonitoring(NodeSources("decode", model, engine.counters, lambda: peers, gauges))
+    def prefix() -> dict[str, Any]:
+        # a held token would otherwise have crossed the link by some path; the decode node cannot say which
+        return {**engine.prefix_cache.snapshot(), "saved_bytes": {"held": engine.held_bytes}}
+
+    monitoring = NodeMonitoring(NodeSources("decode", model, engine.counters, lambda: peers, gauges, prefix=prefix))
     monitoring.request_maps = maps
     scheduler.finish_listeners.append(monitoring.metrics.request_finished)
     scheduler.status_hooks.append(monitoring.decorate)
@@ -119,4 +126,8 @@ def prefill_monitoring(engine: PrefillEngine, model: str, num_prefilled: Callabl
     def totals() -> dict[str, tuple[str, float]]:
         return {"requests_prefilled": ("Requests prefilled.", num_prefilled())}
 
-    return NodeMonitoring(NodeSources("prefill", model, engine.counters, peers, gauges, totals))
+    def prefix() -> dict[str, Any]:
+        saved = engine.held_saved.snapshot()["bytes"]
+        return {**engine.prefix_cache.snapshot(), "saved_bytes": {path: b for path, b in saved.items() if b}}
+
+    return NodeMonitoring(NodeSources("prefill", model, engine.counters, peers, gauges, totals, prefix))

@@ -58,7 +58,17 @@ class NodePlanner:
             old = self._prefill_seconds_per_token
             self._prefill_seconds_per_token = sample if old == 0 else 0.8 * old + 0.2 * sample
 
-    def plan(self, length: int, mode: str, strategy: str, request_counts: torch.Tensor | None = None) -> TransferPlan:
+    def plan(
+        self,
+        length: int,
+        mode: str,
+        strategy: str,
+        request_counts: torch.Tensor | None = None,
+        *,
+        computed: int | None = None,
+        held: int = 0,
+    ) -> TransferPlan:
+        """The request's plan (see `Planner.plan` for `computed` and `held`)."""
         match = self.lookup(length) if (self.lookup is not None and mode == "budget") else None
         self.last_match = match
         if match is not None:
@@ -72,7 +82,7 @@ class NodePlanner:
                 measured or match.prefill_seconds_per_token,
                 match.transfer_seconds_per_token,
             )
-            return planner.plan(length, mode, strategy, request_counts)
+            return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)
         if strategy == "profile":
             if not self._warned and mode == "budget":
                 log.warning(
@@ -84,4 +94,4 @@ class NodePlanner:
         with self._lock:
             prefill = self._prefill_seconds_per_token
         planner = Planner(self.layout.num_layers, self.layout.num_blocks, None, prefill, self.link_seconds_per_token)
-        return planner.plan(length, mode, strategy, request_counts)
+        return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)

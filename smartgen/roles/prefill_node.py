@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
+from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.liveness import DEFAULT_LEASE_S, Lease
 from smartgen.lanes.pacer import Pacer
@@ -60,11 +61,12 @@ class PrefillNode:
         max_queue: int = 64,
         lane: str = "tcp",
         lease_s: float = DEFAULT_LEASE_S,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
         self.planner = planner
-        self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
+        self.engine = PrefillEngine(layout, planner, max_queue=max_queue, prefix_cache=prefix_cache)
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}

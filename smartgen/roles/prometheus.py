@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,6 +47,8 @@ class NodeSources:
     peers: Callable[[], Sequence[Peer]]
     gauges: Callable[[], dict[str, tuple[str, float]]]
     totals: Callable[[], dict[str, tuple[str, float]]] = dict
+    # the node's prefix cache (`PrefixCache.snapshot()`) plus "saved_bytes": {path: KV bytes not transferred}
+    prefix: Callable[[], dict[str, Any]] | None = None
 
 
 def lane_is_up(link: LinkEnd) -> bool:
@@ -64,6 +67,7 @@ class _NodeCollector(Collector):
             sources.gauges,
             sources.totals,
         )
+        self.prefix = sources.prefix
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -77,6 +81,29 @@ class _NodeCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         for name, (doc, value) in self.totals().items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if self.prefix is not None:
+            yield from self._prefix(self.prefix())
+
+    @staticmethod
+    def _prefix(snap: dict[str, Any]) -> Iterator[Metric]:
+        name = PREFIX + "prefix_cache_"
+        yield GaugeMetricFamily(name + "bytes", "KV bytes the prefix cache holds.", value=snap["bytes"])
+        yield GaugeMetricFamily(name + "budget_bytes", "The prefix cache's byte budget.", value=snap["budget_bytes"])
+        yield GaugeMetricFamily(name + "blocks", "Token blocks the prefix cache holds.", value=snap["blocks"])
+        yield GaugeMetricFamily(
+            name + "hit_ratio", "Share of looked-up prompt tokens found cached.", value=snap["hit_rate"]
+        )
+        yield CounterMetricFamily(name + "lookup_tokens", "Prompt tokens looked up.", value=snap["lookup_tokens"])
+        yield CounterMetricFamily(name + "hit_tokens", "Prompt tokens found cached.", value=snap["hit_tokens"])
+        yield CounterMetricFamily(name + "evicted_blocks", "Blocks evicted (LRU).", value=snap["evicted_blocks"])
+        saved = CounterMetricFamily(
+            PREFIX + "prefix_saved_bytes",
+            "KV bytes not transferred thanks to a prefix cache, per path.",
+            labels=["path"],
+        )
+        for path, value in snap["saved_bytes"].items():
+            saved.add_metric([path_label(path)], value)
+        yield saved
 
     def _paths(self) -> Iterator[Metric]:
         snap = self.counters.snapshot()

@@ -254,6 +254,9 @@ class DecodeScheduler:
             "scheme": active.request.policy.label,
             "on_demand_ratio": metrics.on_demand_ratio if metrics else None,
             "fetched_tokens": metrics.fetched_tokens if metrics else None,
+            # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had
+            "prompt_tokens_details": {"cached_tokens": metrics.prefill_cached_tokens} if metrics else None,
+            "held_tokens": metrics.held_tokens if metrics else None,
         }
         self._recent.append({"request_id": active.handle.request_id, "finish_reason": reason, "error": error, **usage})
         for listener in self.finish_listeners:

@@ -23,6 +23,7 @@ from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.planning import Planner
 from smartgen.engine.policy import Policy
 from smartgen.engine.prefill import PrefillEngine
+from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.runtime.decode import DecodeBatch, DecodeRunner
@@ -63,9 +64,13 @@ class InprocPipeline:
         max_tokens: int = 8192,
         sampler: Sampler | None = None,
         kv_transform: KVTransform | None = None,
+        prefill_cache_bytes: int = 0,
+        decode_cache_bytes: int = 0,
+        prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         """`kv_transform(layer, k, v)` -> (k, v), [n, H, d] each, rewrites every layer's K/V at the
-        prefill hand-off before it is stored and sent (the quantized-KV scheme)."""
+        prefill hand-off before it is stored and sent (the quantized-KV scheme). `prefill_cache_bytes` /
+        `decode_cache_bytes`: the two sides' prefix caches (0: off)."""
         check_runnable(model)  # before anything reads the config: a clear refusal, not an AttributeError
         self.model = model
         self.kv_transform = kv_transform
@@ -79,10 +84,16 @@ class InprocPipeline:
         self.planner = Planner(
             info.num_layers, num_blocks, importance, prefill_seconds_per_token, transfer_seconds_per_token
         )
-        self.prefill_engine = PrefillEngine(self.layout, self.planner)
+        self.prefill_engine = PrefillEngine(
+            self.layout, self.planner, prefix_cache=PrefixCache(prefill_cache_bytes, prefix_block_tokens)
+        )
         # On CUDA the pool lives on the GPU, so split/reorder and gathers run as Triton kernels.
         self.decode_engine = DecodeEngine(
-            self.layout, num_slots=max_batch, max_tokens=max_tokens, device=str(model.device)
+            self.layout,
+            num_slots=max_batch,
+            max_tokens=max_tokens,
+            device=str(model.device),
+            prefix_cache=PrefixCache(decode_cache_bytes, prefix_block_tokens),
         )
         prefill_end, decode_end = inproc_link(gbps)
         self._prefill_link = prefill_end

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.capture import HiddenCapture
@@ -36,6 +36,8 @@ class PrefillOutput:
 
 
 class _PrefillHandler:
+    needs_mask = True  # a one-token run after a cached prefix still needs its (sliding-window) mask
+
     def __init__(
         self,
         selector: Selector | None,
@@ -87,6 +89,8 @@ class PrefillRunner:
         self.kinds = layer_kinds(model.config)
         needs_hidden = selector is not None and getattr(selector, "needs_prefill_hidden", False)
         self.capture = HiddenCapture(model) if needs_hidden else None
+        # metadata built from every prompt token's query or hidden state cannot start after a cached prefix
+        self.selector_reads_queries = needs_hidden or bool(selector is not None and selector.reads_prefill_queries)
 
     def run(
         self,
@@ -94,15 +98,35 @@ class PrefillRunner:
         on_layer: LayerSink | None = None,
         *,
         last_query_scores: bool = False,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PrefillOutput:
         """Prefills one prompt; `on_layer` gets each layer's K/V as soon as it exists.
 
         `last_query_scores`: also hand each layer >= 2 the prompt's last query's attention per token (the
         "query" proactive strategy picks blocks by it; only requests that use it pay for it).
+        `prefix`: K and V [L, P, H, d] of the prompt's first P tokens (a prefix cache hit): only the rest is
+        computed, and `on_layer` still gets every token's K/V. Selector metadata then sees the queries of
+        the computed tokens only (see `Selector.reads_prefill_queries`).
         """
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(self.model.device)
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty")
+        cached = 0 if prefix is None else prefix[0].shape[1]
+        if cached >= ids.shape[1]:
+            raise ValueError(f"a cached prefix of {cached} tokens leaves nothing of the {ids.shape[1]}-token prompt")
+        extra: dict[str, Any] = {}
+        if prefix is not None and cached:
+            device = self.model.device
+            # [L, P, H, d] -> per layer [1, H, P, d]; a cache built without the config keeps every layer whole,
+            # so sliding-window layers still hand the engine all their K/V
+            extra["cache"] = DynamicCache(
+                ddp_cache_data=[
+                    (k.transpose(0, 1).unsqueeze(0).to(device), v.transpose(0, 1).unsqueeze(0).to(device))
+                    for k, v in zip(prefix[0], prefix[1])
+                ]
+            )
+            extra["use_cache"] = True
+            ids = ids[:, cached:]
         handler = _PrefillHandler(
             self.selector, self.kinds, on_layer or (lambda *_: None), self.capture, last_query_scores
         )
@@ -110,7 +134,8 @@ class PrefillRunner:
             self.capture.start()
         try:
             with torch.no_grad(), use_handler(handler):
-                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+                logits = self.model(input_ids=ids, **{"use_cache": False, **extra}, logits_to_keep=1).logits[0, -1]
+                logits = logits.float()
         finally:
             if self.capture is not None:
                 self.capture.stop()

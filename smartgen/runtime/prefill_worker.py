@@ -1,8 +1,9 @@
 """The prefill side's one worker: the prefill node and the in-process pipeline prefill requests through it.
 
 For each request the engine has opened:
-1. the model runs over the prompt; each layer's K/V go to the engine as soon as the layer is
-   done (pushed per the request's plan), its selector metadata to the decode side;
+1. the model runs over the prompt (only past its cached prefix, when the engine's prefix cache
+   holds one); each layer's K/V go to the engine as soon as the layer is done (pushed per the
+   request's plan), its selector metadata to the decode side;
 2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies);
 3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
    decode side at once (ERROR, with the reason), and the worker goes on with the next.
@@ -50,6 +51,8 @@ class PrefillWorker:
         self.on_prefilled = on_prefilled
         self.log_failures = log_failures
         self.num_prefilled = 0
+        self.computed_tokens = 0  # prompt tokens really run through the model (a cached prefix is not)
+        self._raw: list[tuple[torch.Tensor, torch.Tensor]] = []  # this request's K/V before kv_transform
         self.errors: list[BaseException] = []  # what failed requests raised, for callers that re-raise
 
     def run(self, stop: threading.Event, poll: float = 0.05) -> None:
@@ -66,14 +69,20 @@ class PrefillWorker:
             self.engine.fail(rid, "OPEN carried no prompt ids")
             return False
         started = time.monotonic()
+        self._raw = []
         try:
+            # a selector that reads every prompt query would see only the computed ones: no cached prefix for it
+            prefix = None if self.runner.selector_reads_queries else self.engine.lookup_prefix(request)
+            computed = request.length - (0 if prefix is None else prefix[0].shape[1])
             output = self.runner.run(
                 request.prompt,
                 on_layer=functools.partial(self._hand_off, rid),
                 last_query_scores=request.policy.strategy == Strategy.QUERY,
+                prefix=prefix,
             )
+            self.computed_tokens += computed
             if self.on_prefilled is not None:
-                self.on_prefilled(request.length, time.monotonic() - started)
+                self.on_prefilled(computed, time.monotonic() - started)
             self.engine.finish_prefill(rid, output.first_token)
         except RequestGone:
             return False  # released or aborted while prefilling (the decode node gave up on it)
@@ -83,6 +92,12 @@ class PrefillWorker:
             self.errors.append(exc)
             self.engine.fail(rid, f"prefill failed: {exc}")
             return False
+        finally:  # after FIRST_TOKEN left: caching the prompt's blocks costs the request nothing
+            raw = None
+            if self._raw and len(self._raw) == self.engine.layout.num_layers:
+                raw = torch.stack([k for k, _ in self._raw]), torch.stack([v for _, v in self._raw])
+            self._raw = []
+            self.engine.cache_prefix(request, raw)
         self.num_prefilled += 1
         return True
 
@@ -97,6 +112,8 @@ class PrefillWorker:
     ) -> None:
         """One prefilled layer: its K/V to the engine (pushed per plan), its selector metadata to the decode side."""
         if self.kv_transform is not None:
+            if self.engine.prefix_cache.enabled:  # the cache keeps K/V as computed, for later prefills to build on
+                self._raw.append((k, v))
             k, v = self.kv_transform(layer, k, v)
         self.engine.prefill_layer(request_id, layer, k, v, token_scores)
         self.engine.send_metadata(request_id, layer, metadata)

@@ -84,6 +84,10 @@ class Selector(ABC):
     # runtime can fetch layer l+1's KV while layer l's FFN runs (InfiniGen). False: `select`
     # for layer l needs layer l's own query.
     lookahead: bool = False
+    # True: `build_metadata` reads every prompt token's query (InfiniGen picks its columns from them), so a
+    # prefill that reuses a cached prefix, whose queries are never computed, would give other metadata:
+    # the prefill node's prefix cache stays out of the way for such a selector.
+    reads_prefill_queries: bool = False
 
     def __init__(self, info: ModelInfo) -> None:
         self.info = info

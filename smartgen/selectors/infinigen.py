@@ -117,6 +117,7 @@ class InfiniGenSelector(Selector):
     """InfiniGen's speculative selection: layer l's index from layer l-1's attention input."""
 
     name = "infinigen"
+    reads_prefill_queries = True
     lookahead = True
 
     def __init__(
