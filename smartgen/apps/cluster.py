@@ -42,6 +42,10 @@ class ClusterSpec:
     db: Path | None = None
     decode_extra: tuple[str, ...] = ()
     prefill_extra: tuple[str, ...] = ()
+    # prefix caches (`serve --prefix-cache-bytes`): off unless asked, since the demo and the benchmark send the
+    # same prompts to every scheme, and a cache would let later schemes skip what earlier ones paid for
+    prefill_cache: str = "0"
+    decode_cache: str = "0"
 
 
 @dataclass(slots=True)
@@ -114,13 +118,15 @@ class LocalCluster:
         spec = self.spec
         addresses = []
         for i in range(spec.prefill_nodes):
-            args = ["--role", "prefill", "--listen", "127.0.0.1:0", "--status", "127.0.0.1:0", *spec.prefill_extra]
+            args = ["--role", "prefill", "--listen", "127.0.0.1:0", "--status", "127.0.0.1:0"]
+            args += ["--prefix-cache-bytes", spec.prefill_cache, *spec.prefill_extra]
             _, ready = self._launch(f"prefill{i}", args)
             addresses.append(ready["listen"])
             self.prefill_status.append(ready["status"])
         args = ["--role", "decode", "--prefill", ",".join(addresses), "--http", "127.0.0.1:0"]
         args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
-        args += ["--speculative-ratio", str(spec.speculative_ratio), *spec.decode_extra]
+        args += ["--speculative-ratio", str(spec.speculative_ratio)]
+        args += ["--prefix-cache-bytes", spec.decode_cache, *spec.decode_extra]
         _, ready = self._launch("decode", args)
         self.http = ready["http"]
 
