@@ -73,6 +73,23 @@ def bench(
     prefill_nodes: Annotated[
         str, typer.Option(help="Sweep: number of prefill nodes.", rich_help_panel=PANEL_WORK)
     ] = "1",
+    prefix_hit: Annotated[
+        str,
+        typer.Option(
+            help="Sweep: percent of each prompt a prefix cache already holds, e.g. 0,50,75,90 (the nodes run with "
+            "their prefix caches on; prompts share that many leading tokens, cached by a warm-up request). "
+            "Empty = caches off.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = "",
+    prefix_cache: Annotated[
+        str,
+        typer.Option(
+            help="With --prefix-hit: which node's cache holds the prefix: prefill (skips prefill, as in the paper's "
+            "setup), decode (skips transfer) or both.",
+            rich_help_panel=PANEL_WORK,
+        ),
+    ] = "prefill",
     output_tokens: Annotated[
         int | None,
         typer.Option(
@@ -169,7 +186,7 @@ def bench(
     from smartgen.apps.bench import BenchConfig, run_bench
     from smartgen.apps.bench.output import write_outputs
     from smartgen.apps.bench.stats import summarize
-    from smartgen.apps.bench.tables import load_table, point_tables, regime_line
+    from smartgen.apps.bench.tables import load_table, point_tables, prefix_table, regime_line
     from smartgen.store import StoreError
 
     defaults = QUICK if quick else NORMAL
@@ -193,6 +210,8 @@ def bench(
             budget=numbers(budget, "--budget", float),
             speculative_ratio=numbers(speculative_ratio, "--speculative-ratio", float),
             prefill_nodes=numbers(prefill_nodes, "--prefill-nodes", int),
+            prefix_hit=tuple(h / 100 for h in numbers(prefix_hit, "--prefix-hit", float)),
+            prefix_cache=prefix_cache,
             output_tokens=output_tokens,
             reps=reps,
             warmup=warmup,
@@ -231,6 +250,9 @@ def bench(
         console.print(f"\n[bold]{regime_line(result, index)}[/]")
         for table in [load_table(result, index)] if result.loads else point_tables(result, summaries, index):
             console.print(table)
+    if (sweep := prefix_table(result, summaries)) is not None:
+        console.print()
+        console.print(sweep)
     written = write_outputs(result, summaries, out)
     console.print(f"\nwrote {', '.join(str(p) for p in written)}")
     if not result.loads and not any(p.suffix == ".png" for p in written):

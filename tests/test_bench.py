@@ -132,3 +132,29 @@ def test_load_mode_counts_goodput_against_both_objectives():
         LoadSpec(rate=0)
     with pytest.raises(ValueError, match="--slo-ttft"):
         BenchConfig(load_rate=1.0, slo_ttft_s=0)
+
+
+def test_a_prefix_hit_sweep_hits_exactly_the_asked_share_on_both_nodes(tmp_path: Path) -> None:
+    """With both caches on, a request hits its shared prefix and nothing more: the prefill node computes only the
+    rest, and full transfer moves only the KV of the tokens the decode node lacks."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "smartgen", "bench", "--quick", "--lengths", "512", "--output-tokens", "4"]
+    command += ["--blocks", "64", "--schemes", "full,smartgen", "--strategies", "", "--reps", "1"]
+    command += ["--prefix-hit", "0,75", "--prefix-cache", "both", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "prefix hit sweep (both cache)" in done.stdout
+    data = json.loads((out / "results.json").read_text())
+    hits = [point["prefix_hit"] for point in data["points"]]
+    assert hits == [0.0, 0.75]
+    for group in data["groups"]:
+        for request in group["requests"]:
+            assert request["error"] is None
+            expected = int(hits[group["point"]] * request["prompt_tokens"]) // 16 * 16
+            assert request["cached_tokens"] == request["held_tokens"] == expected
+        if group["scheme"] == "full":
+            lacking = sum(r["prompt_tokens"] - r["held_tokens"] for r in group["requests"])
+            assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * lacking
+    for args, message in [(["--prefix-hit", "100"], "in [0, 100)"), (["--prefix-cache", "gpu"], "--prefix-cache")]:
+        bad = subprocess.run([sys.executable, "-m", "smartgen", "bench", *args], capture_output=True, text=True)
+        assert bad.returncode != 0 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -270,9 +270,10 @@ class _Calibrator:
         on_layer: LayerSink | None = None,
         *,
         last_query_scores: bool = False,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PrefillOutput:
-        start = time.perf_counter()
-        output = self._prefill(ids, on_layer, last_query_scores=last_query_scores)
+        start = time.perf_counter()  # the pipeline's caches are off: `prefix` never comes, prefill is timed whole
+        output = self._prefill(ids, on_layer, last_query_scores=last_query_scores, prefix=prefix)
         self._prefill_seconds.append(time.perf_counter() - start)
         return output
 

@@ -15,6 +15,7 @@ DEFAULT_SCHEMES = ("full", "partial", "partial+profile", "partial+profile+parall
 # the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
 # selections, which a serving node cannot know; `smartgen simulate --strategy optimal` runs it)
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming")
+PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
 
 
@@ -29,6 +30,7 @@ class Point:
     budget: float
     speculative_ratio: float
     prefill_nodes: int
+    prefix_hit: float | None = None  # share of each prompt the prefix cache already holds; None: caches off
 
     def node_key(self) -> tuple[float, int, float, float, int]:
         """What the nodes are started with: points that share it share nodes."""
@@ -39,6 +41,7 @@ class Point:
         return (
             f"batch {self.batch}, {self.length} tokens, {link}, M={self.blocks}, budget {self.budget:g}, "
             f"spec {self.speculative_ratio:g}, {self.prefill_nodes} prefill node{'s' * (self.prefill_nodes > 1)}"
+            + ("" if self.prefix_hit is None else f", prefix hit {self.prefix_hit:.0%}")
         )
 
 
@@ -60,6 +63,9 @@ class BenchConfig:
     budget: tuple[float, ...] = (0.2,)
     speculative_ratio: tuple[float, ...] = (0.1,)
     prefill_nodes: tuple[int, ...] = (1,)
+    # sweep of the prefix hit rate (shares in [0, 1)); empty: the nodes' prefix caches stay off
+    prefix_hit: tuple[float, ...] = ()
+    prefix_cache: str = "prefill"  # which node caches in the sweep: prefill, decode or both
     output_tokens: int = 64
     reps: int = 3
     warmup: int = 1
@@ -98,6 +104,12 @@ class BenchConfig:
             raise ValueError("--budget values must be shares of the prompt in (0, 1]")
         if not self.speculative_ratio or not all(0 < r <= 1 for r in self.speculative_ratio):
             raise ValueError("--speculative-ratio values must be in (0, 1]")
+        if not all(0 <= h < 1 for h in self.prefix_hit):
+            raise ValueError("--prefix-hit values must be percentages in [0, 100)")
+        if self.prefix_cache not in PREFIX_CACHE_SIDES:
+            raise ValueError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_SIDES)}")
+        if self.prefix_hit and self.load_rate is not None:
+            raise ValueError("--prefix-hit runs in rounds; it does not combine with --load-rate")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
         self.load_spec()  # its own checks
@@ -122,10 +134,11 @@ class BenchConfig:
     def points(self) -> list[Point]:
         """Every combination of the sweeps, grouped so points sharing nodes run one after another."""
         links = self.link_gbps or self.stall_ratio
+        hits: tuple[float | None, ...] = self.prefix_hit or (None,)
         combos = itertools.product(
-            links, self.blocks, self.budget, self.speculative_ratio, self.prefill_nodes, self.lengths, self.batch
+            links, self.blocks, self.budget, self.speculative_ratio, self.prefill_nodes, self.lengths, self.batch, hits
         )
-        return [Point(b, n, link, m, budget, spec, p) for link, m, budget, spec, p, n, b in combos]
+        return [Point(b, n, link, m, budget, spec, p, h) for link, m, budget, spec, p, n, b, h in combos]
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

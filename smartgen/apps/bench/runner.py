@@ -9,6 +9,9 @@
    of the selected bytes of a step. Then nodes start with those settings.
 4. Per point: `warmup + reps` rounds, each running every scheme once (A B C A B C ...), a batch of
    concurrent requests each; the warm-up rounds are kept in the results but left out of the stats.
+5. A prefix-hit sweep (`prefix_hit`) starts the nodes with their prefix caches on; each point's
+   prompts share their first share of tokens (cached by one warm-up request) and continue with
+   tokens of their own, so every request hits exactly that prefix and nothing more.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
 PILOT_TOKENS = 8
 PILOT_RUNS = 3
+PREFIX_BLOCK_TOKENS = 16  # `serve --prefix-block-tokens`' default, which the benchmark's nodes run with
+PREFIX_CACHE_BYTES = "8G"  # per node in a prefix sweep: far more than a run's prompts, so nothing is evicted
 TRANSFER_PATHS = ("full", "proactive", "on_demand", "speculative", "metadata")  # "full": full transfer's pushes
 
 
@@ -161,16 +166,31 @@ def run_bench(
                         if progress:
                             progress(f"{scheme} under load ({point.label(config.link_mode)})", done, total)
                     continue
+                if point.prefix_hit:
+                    warm = prompts.prefixed(point, rep=-1, salt=0)[0].prompt  # puts the shared prefix in the caches
+                    _request(cluster.url, warm, "full", 4)
                 for rep in range(config.warmup + config.reps):
                     batch_prompts = prompts.batch(point, rep)
-                    for scheme in config.all_schemes:
-                        group = _run_group(cluster, config, i, point, scheme, rep, batch_prompts, prompts, trained)
+                    for s, scheme in enumerate(config.all_schemes):
+                        samples = batch_prompts if point.prefix_hit is None else prompts.prefixed(point, rep, s)
+                        # a prefix point's prompts are cut and spliced: their answers are not the task's
+                        scored = trained and point.prefix_hit is None
+                        group = _run_group(cluster, config, i, point, scheme, rep, samples, prompts, scored)
                         result.groups.append(group)
                         done += 1
                         if progress:
                             progress(f"{scheme} ({point.label(config.link_mode)})", done, total)
     result.regimes = [regimes[i] for i in range(len(points))]
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixedPrompt:
+    """A prompt of a prefix-hit point, as token ids: `cached` leading tokens shared with the warm-up request."""
+
+    task: str
+    prompt: list[int]
+    cached: int
 
 
 class _Prompts:
@@ -193,6 +213,22 @@ class _Prompts:
         tasks = self.config.tasks
         base = self.config.seed + rep * point.batch
         return [self.sample(tasks[(base + i) % len(tasks)], point.length, base + i) for i in range(point.batch)]
+
+    def prefixed(self, point: Point, rep: int, salt: int) -> list[Any]:
+        """A prefix point's batch: the first `prefix_hit` of each prompt (whole cache blocks) is a base prompt's,
+        the rest seeded random tokens of this (round, scheme, request) alone, so nothing else can hit."""
+        import torch
+
+        base = self.tokenizer.encode(self.sample(self.config.tasks[0], point.length, self.config.seed).prompt)
+        length = len(base)
+        cached = int((point.prefix_hit or 0.0) * length) // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+        vocab = min(len(self.tokenizer), 32000)
+        batch = []
+        for i in range(point.batch):
+            seed = self.config.seed * 7919 + (rep + 2) * 104729 + salt * 1009 + i
+            tail = torch.randint(3, vocab, (length - cached,), generator=torch.Generator().manual_seed(seed))
+            batch.append(PrefixedPrompt(f"prefix {point.prefix_hit:.0%}", base[:cached] + tail.tolist(), cached))
+        return batch
 
     def score(self, sample: Any, text: str) -> float:
         from smartgen.apps.evalsuite import score_sample
@@ -271,10 +307,12 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
         decode_extra=extra,
+        prefill_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "decode" else "0",
+        decode_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "prefill" else "0",
     )
 
 
-def _request(url: str, prompt: str, scheme: str, max_tokens: int) -> dict[str, Any]:
+def _request(url: str, prompt: str | list[int], scheme: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -347,6 +385,8 @@ def _run_group(
                 "ctl": usage.get("ctl") or [],
                 "on_demand_ratio": usage.get("on_demand_ratio"),
                 "fetched_tokens": usage.get("fetched_tokens"),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                "held_tokens": usage.get("held_tokens"),
                 "score": prompts.score(sample, text) if trained else None,
                 "error": None,
             }

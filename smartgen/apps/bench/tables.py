@@ -9,7 +9,7 @@ from rich.text import Text
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["point_tables", "regime_line", "load_table"]
+__all__ = ["point_tables", "regime_line", "load_table", "prefix_table"]
 
 MIB = 2**20
 
@@ -111,3 +111,45 @@ def load_table(result: BenchResult, point: int) -> Table:
             _ms(tbt["p99"]),
         )
     return table
+
+
+def prefix_table(result: BenchResult, summaries: list[Summary]) -> Table | None:
+    """The prefix-hit sweep in one table: per hit rate, full transfer against SmartGen (None without a sweep)."""
+    points = [i for i, p in enumerate(result.points) if p.prefix_hit is not None]
+    if not points:
+        return None
+    side = result.config.prefix_cache
+    table = _table(
+        f"prefix hit sweep ({side} cache): ms means; hit: asked (measured share of prompt tokens the cache held); "
+        "MiB: KV moved per request; x: TTST speed-up and TBT ratio vs full",
+        ["hit", "scheme", "TTFT", "TTST", "TBT", "MiB", "TTST x", "TBT x"],
+    )
+    for index in points:
+        point = result.points[index]
+        for s in (s for s in summaries if s.point == index and s.scheme in ("full", "smartgen")):
+            moved = sum(v for path, v in s.bytes_per_request.items() if path != "metadata")
+            table.add_row(
+                f"{point.prefix_hit:.0%} ({_measured_hit(result, index, s.scheme)})",
+                Text(s.scheme),
+                _ms(s.ttft["mean"]),
+                _ms(s.ttst["mean"]),
+                _ms(s.tbt["mean"]),
+                f"{moved / MIB:.1f}",
+                _x(s.vs_full.get("ttst_speedup")),
+                _x(s.vs_full.get("tbt")),
+            )
+    return table
+
+
+def _measured_hit(result: BenchResult, point: int, scheme: str) -> str:
+    """The share of prompt tokens a cache supplied (prefill: not computed; decode: not moved), over measured rounds."""
+    requests = [
+        r
+        for g in result.groups
+        if g.point == point and g.scheme == scheme and not g.warmup
+        for r in g.requests
+        if not r.get("error")
+    ]
+    prompt = sum(r["prompt_tokens"] for r in requests)
+    cached = sum(max(r.get("cached_tokens") or 0, r.get("held_tokens") or 0) for r in requests)
+    return f"{cached / prompt:.0%}" if prompt else "-"
