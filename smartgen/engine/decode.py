@@ -36,7 +36,7 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.index_ops import IndexSplit, gather_kv, split_reorder
-from smartgen.engine.layout import KVLayout
+from smartgen.engine.layout import DENSE_LAYERS, KVLayout
 from smartgen.engine.mask import LOCAL, REMOTE
 from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
@@ -405,6 +405,8 @@ class DecodeEngine:
         """
         requests = [self._require_any(rid) for rid in request_ids]
         self._land_late(requests)
+        if layer < DENSE_LAYERS:
+            self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
@@ -447,6 +449,20 @@ class DecodeEngine:
             remote += int(num_remote[rows].sum())
         self.counters.add_selection(selected, remote)
         return Assembled(k_out, v_out, local_stop, split)
+
+    def _await_pushed(self, layer: int, requests: list[_Request], timeout: float) -> None:
+        """Layers 0-1 are pushed whole for every request: while that push is on its way, fetching the layer would
+        send its bytes twice (a push's masks turn local only once all its data is in, so every token still looks
+        remote). Waits for the push instead, up to `stall_timeout` (else `timeout`); what is still remote after
+        that is fetched."""
+        limit = min(timeout, self.stall_timeout) if self.stall_timeout is not None else timeout
+        deadline = time.monotonic() + limit
+        mask = self.pool.masks.values[layer]
+        for request in requests:
+            while not bool((mask[request.slot, : request.length] == LOCAL).all()):
+                if request.metrics.error or request.deferred or time.monotonic() > deadline:
+                    break
+                time.sleep(0.0002)
 
     def _rows_where(
         self, requests: list[_Request], device: torch.device, test: Callable[[Policy], bool]

@@ -12,7 +12,7 @@ from smartgen.engine.layout import block_bounds
 from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
 
-__all__ = ["block_runs", "block_write_ops", "ONES_SOURCE"]
+__all__ = ["block_runs", "token_runs", "block_write_ops", "ONES_SOURCE"]
 
 ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
 
@@ -33,18 +33,25 @@ def block_runs(blocks: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def token_runs(want: torch.Tensor) -> list[tuple[int, int]]:
+    """Bool [n] -> maximal runs [(start, stop), ...] of True tokens."""
+    edges = torch.diff(torch.nn.functional.pad(want.to(torch.int8), (1, 1))).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
 def block_write_ops(
     geometry: PoolGeometry,
     entry: RequestKV,
     slot: int,
     layer_blocks: list[tuple[int, torch.Tensor]],
-    skip_below: int = 0,
+    unsent: torch.Tensor | None = None,
 ) -> tuple[list[WriteOp], int]:
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
-    entry turns local before its bytes are in. Tokens before `skip_below` (a prefix the decode
-    node already holds) are never written. Returns (ops, KV bytes).
+    entry turns local before its bytes are in. With `unsent` ([L, n] bool) only its True tokens
+    are written: a token the decode node already holds (its prefix cache) or was already sent (a
+    fetch, an earlier push) never crosses the link twice. Returns (ops, KV bytes).
     """
     length = entry.length
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
@@ -53,8 +60,13 @@ def block_write_ops(
     masks: list[WriteOp] = []
     kv_bytes = 0
     for layer, blocks in layer_blocks:
-        for first, stop in block_runs(blocks):
-            start_tok, stop_tok = max(bounds[first], skip_below), bounds[stop]
+        spans = [(bounds[first], bounds[stop]) for first, stop in block_runs(blocks)]
+        if unsent is not None:
+            want = torch.zeros(length, dtype=torch.bool)
+            for start, stop in spans:
+                want[start:stop] = True
+            spans = token_runs(want & unsent[layer])
+        for start_tok, stop_tok in spans:
             if stop_tok <= start_tok:
                 continue
             num_bytes = (stop_tok - start_tok) * token_bytes

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from smartgen.engine import messages as msg
-from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops
-from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
+from smartgen.engine.descriptors import ONES_SOURCE, block_runs, block_write_ops
+from smartgen.engine.layout import DENSE_LAYERS, KVLayout, block_bounds, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
@@ -60,6 +60,7 @@ class OpenedRequest:
     ones: torch.Tensor
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
     held: int = 0  # leading tokens the decode node already holds: never pushed (its prefix cache)
+    unsent: torch.Tensor | None = None  # [L, n] bool: tokens no push or fetch has sent yet (held ones are sent)
     prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
     spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
@@ -207,6 +208,7 @@ class PrefillEngine:
             ones=torch.ones(length, dtype=torch.uint8),
             prompt=message.prompt_ids,
             held=message.held,
+            unsent=(torch.arange(length) >= message.held).repeat(self.layout.num_layers, 1),
         )
         with self._lock:
             self._requests[message.request_id] = request
@@ -340,19 +342,38 @@ class PrefillEngine:
             return 0  # speculation starts once prefill is over
         total = request.plan.num_layers * request.plan.num_blocks
         size = speculative_slice_size(total, request.policy.speculative_ratio)
-        ids = request.speculative_order()[request.spec_cursor : request.spec_cursor + size]
-        request.spec_cursor += ids.numel()
+        ahead = request.speculative_order()[request.spec_cursor :]
+        if request.unsent is not None:  # blocks on-demand fetches already brought whole are skipped, not resent
+            blocks = token_blocks(request.length, self.layout.num_blocks)
+            pending = torch.zeros(request.plan.num_layers, request.plan.num_blocks).index_add_(
+                1, blocks, request.unsent.float()
+            )
+            keep = pending.flatten()[ahead] > 0
+            taken = keep.nonzero().flatten()[:size]
+            ids = ahead[taken]
+            request.spec_cursor += int(taken[-1]) + 1 if taken.numel() else ahead.numel()
+        else:
+            ids = ahead[:size]
+            request.spec_cursor += ids.numel()
+        if not ids.numel():
+            return 0
         layer_of = ids // request.plan.num_blocks
         layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
         return self._push(request, layer_blocks, tag="speculative")
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
-        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.held)
+        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.unsent)
         full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
         path = "full" if full else tag
-        if request.held:
-            _, planned = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks)
-            self.held_saved.add(path, planned - kv_bytes)
+        bounds = block_bounds(request.length, self.layout.num_blocks).tolist()
+        held_tokens = 0
+        for layer, blocks in layer_blocks:
+            for first, stop in block_runs(blocks):
+                held_tokens += max(0, min(bounds[stop], request.held) - bounds[first])
+                if request.unsent is not None:
+                    request.unsent[layer, bounds[first] : bounds[stop]] = False
+        if held_tokens:
+            self.held_saved.add(path, self.layout.kv_bytes(held_tokens, num_layers=1))
         if not ops:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
@@ -383,6 +404,8 @@ class PrefillEngine:
         if request.kv.layers_ready <= layer:
             raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
         k, v = request.kv.k[layer, positions].contiguous(), request.kv.v[layer, positions].contiguous()
+        if request.unsent is not None:
+            request.unsent[layer, positions] = False  # a speculative push will not send these again
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)

@@ -1,0 +1,75 @@
+"""No KV byte crosses the link twice where the engine can know better: layers 0-1 are waited for, not fetched, while
+their push is on the way; a speculative push never resends a token an on-demand fetch already brought."""
+
+import torch
+from tiny_models import tiny_config
+
+from smartgen.engine.policy import get_policy
+from smartgen.runtime.models import model_from_config
+from smartgen.runtime.pipeline import InprocPipeline
+
+LENGTH = 256
+
+
+def _pipeline(scheme: str) -> InprocPipeline:
+    model = model_from_config(tiny_config("llama"))
+    policy = get_policy(scheme, "sequential", 0.05)
+    # a slow link: layer 0-1's push is still on its way when the first decode step starts
+    return InprocPipeline(model, policy, "quest", {"budget": 0.25}, gbps=0.02, prefill_seconds_per_token=1e-5)
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(3, 97, (LENGTH,), generator=torch.Generator().manual_seed(5))
+
+
+def test_partial_transfer_moves_no_token_twice():
+    with _pipeline("partial") as pipeline:
+        pipeline.generate([_prompt()], 12)
+        moved = pipeline.prefill_engine.counters.snapshot()["bytes"]
+        kv = pipeline.layout.kv_bytes(LENGTH)
+    assert moved["proactive"] + moved["on_demand"] <= kv
+    assert moved["proactive"] == pipeline.layout.kv_bytes(LENGTH, num_layers=2)  # layers 0-1, once
+
+
+def test_a_speculative_push_never_resends_a_fetched_token():
+    with _pipeline("smartgen") as pipeline:
+        engine = pipeline.prefill_engine
+        geometry = pipeline.decode_engine.pool.geometry
+        fetched: set[tuple[int, int]] = set()
+        resent: list[tuple[int, int]] = []
+        serve_fetch, push = engine._serve_fetch, engine._push
+
+        def record_fetch(link, message):
+            fetched.update((message.layer, int(p)) for p in message.positions)
+            return serve_fetch(link, message)
+
+        def record_push(request, layer_blocks, tag):
+            if tag == "speculative":
+                post = request.link.push.post_writes
+
+                def check(request_id, sources, ops, tag=None):
+                    for op in ops:
+                        if op.dst != "k":
+                            continue
+                        first = op.dst_offset // geometry.layout.token_bytes
+                        for flat in range(first, first + op.length // geometry.layout.token_bytes):
+                            layer, token = (
+                                flat // (geometry.num_slots * geometry.max_tokens),
+                                flat % geometry.max_tokens,
+                            )
+                            if (layer, token) in fetched:
+                                resent.append((layer, token))
+                    return post(request_id, sources, ops, tag=tag)
+
+                request.link.push.post_writes = check
+                try:
+                    return push(request, layer_blocks, tag)
+                finally:
+                    del request.link.push.post_writes
+            return push(request, layer_blocks, tag)
+
+        engine._serve_fetch, engine._push = record_fetch, record_push
+        pipeline.generate([_prompt()], 16)
+        moved = engine.counters.snapshot()["bytes"]
+    assert fetched and moved["speculative"] > 0, "the run must both fetch and speculate for this to test anything"
+    assert not resent, f"{len(resent)} fetched tokens pushed again, e.g. {resent[:3]}"
