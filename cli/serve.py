@@ -221,7 +221,8 @@ def serve(
         str,
         typer.Option(
             help="Decode node: what happens to requests of a lost prefill node: fail (a clear error) or recompute "
-            "(requests not yet prefilled are prefilled again on another prefill node; decoding ones fail).",
+            "(they are prefilled again on another prefill node, which sends only what the decode node lacks; "
+            "decoding ones wait outside the batch meanwhile and go on with the tokens they would have had).",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = "fail",

@@ -1,13 +1,15 @@
 """Two prefill nodes, one decode node, one process, real TCP: a lost or stalled prefill node fails only the
 requests that need it (or re-prefills them elsewhere), and the others finish."""
 
+import json
 import threading
 import time
 
+import httpx
 import pytest
 import torch
-from conftest import wait_until
-from tiny_models import IdTokenizer, tiny_config
+from conftest import Nodes, get_json, wait_until
+from tiny_models import IdTokenizer, save_tiny_model, tiny_config
 
 from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
@@ -168,3 +170,75 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts):
         decode.stop()
         healthy.stop()
         stalled.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tinym")
+
+
+def _holder(pair: Nodes) -> str:
+    """The name of the prefill node holding the one request in flight."""
+    held = {
+        name: get_json(f"http://{status}/status")["requests_held"] for name, (_, _, status) in pair.prefills.items()
+    }
+    holders = [name for name, count in held.items() if count == 1]
+    assert len(holders) == 1, held
+    return holders[0]
+
+
+def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_an_undisturbed_run(model_dir, tmp_path):
+    """Real processes: two prefill nodes, kill -9 the one serving a request that is decoding. With
+    `--on-prefill-failure recompute` the request is opened on the other node (the blocks already local stay
+    local: that node pushes none of them), waits parked until it is prefilled, and ends with exactly the
+    tokens of an undisturbed run of the same prompt."""
+    pair = Nodes(
+        model_dir, tmp_path, num_prefills=2, decode_extra=("--on-prefill-failure", "recompute", "--budget", "0.5")
+    )
+    try:
+        pair.wait_ready()
+        body = {"prompt": _prompt(11, 80), "max_tokens": 48, "ignore_eos": True, "scheme": "partial"}
+        reference = httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
+        assert reference["usage"]["completion_tokens"] == 48, reference
+        wait_until(
+            lambda: all(get_json(f"http://{s}/status")["requests_held"] == 0 for _, _, s in pair.prefills.values()),
+            20,
+            "the reference run to be released",
+        )
+        texts: list[str] = []
+        killed, before = "", {}
+        with httpx.stream("POST", pair.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                assert "error" not in event, event
+                texts += [choice["text"] for choice in event["choices"]]
+                if len(texts) == 2 and not killed:
+                    killed = _holder(pair)  # scheme partial: the request still needs its prefill node
+                    before = _paths(pair, next(name for name in pair.prefills if name != killed))
+                    pair.prefills[killed][0].kill()
+        assert killed
+        assert "".join(texts) == reference["choices"][0]["text"]
+        survivor = next(name for name in pair.prefills if name != killed)
+        wait_until(lambda: _holder_count(pair, survivor) == 0, 20, "the survivor to release the request")
+        decode_log = pair.output("decode")
+        assert "opened again on another prefill node" in decode_log, decode_log[-3000:]
+        assert "0 of" not in decode_log.split("opened again on another prefill node")[1].split("\n")[0]
+        # the survivor pushed nothing the decode node already had: layers 0-1 (scheme partial's proactive set) were
+        # local before the kill, so its only KV bytes were the on-demand fetches of what was missing
+        after = _paths(pair, survivor)
+        assert after["proactive"] == before["proactive"], (before, after)
+        assert after["on_demand"] > before["on_demand"]
+    finally:
+        pair.stop()
+
+
+def _holder_count(pair: Nodes, name: str) -> int:
+    return get_json(f"http://{pair.prefills[name][2]}/status")["requests_held"]
+
+
+def _paths(pair: Nodes, name: str) -> dict[str, int]:
+    """KV bytes per path a prefill node has sent so far."""
+    return get_json(f"http://{pair.prefills[name][2]}/status")["paths"]["bytes"]

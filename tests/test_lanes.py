@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from smartgen.engine.descriptors import block_runs, block_write_ops
+from smartgen.engine.descriptors import block_runs, block_write_ops, held_blocks, held_runs
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import DecodePool, PrefillStore
 from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
@@ -42,6 +42,24 @@ def test_block_runs_and_a_whole_layer_is_three_descriptors():
     ops, _ = block_write_ops(pool.geometry, entry, 1, [(2, torch.tensor([0, 5])), (3, torch.tensor([9]))])
     kinds = [op.dst == "mask" for op in ops]
     assert kinds == sorted(kinds)
+
+
+def test_held_tokens_are_never_pushed_again():
+    """A request opened again after its prefill node was lost: tokens the decode node holds get no descriptor."""
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    pool = DecodePool(layout, num_slots=2, max_tokens=128)
+    entry = PrefillStore(layout).open("r", 100)
+    held = torch.zeros(4, 100, dtype=torch.bool)
+    held[2, 10:30] = True  # blocks of layer 2 partly held
+    held[3] = True  # layer 3 wholly held
+    ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(2, torch.arange(16)), (3, torch.arange(16))], held)
+    masks = [op for op in ops if op.dst == "mask"]
+    first = pool.geometry.mask_offset(2, 1, 0)
+    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 10), (30, 70)]
+    assert kv_bytes == 2 * 80 * layout.token_bytes
+    blocks = held_blocks(held, 16)  # 100 tokens in 16 blocks: blocks 2 and 3 (tokens 12-24) lie inside 10:30
+    assert blocks[3].all() and blocks[2].nonzero().flatten().tolist() == [2, 3] and not blocks[:2].any()
+    assert held_runs(0, 10, None) == [(0, 10)] and held_runs(5, 40, held[2]) == [(5, 10), (30, 40)]
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from smartgen.engine.layout import block_bounds
+from smartgen.engine.layout import block_bounds, token_blocks
 from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
 
-__all__ = ["block_runs", "block_write_ops", "ONES_SOURCE"]
+__all__ = ["block_runs", "held_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
 
 ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
 
@@ -33,13 +33,35 @@ def block_runs(blocks: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def held_runs(start: int, stop: int, held: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Tokens [start, stop) less those `held` ([n] bool) marks: maximal runs [(first, last + 1), ...]."""
+    if held is None:
+        return [(start, stop)]
+    missing = (~held[start:stop]).nonzero().flatten() + start
+    return block_runs(missing)
+
+
+def held_blocks(held: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[L, n] bool held tokens -> [L, M_eff] bool: the blocks every token of which is held."""
+    blocks = token_blocks(held.shape[1], num_blocks).expand(held.shape[0], -1)
+    m_eff = int(blocks[0, -1]) + 1 if held.shape[1] else 0
+    full = torch.ones(held.shape[0], m_eff, dtype=torch.bool)
+    return full.scatter_reduce(1, blocks, held, "amin")
+
+
 def block_write_ops(
-    geometry: PoolGeometry, entry: RequestKV, slot: int, layer_blocks: list[tuple[int, torch.Tensor]]
+    geometry: PoolGeometry,
+    entry: RequestKV,
+    slot: int,
+    layer_blocks: list[tuple[int, torch.Tensor]],
+    held: torch.Tensor | None = None,
 ) -> tuple[list[WriteOp], int]:
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
-    entry turns local before its bytes are in. Returns (ops, KV bytes).
+    entry turns local before its bytes are in. Tokens `held` ([L, n] bool) marks are already in
+    the pool (a request opened again after its prefill node was lost) and are left out.
+    Returns (ops, KV bytes).
     """
     length = entry.length
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
@@ -48,8 +70,10 @@ def block_write_ops(
     masks: list[WriteOp] = []
     kv_bytes = 0
     for layer, blocks in layer_blocks:
-        for first, stop in block_runs(blocks):
-            start_tok, stop_tok = bounds[first], bounds[stop]
+        runs = [(bounds[first], bounds[stop]) for first, stop in block_runs(blocks)]
+        if held is not None:
+            runs = [run for start, stop in runs for run in held_runs(start, stop, held[layer])]
+        for start_tok, stop_tok in runs:
             if stop_tok == start_tok:
                 continue
             num_bytes = (stop_tok - start_tok) * token_bytes

@@ -88,16 +88,23 @@ class Open:
     strategy: str  # the proactive-set strategy
     speculative_ratio: float
     prompt_ids: torch.Tensor | None = None  # [n] int64, when the prefill node runs a model
+    # Opened again after its prefill node was lost (--on-prefill-failure recompute):
+    held: torch.Tensor | None = None  # [L, n] bool: tokens already local on the decode node, never pushed again
+    resumed: bool = False  # the decode node already has the first token and metadata: send neither again
 
     def pack(self) -> Message:
-        meta = {
+        meta: dict[str, Any] = {
             "slot": self.slot,
             "length": self.length,
             "scheme": self.scheme,
             "strategy": self.strategy,
             "speculative_ratio": self.speculative_ratio,
         }
+        if self.resumed:
+            meta["resumed"] = True
         payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
+        if self.held is not None:
+            payload["held"] = self.held.to(torch.uint8).cpu().contiguous()
         return Message(self.KIND, self.request_id, meta, payload)
 
     @classmethod
@@ -111,7 +118,19 @@ class Open:
             _field(meta, "strategy", str, what),
             _field(meta, "speculative_ratio", float, what),
             message.payload.get("input_ids"),
+            _held(message.payload.get("held"), meta.get("length")),
+            _field(meta, "resumed", bool, what) if "resumed" in meta else False,
         )
+
+
+def _held(held: torch.Tensor | None, length: object) -> torch.Tensor | None:
+    """OPEN's `held` as [L, n] bool; a tensor of another shape or kind is refused (the layer count is the
+    prefill engine's to check)."""
+    if held is None:
+        return None
+    if held.dtype != torch.uint8 or held.dim() != 2 or held.shape[1] != length:
+        raise MessageError(f"OPEN: 'held' must be uint8 [layers, {length}], got {held.dtype} {list(held.shape)}")
+    return held.bool()
 
 
 @dataclass(frozen=True, slots=True)

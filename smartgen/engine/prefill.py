@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smartgen.engine import messages as msg
-from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops
+from smartgen.engine.descriptors import ONES_SOURCE, block_write_ops, held_blocks
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
@@ -63,6 +63,8 @@ class OpenedRequest:
     spec_cursor: int = 0
     spec_in_flight: Completion | None = None
     completions: list[Completion] = field(default_factory=list)
+    held: torch.Tensor | None = None  # [L, n] bool: tokens the decode node already holds (never pushed)
+    resumed: bool = False  # the decode node had decoded it already: no metadata, FIRST_TOKEN only says "ready"
 
     @property
     def speculation_done(self) -> bool:
@@ -170,6 +172,8 @@ class PrefillEngine:
     def _open(self, link: LinkEnd, geometry: PoolGeometry, message: msg.Open) -> None:
         if self._opened.qsize() >= self.max_queue:
             raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
+        if message.held is not None and message.held.shape[0] != self.layout.num_layers:
+            raise msg.MessageError(f"OPEN: 'held' has {message.held.shape[0]} layers, not {self.layout.num_layers}")
         policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
         length = message.length
         plan = self.planner.plan(
@@ -187,7 +191,11 @@ class PrefillEngine:
             kv,
             ones=torch.ones(length, dtype=torch.uint8),
             prompt=message.prompt_ids,
+            held=message.held,
+            resumed=message.resumed,
         )
+        if message.held is not None:  # opened again elsewhere (recompute): what the decode node has stays there
+            request.sent = held_blocks(message.held, self.layout.num_blocks)
         with self._lock:
             self._requests[message.request_id] = request
         self._opened.put(request)
@@ -235,7 +243,7 @@ class PrefillEngine:
         decode node has it for its first step without it adding to the time to first token.
         """
         request = self._get(request_id)
-        if request is None or not metadata:
+        if request is None or not metadata or request.resumed:
             return
         message = msg.Metadata(request_id, int(layer), metadata).pack()
         request.link.control.send(message, tag="metadata")
@@ -254,6 +262,7 @@ class PrefillEngine:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
             raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
+        metadata = None if request.resumed else metadata  # a resumed request's decode node kept its metadata
         message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or [])).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
@@ -282,7 +291,7 @@ class PrefillEngine:
         return self._push(request, layer_blocks, tag="speculative")
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
-        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks)
+        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.held)
         if not ops:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}

@@ -63,6 +63,7 @@ class DecodeNode:
             fetch_timeout=limits.fetch_timeout_s,
             stall_timeout=limits.fetch_stall_s,
             recompute=limits.on_prefill_failure == "recompute",
+            prefill_timeout=limits.first_token_timeout_s,
         )
         hello = {
             **node_identity(model, layout, model_name),
