@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import signal
 import threading
 from pathlib import Path
@@ -194,7 +195,8 @@ def serve(
         float,
         typer.Option(
             min=0.1,
-            help="Decode node: seconds from dispatch to the first token before the request fails.",
+            help="Decode node: seconds from dispatch to the first token (and, under full transfer, to the last block; "
+            "for a request prefilled again elsewhere, to the new node's prefill) before the request fails.",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 120.0,
@@ -226,6 +228,42 @@ def serve(
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = "fail",
+    handshake_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a connection may take to connect and authenticate (the decode node's connect and handshake "
+            "with a prefill node; the prefill node closes a connection not authenticated by then).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 5.0,
+    confirm_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="One-sided lanes (mooncake, nixl, rdma): seconds the peer has to answer LANE_INFO and to confirm "
+            "that it accepts or revokes a request's writes; past it the link is declared broken.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 10.0,
+    write_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="One-sided lanes (nixl, rdma): seconds one list of KV writes may take to complete; past it the link "
+            "is declared broken and the requests that needed it fail (or are recomputed).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 30.0,
+    flush_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Prefill node: seconds a proactive-only request's proactive set may take to land before its first "
+            "token goes out; past it the request fails.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 120.0,
     max_body_bytes: Annotated[
         int,
         typer.Option(
@@ -256,8 +294,22 @@ def serve(
     from smartgen.lanes.tcp_link import parse_address
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
-    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits
+    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits, PrefillLimits
     from smartgen.runtime.models import ModelLoadError
+
+    waits = {
+        "--lease": lease,
+        "--first-token-timeout": first_token_timeout,
+        "--fetch-timeout": fetch_timeout,
+        "--fetch-stall-ms": fetch_stall_ms,
+        "--handshake-timeout": handshake_timeout,
+        "--confirm-timeout": confirm_timeout,
+        "--write-timeout": write_timeout,
+        "--flush-timeout": flush_timeout,
+    }
+    for option, value in waits.items():
+        if not math.isfinite(value):  # nan passes the range checks and inf means never: neither is a bound
+            fail(f"{option} must be a finite number, got {value}")
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -284,7 +336,17 @@ def serve(
     try:
         if role == Role.prefill:
             host, port = parse_address(listen)
-            node, profile_note = build_prefill_node(settings, host, port, db, fallback_strategy, model_name, max_queue)
+            prefill_limits = PrefillLimits(
+                lease,
+                handshake_timeout_s=handshake_timeout,
+                confirm_timeout_s=confirm_timeout,
+                write_timeout_s=write_timeout,
+                flush_timeout_s=flush_timeout,
+                max_queue=max_queue,
+            )
+            node, profile_note = build_prefill_node(
+                settings, host, port, db, fallback_strategy, model_name, prefill_limits
+            )
             _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file, record)
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
@@ -296,6 +358,9 @@ def serve(
                 on_prefill_failure,
                 max_body_bytes,
                 fetch_stall_s=fetch_stall_ms / 1e3 or None,
+                handshake_timeout_s=handshake_timeout,
+                confirm_timeout_s=confirm_timeout,
+                write_timeout_s=write_timeout,
             )
             decode_node = build_decode_node(
                 settings,

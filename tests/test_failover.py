@@ -105,6 +105,22 @@ def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_fin
         stuck.stop()
 
 
+def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(parts):
+    """Under full transfer decoding waits for every block; a prefill node that sends the first token but never the
+    KV does not hold the request forever: it fails with the reason once --first-token-timeout has passed."""
+    silent = _prefill_node(parts)
+    silent.engine._push = lambda request, layer_blocks, tag: 0  # type: ignore[method-assign]
+    decode = _decode_node(parts, [silent], DecodeLimits(first_token_timeout_s=2))
+    try:
+        finish = _finish(decode.scheduler.submit(_prompt(9), GenerationParams(max_tokens=4, scheme="full")))
+        assert finish.reason == "error" and "its KV did not arrive within 2 s" in (finish.error or ""), finish
+        assert decode.engine.pool.num_free == 4
+        wait_until(lambda: silent.engine.store.num_requests == 0, 10, "the prefill node to free the request")
+    finally:
+        decode.stop()
+        silent.stop()
+
+
 def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
     stalled, healthy = _prefill_node(parts), _prefill_node(parts)
     release = False

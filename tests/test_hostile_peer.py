@@ -247,3 +247,35 @@ def test_a_connection_flood_gets_no_thread_per_socket():
 
 def test_struct_header_layout_is_what_the_docs_say():
     assert HEADER.size == 18 and struct.calcsize("<2sBBHIQ") == 18
+
+
+def test_the_handshake_timeout_is_each_listeners_own():
+    """`--handshake-timeout`: a connection that never authenticates is closed once its listener's bound passes, and
+    not before (a listener with a 60 s bound still holds its silent connection when the 0.3 s one has let go)."""
+    quick = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=0.3)
+    patient = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=60)
+    try:
+        silent = {
+            name: socket.create_connection(lst.address, timeout=30) for name, lst in (("q", quick), ("p", patient))
+        }
+        for sock in silent.values():
+            assert recv_header(sock).type == FrameType.CHALLENGE
+        assert silent["q"].recv(1) == b""  # closed on us (the 30 s socket timeout is only a hang guard)
+        assert any("timed out" in r for r in quick.rejections), quick.rejections
+        silent["p"].setblocking(False)
+        with pytest.raises(BlockingIOError):  # still open, still waiting for a HELLO
+            silent["p"].recv(1)
+        assert patient.rejections == []
+        for sock in silent.values():
+            sock.close()
+    finally:
+        quick.close()
+        patient.close()
+
+
+def test_a_silent_prefill_node_fails_the_connect_within_the_handshake_timeout():
+    """The decode side's bound: a listener that accepts and never says a word is given up on with the reason."""
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        with pytest.raises((TimeoutError, HandshakeError, ConnectionError)) as caught:
+            tcp_connect(*mute.getsockname()[:2], "s", IDENTITY, timeout=0.3)
+        assert "timed out" in str(caught.value)

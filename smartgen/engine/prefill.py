@@ -32,9 +32,11 @@ from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
 
-FLUSH_TIMEOUT_S = 600.0
+# proactive-only: its proactive set must land before FIRST_TOKEN within this (`serve --flush-timeout`); past it the
+# request fails. The decode node gives up on a first token after 120 s by default anyway.
+DEFAULT_FLUSH_TIMEOUT_S = 120.0
 
-__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone"]
+__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone", "DEFAULT_FLUSH_TIMEOUT_S"]
 
 
 log = logging.getLogger(__name__)
@@ -85,9 +87,16 @@ class OpenedRequest:
 class PrefillEngine:
     """Serves the decode nodes attached to it; `prefill_layer` is called by the model runtime."""
 
-    def __init__(self, layout: KVLayout, planner: TransferPlanner, max_queue: int = 64) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        planner: TransferPlanner,
+        max_queue: int = 64,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+    ) -> None:
         self.layout = layout
         self.max_queue = max_queue
+        self.flush_timeout_s = flush_timeout_s
         self.planner = planner
         self.store = PrefillStore(layout)
         self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
@@ -260,8 +269,8 @@ class PrefillEngine:
         request = self._get(request_id)
         if request is None:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
-        if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
-            raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
+        if request.policy.drop_remote and not request.link.push.flush(timeout=self.flush_timeout_s):
+            raise TimeoutError(f"the proactive set of {request_id} did not land within {self.flush_timeout_s:g} s")
         metadata = None if request.resumed else metadata  # a resumed request's decode node kept its metadata
         message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or [])).pack()
         request.link.control.send(message, tag="metadata")

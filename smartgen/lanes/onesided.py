@@ -22,7 +22,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,26 @@ from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportE
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, recv_header, send_frame, send_header
 from smartgen.lanes.write_plan import chunk_ops, region_runs
 
-__all__ = ["OneSidedLane", "one_sided_lane"]
+__all__ = [
+    "OneSidedLane",
+    "OneSidedTimeouts",
+    "one_sided_factory",
+    "DEFAULT_CONFIRM_TIMEOUT_S",
+    "DEFAULT_WRITE_TIMEOUT_S",
+]
 
 log = logging.getLogger(__name__)
-CONFIRM_TIMEOUT = 10.0
+DEFAULT_CONFIRM_TIMEOUT_S = 10.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class OneSidedTimeouts:
+    """How long a one-sided lane waits on its peer (`serve --confirm-timeout`, `--write-timeout`); past either the
+    lane is broken: a writer must never guess whether the owner still takes writes, or whether a write landed."""
+
+    confirm_s: float = DEFAULT_CONFIRM_TIMEOUT_S  # LANE_INFO answered; an ACCEPT or REVOKE confirmed
+    write_s: float = DEFAULT_WRITE_TIMEOUT_S  # one write list completes (NIXL, RDMA; Mooncake's synchronous write keeps its own bound)
 
 
 @dataclass(slots=True)
@@ -69,10 +85,17 @@ class OneSidedLane(QueuedLane):
     """One endpoint: `transport` moves the writes, `sock` (already authenticated) carries everything else."""
 
     def __init__(
-        self, sock: socket.socket, transport: Transport, name: str, pacer: Pacer | None = None, bulk: bool = False
+        self,
+        sock: socket.socket,
+        transport: Transport,
+        name: str,
+        pacer: Pacer | None = None,
+        bulk: bool = False,
+        timeouts: OneSidedTimeouts = OneSidedTimeouts(),
     ) -> None:
         super().__init__(name, pacer, bulk)
         self.transport = transport
+        self.confirm_timeout_s = timeouts.confirm_s
         self.error: str | None = None
         self._sock = sock
         self._send_lock = threading.Lock()
@@ -100,7 +123,7 @@ class OneSidedLane(QueuedLane):
     def _exchange_info(self) -> None:
         """Both ends send their transport's info first, then read the peer's (small frames: no deadlock)."""
         timeout = self._sock.gettimeout()
-        self._sock.settimeout(CONFIRM_TIMEOUT)
+        self._sock.settimeout(self.confirm_timeout_s)
         try:
             send_frame(
                 self._sock, FrameType.LANE_INFO, meta={"transport": self.transport.name, **self.transport.info()}
@@ -138,7 +161,7 @@ class OneSidedLane(QueuedLane):
         event = self._confirmed[token] = threading.Event()
         try:
             self._send_control(frame_type, request_id, {"token": token})
-            deadline = time.monotonic() + CONFIRM_TIMEOUT
+            deadline = time.monotonic() + self.confirm_timeout_s
             while not event.wait(0.05):  # a closed lane has nothing in flight: stop waiting
                 if self._closed.is_set():
                     return
@@ -325,12 +348,24 @@ class OneSidedLane(QueuedLane):
             item.completion.set(False)
 
 
-def one_sided_lane(
-    transport: Transport, sock: socket.socket, name: str, pacer: Pacer | None, bulk: bool
-) -> OneSidedLane:
-    """Wraps a fresh transport and its side channel into a lane; the transport is closed if that fails."""
-    try:
-        return OneSidedLane(sock, transport, name, pacer, bulk)
-    except BaseException:
-        transport.close()
-        raise
+def one_sided_factory(
+    make_transport: Callable[[socket.socket, OneSidedTimeouts], Transport],
+) -> Callable[..., OneSidedLane]:
+    """A lane factory for TcpListener/tcp_connect: a fresh `make_transport(sock, timeouts)` moves the writes, `sock`
+    (authenticated) is the side channel; the transport is closed if the lane does not come up."""
+
+    def factory(
+        sock: socket.socket,
+        name: str,
+        pacer: Pacer | None = None,
+        bulk: bool = False,
+        timeouts: OneSidedTimeouts = OneSidedTimeouts(),
+    ) -> OneSidedLane:
+        transport = make_transport(sock, timeouts)
+        try:
+            return OneSidedLane(sock, transport, name, pacer, bulk, timeouts)
+        except BaseException:
+            transport.close()
+            raise
+
+    return factory

@@ -22,10 +22,12 @@ from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp import TcpLane
 from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError
 
-__all__ = ["TcpListener", "tcp_connect", "parse_address"]
+__all__ = ["TcpListener", "tcp_connect", "parse_address", "DEFAULT_HANDSHAKE_TIMEOUT_S"]
 
 CHANNELS = ("push", "control")
-HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated peer holds a socket and a thread no longer than this
+# connecting and authenticating one connection takes no longer (`serve --handshake-timeout`): an unauthenticated
+# peer holds a socket and a thread no longer than this
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 16  # connections being authenticated at once; more are closed at once
 
 # Wraps an authenticated socket into a lane endpoint: TcpLane, or a one-sided lane using it as side channel.
@@ -58,9 +60,11 @@ class TcpListener:
         pacer: Pacer | None = None,
         lane_factory: LaneFactory = TcpLane,
         lease: Lease | None = Lease(),
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.secret = secret
         self.lease = lease
+        self.handshake_timeout_s = handshake_timeout_s
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.lane_factory = lane_factory
         self.identity = identity
@@ -93,7 +97,7 @@ class TcpListener:
 
     def _admit(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(self.handshake_timeout_s)
             hello = server_handshake(sock, self.secret, self.identity)
         except Exception as exc:  # whatever a stranger sends, the listener answers with a logged refusal
             with self._cond:
@@ -152,12 +156,14 @@ def tcp_connect(
     hello: dict[str, Any],
     gbps: float | None = None,
     delay_s: float = 0.0,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     version: int = PROTOCOL_VERSION,
     lane_factory: LaneFactory = TcpLane,
     lease: Lease | None = Lease(),
 ) -> LinkEnd:
-    """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
+    """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd.
+
+    `timeout` bounds connecting and each step of the handshake (then the lease takes over)."""
     session = uuid.uuid4().hex
     pacer = Pacer(gbps, delay_s)
     lanes = {}

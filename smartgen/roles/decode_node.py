@@ -71,12 +71,20 @@ class DecodeNode:
             "pool": {"slots": max_batch, "max_tokens": max_tokens},
             "node": uuid.uuid4().hex[:8],
         }
-        factory = lane_factory(lane)
+        factory = lane_factory(lane, limits.one_sided)
         lease = Lease(limits.lease_s)
 
         def connect(host: str, port: int) -> LinkEnd:
             return tcp_connect(
-                host, port, secret, hello, gbps=link_gbps, delay_s=delay_s, lane_factory=factory, lease=lease
+                host,
+                port,
+                secret,
+                hello,
+                gbps=link_gbps,
+                delay_s=delay_s,
+                timeout=limits.handshake_timeout_s,
+                lane_factory=factory,
+                lease=lease,
             )
 
         self.peers = PrefillPeers(self.engine, prefill_addresses, connect)

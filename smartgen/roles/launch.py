@@ -12,7 +12,7 @@ from smartgen.engine.policy import get_policy
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.roles.decode_node import DecodeNode
-from smartgen.roles.limits import DecodeLimits
+from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
@@ -96,7 +96,7 @@ def build_prefill_node(
     db: Path | None,
     fallback_strategy: str,
     model_name: str,
-    max_queue: int,
+    limits: PrefillLimits | None = None,
 ) -> tuple[PrefillNode, str]:
     model, layout, selector = _load(settings)
     lookup, profile_note = _profile_lookup(db, model, settings, layout)
@@ -112,9 +112,8 @@ def build_prefill_node(
         model_name=model_name,
         link_gbps=settings.link_gbps,
         delay_s=settings.delay_ms / 1e3,
-        max_queue=max_queue,
         lane=settings.lane,
-        lease_s=settings.lease_s,
+        limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
     )
     return node, profile_note
 

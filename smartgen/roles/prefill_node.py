@@ -28,10 +28,11 @@ from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.backends import lane_factory
-from smartgen.lanes.liveness import DEFAULT_LEASE_S, Lease
+from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.roles.identity import node_identity
+from smartgen.roles.limits import PrefillLimits
 from smartgen.roles.monitoring import prefill_monitoring
 from smartgen.roles.planner import NodePlanner
 from smartgen.runtime.prefill import PrefillRunner
@@ -57,14 +58,14 @@ class PrefillNode:
         model_name: str = "model",
         link_gbps: float | None = None,
         delay_s: float = 0.0,
-        max_queue: int = 64,
         lane: str = "tcp",
-        lease_s: float = DEFAULT_LEASE_S,
+        limits: PrefillLimits | None = None,
     ) -> None:
+        limits = limits or PrefillLimits()
         self.model = model
         self.layout = layout
         self.planner = planner
-        self.engine = PrefillEngine(layout, planner, max_queue=max_queue)
+        self.engine = PrefillEngine(layout, planner, max_queue=limits.max_queue, flush_timeout_s=limits.flush_timeout_s)
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
@@ -74,8 +75,9 @@ class PrefillNode:
             secret,
             self.identity,
             Pacer(link_gbps, delay_s),
-            lane_factory=lane_factory(lane),
-            lease=Lease(lease_s),
+            lane_factory=lane_factory(lane, limits.one_sided),
+            lease=Lease(limits.lease_s),
+            handshake_timeout_s=limits.handshake_timeout_s,
         )
         self.address = self.listener.address
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)

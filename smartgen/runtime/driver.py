@@ -163,7 +163,12 @@ class DecodeDriver:
                     if isinstance(events[-1], Finished):
                         continue
                 if request.policy.wait_for_all and not self.engine.is_all_local(rid):
-                    still.append(request)  # full transfer: decoding starts when every block is here
+                    # full transfer: decoding starts when every block is here, within the same bound as the first token
+                    if time.monotonic() - request.opened > self.prefill_timeout:
+                        reason = f"its KV did not arrive within {self.prefill_timeout:g} s"
+                        events.append(self._abort(request, reason, "error"))
+                    else:
+                        still.append(request)
                     continue
             except (RequestFailed, KeyError) as exc:
                 events.append(self._abort(request, str(exc), "error"))
