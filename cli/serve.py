@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .sizes import half_of_memory, parse_size
 
 PANEL_MODEL = "Model and selection"
 PANEL_NET = "Network"
@@ -94,6 +95,14 @@ def serve(
             min=1, help="Prefill node: OPEN requests queued before new ones are refused.", rich_help_panel=PANEL_PREFILL
         ),
     ] = 64,
+    max_store_bytes: Annotated[
+        str,
+        typer.Option(
+            help="Prefill node: most KV (bytes; 512M, 8G...) held for decode nodes at once; a request that would go "
+            "over it is refused and its client gets 503 with the reason. auto = half of this machine's memory.",
+            rich_help_panel=PANEL_PREFILL,
+        ),
+    ] = "auto",
     prefill: Annotated[
         str,
         typer.Option(
@@ -328,6 +337,7 @@ def serve(
     missing = unavailable(lane)
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
+    store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
     settings = NodeSettings(
         model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane, lease
     )
@@ -343,6 +353,7 @@ def serve(
                 write_timeout_s=write_timeout,
                 flush_timeout_s=flush_timeout,
                 max_queue=max_queue,
+                max_store_bytes=store_cap,
             )
             node, profile_note = build_prefill_node(
                 settings, host, port, db, fallback_strategy, model_name, prefill_limits

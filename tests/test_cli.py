@@ -140,3 +140,16 @@ def test_every_timeout_of_serve_is_an_option_with_help():
         "--flush-timeout",
     ):
         assert option in result.output, option
+
+
+def test_byte_sizes_parse_one_way_and_a_bad_one_names_the_option():
+    from smartgen.cli.sizes import half_of_memory, parse_size
+
+    assert parse_size("1073741824", "--x") == parse_size("1G", "--x") == parse_size("1GiB", "--x") == 2**30
+    assert parse_size("512m", "--x") == 512 * 2**20 and parse_size("1.5K", "--x") == 1536
+    assert half_of_memory() > 0
+    args = ["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure"]
+    for bad in ("lots", "-5G", "0"):
+        result = runner.invoke(app, [*args, "--max-store-bytes", bad], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and "--max-store-bytes" in result.stderr, (bad, result.output)
+        assert "Traceback" not in result.output + result.stderr

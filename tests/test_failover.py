@@ -9,35 +9,22 @@ import httpx
 import pytest
 import torch
 from conftest import Nodes, get_json, wait_until
-from tiny_models import IdTokenizer, save_tiny_model, tiny_config
+from inproc_nodes import decode_node, prefill_node, tiny_parts
+from tiny_models import save_tiny_model
 
-from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits
-from smartgen.roles.planner import NodePlanner
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams, TokenEvent
-from smartgen.runtime.models import kv_layout, model_from_config, model_info
-from smartgen.selectors import make_selector
 
 
 @pytest.fixture(scope="module")
 def parts():
-    model = model_from_config(tiny_config("llama"))
-    layout = kv_layout(model, num_blocks=16)
-    return model, layout, model_info(model)
+    return tiny_parts()
 
 
 def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
-    model, layout, info = parts
-    node = PrefillNode(
-        model,
-        make_selector("quest", info, budget=0.3, page_size=4),
-        layout,
-        NodePlanner(layout, None, "streaming", link_gbps=0.5),
-        port=0,
-        secret="s",
-    )
+    node = prefill_node(parts, start=False)
     if not prefills:  # accepts requests but never prefills them: they stay "prefilling" until it goes away
 
         def nothing_to_prefill(timeout: float | None = None) -> None:
@@ -49,21 +36,7 @@ def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
 
 
 def _decode_node(parts, prefills: list[PrefillNode], limits: DecodeLimits) -> DecodeNode:
-    model, layout, info = parts
-    node = DecodeNode(
-        model,
-        IdTokenizer(),
-        make_selector("quest", info, budget=0.3, page_size=4),
-        layout,
-        get_policy("partial"),
-        [p.address for p in prefills],
-        secret="s",
-        max_batch=4,
-        max_tokens=256,
-        limits=limits,
-    )
-    node.start()
-    return node
+    return decode_node(parts, prefills, limits=limits)
 
 
 def _finish(handle, timeout: float = 60) -> FinishEvent:

@@ -101,6 +101,7 @@ class _Request:
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
     resume: Future | None = None
     resumed_at: float = 0.0
+    overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
 
     @property
     def resuming(self) -> bool:
@@ -206,7 +207,8 @@ class DecodeEngine:
                         request.metadata[layer].update(entry)
                     request.first_token.set_result(message.token)
             case msg.Error() | msg.Abort():
-                self._fail_request(message.request_id, message.reason or "prefill node failed")
+                overloaded = isinstance(message, msg.Error) and message.overloaded
+                self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
 
@@ -270,12 +272,13 @@ class DecodeEngine:
         )
         return True
 
-    def _fail_request(self, request_id: str, reason: str) -> None:
+    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
         if not request.metrics.error:
             request.metrics.error = reason
+            request.overloaded = overloaded
         if not request.first_token.done():
             request.first_token.set_exception(RequestFailed(reason))
         if request.resuming:
@@ -363,6 +366,11 @@ class DecodeEngine:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def was_overloaded(self, request_id: str) -> bool:
+        """The request failed because its prefill node had no room for it (store or queue full)."""
+        request = self._requests.get(request_id)
+        return request is not None and request.overloaded
 
     def failed(self, request_ids: list[str]) -> list[int]:
         """Indices (into `request_ids`) of requests that failed and must leave the batch."""

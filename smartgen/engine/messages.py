@@ -245,8 +245,12 @@ class _Reasoned:
 
     @classmethod
     def unpack(cls, message: Message) -> Any:
-        reason = message.meta.get("reason", "")
-        return cls(message.request_id, reason if isinstance(reason, str) else str(reason))
+        return cls(message.request_id, _reason(message))
+
+
+def _reason(message: Message) -> str:
+    reason = message.meta.get("reason", "")
+    return reason if isinstance(reason, str) else str(reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +272,17 @@ class Error(_Reasoned):
     """Prefill -> decode: the prefill node could not serve the request (the reason says why)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.ERROR
+    overloaded: bool = False  # refused for lack of room (store or queue full): the client may try again later
+
+    def pack(self) -> Message:
+        message = _Reasoned.pack(self)
+        if self.overloaded:
+            message.meta["overloaded"] = True
+        return message
+
+    @classmethod
+    def unpack(cls, message: Message) -> Error:
+        return cls(message.request_id, _reason(message), message.meta.get("overloaded") is True)
 
 
 EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Release | Abort | Error

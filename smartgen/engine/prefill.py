@@ -28,7 +28,7 @@ from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
-from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
+from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV, StoreFull
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
 
@@ -36,7 +36,7 @@ from smartgen.lanes.link import LinkEnd
 # request fails. The decode node gives up on a first token after 120 s by default anyway.
 DEFAULT_FLUSH_TIMEOUT_S = 120.0
 
-__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone", "DEFAULT_FLUSH_TIMEOUT_S"]
+__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone", "Overloaded", "DEFAULT_FLUSH_TIMEOUT_S"]
 
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 class RequestGone(KeyError):
     """A message for a request this node no longer holds (released, aborted, or never opened)."""
+
+
+class Overloaded(ValueError):
+    """An OPEN refused for lack of room (the queue or the store is full): the decode node answers 503."""
 
 
 @dataclass(slots=True)
@@ -93,12 +97,13 @@ class PrefillEngine:
         planner: TransferPlanner,
         max_queue: int = 64,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        max_store_bytes: int | None = None,
     ) -> None:
         self.layout = layout
         self.max_queue = max_queue
         self.flush_timeout_s = flush_timeout_s
         self.planner = planner
-        self.store = PrefillStore(layout)
+        self.store = PrefillStore(layout, max_store_bytes)
         self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
         self.oracle_counts: dict[str, torch.Tensor] = {}  # request_id -> [L, H, n] for the "optimal" strategy
         self._requests: dict[str, OpenedRequest] = {}
@@ -143,7 +148,8 @@ class PrefillEngine:
                 log.info("prefill: %s for %s dropped: %s", message.kind.name, message.request_id, exc)
             except ValueError as exc:  # a request this node refuses (busy, no profile, bad message): say why
                 log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
-                link.control.send(msg.Error(message.request_id, str(exc)).pack())
+                overloaded = isinstance(exc, Overloaded)
+                link.control.send(msg.Error(message.request_id, str(exc), overloaded).pack())
             except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
                 log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
                 link.control.send(msg.Error(message.request_id, str(exc)).pack())
@@ -180,7 +186,7 @@ class PrefillEngine:
     # -- request life -----------------------------------------------------------------
     def _open(self, link: LinkEnd, geometry: PoolGeometry, message: msg.Open) -> None:
         if self._opened.qsize() >= self.max_queue:
-            raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
+            raise Overloaded(f"prefill node is busy: {self.max_queue} requests already queued; try again later")
         if message.held is not None and message.held.shape[0] != self.layout.num_layers:
             raise msg.MessageError(f"OPEN: 'held' has {message.held.shape[0]} layers, not {self.layout.num_layers}")
         policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
@@ -188,7 +194,10 @@ class PrefillEngine:
         plan = self.planner.plan(
             length, policy.proactive, policy.strategy, self.oracle_counts.pop(message.request_id, None)
         )
-        kv = self.store.open(message.request_id, length)
+        try:
+            kv = self.store.open(message.request_id, length)
+        except StoreFull as exc:
+            raise Overloaded(str(exc)) from None
         request = OpenedRequest(
             message.request_id,
             message.slot,

@@ -72,8 +72,13 @@ class PrefillLimits:
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # one-sided lanes: one write list completes
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S  # proactive-only: its proactive set lands before FIRST_TOKEN
     max_queue: int = 64  # OPENs waiting for prefill before new ones are refused
+    max_store_bytes: int | None = (
+        None  # K and V held for decode nodes at once; past it OPENs are refused (None: no cap)
+    )
 
     def __post_init__(self) -> None:
+        if self.max_store_bytes is not None and self.max_store_bytes < 1:
+            raise ValueError(f"max_store_bytes must be positive, got {self.max_store_bytes}")
         _check_seconds(
             self, ("lease_s", "handshake_timeout_s", "confirm_timeout_s", "write_timeout_s", "flush_timeout_s")
         )

@@ -65,7 +65,13 @@ class PrefillNode:
         self.model = model
         self.layout = layout
         self.planner = planner
-        self.engine = PrefillEngine(layout, planner, max_queue=limits.max_queue, flush_timeout_s=limits.flush_timeout_s)
+        self.engine = PrefillEngine(
+            layout,
+            planner,
+            max_queue=limits.max_queue,
+            flush_timeout_s=limits.flush_timeout_s,
+            max_store_bytes=limits.max_store_bytes,
+        )
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
@@ -98,6 +104,7 @@ class PrefillNode:
             "model": self.identity["model"],
             "requests_held": self.engine.store.num_requests,
             "bytes_held": self.engine.store.bytes_held,
+            "store_cap_bytes": self.engine.store.max_bytes,
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
             "paths": self.engine.counters.snapshot(),

@@ -63,7 +63,8 @@ class Token:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A request left the driver: reason "stop", "length", "aborted" or "error" (then `error` says why)."""
+    """A request left the driver: reason "stop", "length", "aborted", "error" or "overloaded" (a prefill node had no
+    room for it: worth a retry later); `error` says why."""
 
     request_id: str
     reason: str
@@ -171,7 +172,8 @@ class DecodeDriver:
                         still.append(request)
                     continue
             except (RequestFailed, KeyError) as exc:
-                events.append(self._abort(request, str(exc), "error"))
+                kind = "overloaded" if self.engine.was_overloaded(rid) else "error"
+                events.append(self._abort(request, str(exc), kind))
                 continue
             self._join_batch(request)
         self.prefilling = still
