@@ -1,7 +1,8 @@
 """TCP links: the prefill node listens, each decode node connects twice (push lane + control/fetch lane).
 
 Both connections of one decode node carry the same session id in their HELLO, so the
-listener can pair them into one LinkEnd. Every connection is authenticated and checked
+listener can pair them into one LinkEnd (`pairing.py`: a connection whose partner never comes
+is closed after a while, and only so many may wait). Every connection is authenticated and checked
 (protocol version, shared secret, model fingerprint, KV layout) before any data moves.
 """
 
@@ -11,6 +12,7 @@ import logging
 import socket
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from smartgen.lanes.base import Lane
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.pairing import Pairing, PairingRefused
 from smartgen.lanes.tcp import TcpLane
 from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError
 
@@ -28,7 +31,8 @@ CHANNELS = ("push", "control")
 # connecting and authenticating one connection takes no longer (`serve --handshake-timeout`): an unauthenticated
 # peer holds a socket and a thread no longer than this
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
-MAX_HANDSHAKES = 16  # connections being authenticated at once; more are closed at once
+MAX_HANDSHAKES = 16  # connections being authenticated at once (and sessions waiting for a partner); more are closed
+MAX_REJECTIONS = 256  # refusals kept for reading (a flood of bad connections must not grow memory)
 
 # Wraps an authenticated socket into a lane endpoint: TcpLane, or a one-sided lane using it as side channel.
 LaneFactory = Callable[[socket.socket, str, Pacer, bool], Lane]
@@ -72,16 +76,18 @@ class TcpListener:
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._half: dict[str, dict[str, Lane]] = {}
+        # the second connection follows the first within a handshake or two; a partner later than that is not coming
+        self._pairs = Pairing(CHANNELS, MAX_HANDSHAKES, 2 * handshake_timeout_s)
         self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self.rejections: list[str] = []
+        self.rejections: deque[str] = deque(maxlen=MAX_REJECTIONS)  # the latest refusals, for tests and errors
         self._thread = threading.Thread(target=self._accept_loop, name="tcp-listen", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._expire_half_pairs()
             try:
                 sock, _ = self._server.accept()
             except TimeoutError:
@@ -123,12 +129,34 @@ class TcpListener:
             sock.close()
             return
         with self._cond:
-            half = self._half.setdefault(session, {})
-            half[channel] = lane
-            if len(half) == len(CHANNELS):
-                del self._half[session]
-                self._ready.append((LinkEnd(half["push"], half["control"], self.pacer), hello))
-                self._cond.notify_all()
+            try:
+                pair = self._pairs.add(session, channel, lane)
+            except PairingRefused as exc:
+                self.rejections.append(str(exc))
+                refused: PairingRefused | None = exc
+            else:
+                refused = None
+                if pair is not None:
+                    self._ready.append((LinkEnd(pair["push"], pair["control"], self.pacer), hello))
+                    self._cond.notify_all()
+        if refused is not None:
+            log.warning("refused a connection: %s", refused)
+            lane.close()
+
+    def _expire_half_pairs(self) -> None:
+        """Closes the connections whose partner did not come in time (or that closed while waiting)."""
+        with self._cond:
+            stale = self._pairs.expire()
+            self.rejections.extend(reason for reason, _ in stale)
+        for reason, lane in stale:
+            log.warning("closed an unpaired connection: %s", reason)
+            lane.close()
+
+    @property
+    def num_unpaired(self) -> int:
+        """Sessions that have one connection up and wait for the other."""
+        with self._cond:
+            return len(self._pairs)
 
     def accept(self, timeout: float | None = None) -> tuple[LinkEnd, dict[str, Any]] | None:
         """The next connected decode node (its LinkEnd and HELLO), or None after `timeout`."""
@@ -144,7 +172,7 @@ class TcpListener:
         self._server.close()
         with self._cond:
             self._cond.notify_all()
-            halves = [lane for half in self._half.values() for lane in half.values()]
+            halves = self._pairs.drain()
         for lane in halves:
             lane.close()
 
