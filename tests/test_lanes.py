@@ -90,6 +90,22 @@ def test_writes_land_in_order_and_messages_follow_them(link):
     assert a.counters.snapshot()["bytes_by_tag"]["t"] == 20 * 32
 
 
+def test_a_write_outside_its_requests_slot_never_lands_on_any_lane(link):
+    """Every lane checks each descriptor against the slot the owner accepted the request with: TCP and in-process
+    on the owner's side, one-sided lanes (Mooncake, NIXL, RDMA) on the writer's, before the transport moves a byte."""
+    prefill, decode = link
+    region = torch.zeros(256, dtype=torch.uint8)
+    decode.push.register_region("k", region)
+    decode.push.accept("r", {"k": [(64, 128)]})
+    source = torch.full((256,), 9, dtype=torch.uint8)
+    for offset, length in ((0, 8), (124, 8), (252, 8), (128, 1)):  # before, straddling, past the region, just after
+        done = prefill.push.post_writes("r", {"s": source}, [WriteOp("s", "k", 0, offset, length)], tag="t")
+        assert done.wait(30) and not done.applied, (offset, length)
+    assert not bool(region.any())
+    done = prefill.push.post_writes("r", {"s": source}, [WriteOp("s", "k", 0, 64, 64)], tag="t")
+    assert done.wait(30) and done.applied and bool((region[64:128] == 9).all()) and not bool(region[128:].any())
+
+
 def test_a_mask_write_never_lands_before_its_data(link):
     prefill, decode = link
     kv = torch.zeros(4 * 2**20, dtype=torch.uint8)
