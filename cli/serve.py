@@ -281,6 +281,26 @@ def serve(
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 4 * 2**20,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            help="TLS on the node-to-node TCP connections: this node's certificate (PEM). A prefill node needs it "
+            "(with --tls-key) to serve TLS; a decode node only for mutual TLS.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="The private key of --tls-cert (PEM).", rich_help_panel=PANEL_NET),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(
+            help="CA certificate (PEM) the peer's certificate must chain to: a decode node verifies its prefill nodes "
+            "with it (and turns TLS on); a prefill node given one requires decode nodes to present certificates.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -338,8 +358,18 @@ def serve(
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
+    from smartgen.lanes.tls import TlsFiles
+
+    try:
+        tls = TlsFiles(tls_cert, tls_key, tls_ca) if (tls_cert or tls_key or tls_ca) else None
+        if tls is not None and role == Role.prefill:  # load now: a bad file is a one-line error before the model
+            tls.server_context()
+        elif tls is not None:
+            tls.client_context()
+    except ValueError as exc:
+        fail(str(exc))
     settings = NodeSettings(
-        model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane, lease
+        model, dtype, device, selector, budget, blocks, secret, link_gbps or None, delay_ms, lane, lease, tls
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import uuid
 from collections import deque
@@ -65,8 +66,11 @@ class TcpListener:
         lane_factory: LaneFactory = TcpLane,
         lease: Lease | None = Lease(),
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: a server context (lanes/tls.py) to wrap every connection in before the handshake; None: plain TCP."""
         self.secret = secret
+        self.tls = tls
         self.lease = lease
         self.handshake_timeout_s = handshake_timeout_s
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
@@ -103,7 +107,9 @@ class TcpListener:
 
     def _admit(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(self.handshake_timeout_s)
+            sock.settimeout(self.handshake_timeout_s)  # bounds the TLS handshake too
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True)
             hello = server_handshake(sock, self.secret, self.identity)
         except Exception as exc:  # whatever a stranger sends, the listener answers with a logged refusal
             with self._cond:
@@ -188,10 +194,12 @@ def tcp_connect(
     version: int = PROTOCOL_VERSION,
     lane_factory: LaneFactory = TcpLane,
     lease: Lease | None = Lease(),
+    tls: ssl.SSLContext | None = None,
 ) -> LinkEnd:
     """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd.
 
-    `timeout` bounds connecting and each step of the handshake (then the lease takes over)."""
+    `timeout` bounds connecting and each step of the handshake (then the lease takes over). `tls`: a client context
+    (lanes/tls.py); the prefill node's certificate must then name `host`."""
     session = uuid.uuid4().hex
     pacer = Pacer(gbps, delay_s)
     lanes = {}
@@ -199,7 +207,12 @@ def tcp_connect(
         for channel in CHANNELS:
             sock = socket.create_connection((host, port), timeout=timeout)
             try:
+                if tls is not None:
+                    sock = tls.wrap_socket(sock, server_hostname=host)
                 client_handshake(sock, secret, {**hello, "channel": channel, "session": session}, version=version)
+            except (TimeoutError, ssl.SSLError) as exc:
+                sock.close()
+                raise _tls_hint(exc, tls is not None) from exc
             except BaseException:
                 sock.close()
                 raise
@@ -214,6 +227,17 @@ def tcp_connect(
             lane.close()
         raise
     return LinkEnd(lanes["push"], lanes["control"], pacer)
+
+
+def _tls_hint(exc: OSError, tls: bool) -> OSError:
+    """A TLS mismatch shows as a silent peer (plain client, TLS server) or a protocol error: say what to check."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return exc  # says itself what is wrong with the certificate
+    if isinstance(exc, ssl.SSLError):
+        return ConnectionError(f"TLS: {exc.reason or exc}: does the prefill node serve TLS (--tls-cert/--tls-key)?")
+    if not tls:
+        return TimeoutError(f"{exc} waiting for the handshake: if the prefill node serves TLS, give --tls-ca")
+    return exc
 
 
 def loopback_tcp_link(

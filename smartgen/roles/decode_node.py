@@ -18,6 +18,7 @@ from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.tcp_link import tcp_connect
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.monitoring import decode_monitoring
@@ -51,6 +52,7 @@ class DecodeNode:
         lane: str = "tcp",
         emulate_layer_s: float = 0.0,
         limits: DecodeLimits | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
@@ -72,6 +74,7 @@ class DecodeNode:
             "node": uuid.uuid4().hex[:8],
         }
         factory = lane_factory(lane, limits.one_sided)
+        tls_context = None if tls is None else tls.client_context()
         lease = Lease(limits.lease_s)
 
         def connect(host: str, port: int) -> LinkEnd:
@@ -85,6 +88,7 @@ class DecodeNode:
                 timeout=limits.handshake_timeout_s,
                 lane_factory=factory,
                 lease=lease,
+                tls=tls_context,
             )
 
         self.peers = PrefillPeers(self.engine, prefill_addresses, connect)

@@ -11,6 +11,7 @@ import torch
 from smartgen.engine.policy import get_policy
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.planner import NodePlanner, ProfileMatch
@@ -40,6 +41,7 @@ class NodeSettings:
     delay_ms: float = 0.0
     lane: str = "tcp"  # a name in smartgen.lanes.backends
     lease_s: float = DEFAULT_LEASE_S  # a peer silent this long is declared dead (heartbeats every lease / 4)
+    tls: TlsFiles | None = None  # TLS on the TCP connections between the nodes (None: plain TCP)
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -114,6 +116,7 @@ def build_prefill_node(
         delay_s=settings.delay_ms / 1e3,
         lane=settings.lane,
         limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
+        tls=settings.tls,
     )
     return node, profile_note
 
@@ -156,4 +159,5 @@ def build_decode_node(
         lane=settings.lane,
         emulate_layer_s=emulate_layer_ms / 1e3,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
+        tls=settings.tls,
     )

@@ -31,6 +31,7 @@ from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import PrefillLimits
 from smartgen.roles.monitoring import prefill_monitoring
@@ -60,6 +61,7 @@ class PrefillNode:
         delay_s: float = 0.0,
         lane: str = "tcp",
         limits: PrefillLimits | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         limits = limits or PrefillLimits()
         self.model = model
@@ -84,6 +86,7 @@ class PrefillNode:
             lane_factory=lane_factory(lane, limits.one_sided),
             lease=Lease(limits.lease_s),
             handshake_timeout_s=limits.handshake_timeout_s,
+            tls=None if tls is None else tls.server_context(),
         )
         self.address = self.listener.address
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
