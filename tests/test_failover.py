@@ -231,3 +231,53 @@ def _holder_count(pair: Nodes, name: str) -> int:
 def _paths(pair: Nodes, name: str) -> dict[str, int]:
     """KV bytes per path a prefill node has sent so far."""
     return get_json(f"http://{pair.prefills[name][2]}/status")["paths"]["bytes"]
+
+
+def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_goes_on(parts):
+    """Recompute, seen from inside: request A decodes on prefill node X (which holds its fetches back, so A waits
+    parked at its first step), B on Y. X goes away; A is opened again on Y, whose prefill of it is held back here.
+    Meanwhile A stays parked (not failed) and B decodes to its end; once Y has prefilled A, A ends with the tokens
+    of an undisturbed run."""
+    x, y = _prefill_node(parts), _prefill_node(parts)
+    decode = _decode_node(parts, [x, y], DecodeLimits(on_prefill_failure="recompute", fetch_stall_s=0.2))
+    gate = threading.Event()
+    try:
+        params = GenerationParams(max_tokens=32, ignore_eos=True)
+        reference = [e.token_id for e in decode.scheduler.submit(_prompt(21), params).events(60) if _is_token(e)]
+        wait_until(lambda: x.engine.store.num_requests + y.engine.store.num_requests == 0, 10, "its release")
+
+        def never_answered(link, message):  # X is alive but A's fetches wait on it until it goes away
+            while link.alive:
+                time.sleep(0.02)
+
+        real_prefill = y.worker.prefill
+
+        def held_back(request):  # Y prefills a request opened again only when the test says so
+            if request.resumed:
+                gate.wait(60)
+            return real_prefill(request)
+
+        x.engine._serve_fetch = never_answered  # type: ignore[method-assign]
+        y.worker.prefill = held_back  # type: ignore[method-assign]
+        first = decode.scheduler.submit(_prompt(21), params)
+        wait_until(lambda: decode.scheduler.health()["parked"] == 1, 30, "A to park on its first step's fetch")
+        assert x.engine._get(first.request_id) is not None
+        second = decode.scheduler.submit(_prompt(22), params)  # the least loaded: Y
+        x.stop()
+        finish = _finish(second, timeout=60)  # B is not held up by A's wait for its new prefill node
+        assert finish.reason == "length" and finish.usage["completion_tokens"] == 32
+        assert decode.scheduler.health()["parked"] == 1 and not decode.engine.metrics(first.request_id).error
+        assert y.engine._get(first.request_id) is not None  # opened again on Y, prefill held back
+        gate.set()
+        events = list(first.events(timeout=60))
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
+        assert [e.token_id for e in events if _is_token(e)] == reference
+    finally:
+        gate.set()
+        decode.stop()
+        x.stop()
+        y.stop()
+
+
+def _is_token(event) -> bool:
+    return isinstance(event, TokenEvent)
