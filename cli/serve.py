@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import signal
 import threading
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
-from .sizes import byte_size
+from .sizes import half_of_memory, parse_size
 
 PANEL_MODEL = "Model and selection"
 PANEL_NET = "Network"
@@ -95,6 +96,14 @@ def serve(
             min=1, help="Prefill node: OPEN requests queued before new ones are refused.", rich_help_panel=PANEL_PREFILL
         ),
     ] = 64,
+    max_store_bytes: Annotated[
+        str,
+        typer.Option(
+            help="Prefill node: most KV (bytes; 512M, 8G...) held for decode nodes at once; a request that would go "
+            "over it is refused and its client gets 503 with the reason. auto = half of this machine's memory.",
+            rich_help_panel=PANEL_PREFILL,
+        ),
+    ] = "auto",
     prefill: Annotated[
         str,
         typer.Option(
@@ -196,7 +205,8 @@ def serve(
         float,
         typer.Option(
             min=0.1,
-            help="Decode node: seconds from dispatch to the first token before the request fails.",
+            help="Decode node: seconds from dispatch to the first token (and, under full transfer, to the last block; "
+            "for a request prefilled again elsewhere, to the new node's prefill) before the request fails.",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 120.0,
@@ -223,10 +233,47 @@ def serve(
         str,
         typer.Option(
             help="Decode node: what happens to requests of a lost prefill node: fail (a clear error) or recompute "
-            "(requests not yet prefilled are prefilled again on another prefill node; decoding ones fail).",
+            "(they are prefilled again on another prefill node, which sends only what the decode node lacks; "
+            "decoding ones wait outside the batch meanwhile and go on with the tokens they would have had).",
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = "fail",
+    handshake_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a connection may take to connect and authenticate (the decode node's connect and handshake "
+            "with a prefill node; the prefill node closes a connection not authenticated by then).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 5.0,
+    confirm_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="One-sided lanes (mooncake, nixl, rdma): seconds the peer has to answer LANE_INFO and to confirm "
+            "that it accepts or revokes a request's writes; past it the link is declared broken.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 10.0,
+    write_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="One-sided lanes (nixl, rdma): seconds one list of KV writes may take to complete; past it the link "
+            "is declared broken and the requests that needed it fail (or are recomputed).",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 30.0,
+    flush_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Prefill node: seconds a proactive-only request's proactive set may take to land before its first "
+            "token goes out; past it the request fails.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 120.0,
     max_body_bytes: Annotated[
         int,
         typer.Option(
@@ -235,6 +282,26 @@ def serve(
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 4 * 2**20,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            help="TLS on the node-to-node TCP connections: this node's certificate (PEM). A prefill node needs it "
+            "(with --tls-key) to serve TLS; a decode node only for mutual TLS.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="The private key of --tls-cert (PEM).", rich_help_panel=PANEL_NET),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(
+            help="CA certificate (PEM) the peer's certificate must chain to: a decode node verifies its prefill nodes "
+            "with it (and turns TLS on); a prefill node given one requires decode nodes to present certificates.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -277,8 +344,22 @@ def serve(
     from smartgen.lanes.tcp_link import parse_address
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
-    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits
+    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits, PrefillLimits
     from smartgen.runtime.models import ModelLoadError
+
+    waits = {
+        "--lease": lease,
+        "--first-token-timeout": first_token_timeout,
+        "--fetch-timeout": fetch_timeout,
+        "--fetch-stall-ms": fetch_stall_ms,
+        "--handshake-timeout": handshake_timeout,
+        "--confirm-timeout": confirm_timeout,
+        "--write-timeout": write_timeout,
+        "--flush-timeout": flush_timeout,
+    }
+    for option, value in waits.items():
+        if not math.isfinite(value):  # nan passes the range checks and inf means never: neither is a bound
+            fail(f"{option} must be a finite number, got {value}")
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -297,6 +378,17 @@ def serve(
     missing = unavailable(lane)
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
+    store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
+    from smartgen.lanes.tls import TlsFiles
+
+    try:
+        tls = TlsFiles(tls_cert, tls_key, tls_ca) if (tls_cert or tls_key or tls_ca) else None
+        if tls is not None and role == Role.prefill:  # load now: a bad file is a one-line error before the model
+            tls.server_context()
+        elif tls is not None:
+            tls.client_context()
+    except ValueError as exc:
+        fail(str(exc))
     settings = NodeSettings(
         model,
         dtype,
@@ -309,15 +401,27 @@ def serve(
         delay_ms,
         lane,
         lease,
-        byte_size(prefix_cache_bytes, "--prefix-cache-bytes"),
-        prefix_block_tokens,
+        tls=tls,
+        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),
+        prefix_block_tokens=prefix_block_tokens,
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name
     try:
         if role == Role.prefill:
             host, port = parse_address(listen)
-            node, profile_note = build_prefill_node(settings, host, port, db, fallback_strategy, model_name, max_queue)
+            prefill_limits = PrefillLimits(
+                lease,
+                handshake_timeout_s=handshake_timeout,
+                confirm_timeout_s=confirm_timeout,
+                write_timeout_s=write_timeout,
+                flush_timeout_s=flush_timeout,
+                max_queue=max_queue,
+                max_store_bytes=store_cap,
+            )
+            node, profile_note = build_prefill_node(
+                settings, host, port, db, fallback_strategy, model_name, prefill_limits
+            )
             _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file, record)
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
@@ -329,6 +433,9 @@ def serve(
                 on_prefill_failure,
                 max_body_bytes,
                 fetch_stall_s=fetch_stall_ms / 1e3 or None,
+                handshake_timeout_s=handshake_timeout,
+                confirm_timeout_s=confirm_timeout,
+                write_timeout_s=write_timeout,
             )
             decode_node = build_decode_node(
                 settings,

@@ -99,7 +99,8 @@ def _eof(process: subprocess.Popen) -> bool:
 
 
 class Nodes:
-    """A prefill node and a decode node as two `smartgen serve` processes on ports the system picks."""
+    """A prefill node (or `num_prefills` of them) and a decode node as `smartgen serve` processes on ports the
+    system picks. The first prefill node is `prefill`; all of them are in `prefills` by name (prefill, prefill2...)."""
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class Nodes:
         decode_model: Path | None = None,
         extra: tuple[str, ...] = ("--blocks", "16", "--link-gbps", "1"),
         decode_extra: tuple[str, ...] = (),
+        num_prefills: int = 1,
     ) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,10 +119,13 @@ class Nodes:
         self._env = {**os.environ, "SMARTGEN_DB": str(run_dir / "none.db")}
         self._model_dir, self._secret, self._extra = model_dir, secret, extra
         self.decode: subprocess.Popen | None = None
-        self.prefill = self.start_prefill("127.0.0.1:0")
+        self.prefills: dict[str, tuple[subprocess.Popen, str, str]] = {}  # name -> (process, listen, status)
+        for index in range(num_prefills):
+            self.start_prefill("127.0.0.1:0", "prefill" if index == 0 else f"prefill{index + 1}")
+        addresses = ",".join(listen for _, listen, _ in self.prefills.values())
         self.decode = subprocess.Popen(
             [*self._launch, "--role", "decode", "--model", str(decode_model or model_dir)]
-            + ["--prefill", self.prefill_address, "--http", "127.0.0.1:0", "--ready-file", str(run_dir / "decode.json")]
+            + ["--prefill", addresses, "--http", "127.0.0.1:0", "--ready-file", str(run_dir / "decode.json")]
             + ["--secret", decode_secret or secret, "--max-tokens", "512", *extra, *decode_extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one pipe, drained below: a chatty node never blocks on a full pipe
@@ -131,9 +136,9 @@ class Nodes:
 
     logs: dict[str, list[str]]
 
-    def start_prefill(self, listen: str) -> subprocess.Popen:
+    def start_prefill(self, listen: str, name: str = "prefill") -> subprocess.Popen:
         """Starts the prefill node on `listen` (port 0 at first; its old address to restart it) and waits for it."""
-        ready_file = self.run_dir / "prefill.json"
+        ready_file = self.run_dir / f"{name}.json"
         ready_file.unlink(missing_ok=True)
         process = subprocess.Popen(
             [*self._launch, "--role", "prefill", "--model", str(self._model_dir), "--listen", listen]
@@ -145,11 +150,13 @@ class Nodes:
         )
         if not hasattr(self, "logs"):
             self.logs = {}
-        lines = self.logs.setdefault("prefill", [])
+        lines = self.logs.setdefault(name, [])
         threading.Thread(target=_drain, args=(process, lines), daemon=True).start()
-        self.prefill = process
-        ready = self._ready("prefill.json", process)
-        self.prefill_address, self.status_address = ready["listen"], ready["status"]
+        ready = self._ready(f"{name}.json", process)
+        self.prefills[name] = (process, ready["listen"], ready["status"])
+        if name == "prefill":
+            self.prefill = process
+            self.prefill_address, self.status_address = ready["listen"], ready["status"]
         return process
 
     def _ready(self, name: str, process: subprocess.Popen) -> dict[str, Any]:
@@ -163,8 +170,8 @@ class Nodes:
         return wait_until(ready, 60, f"the node to write {name}")
 
     def output(self, name: str) -> str:
-        """What node `name` ("prefill" or "decode") printed so far (after it exits: all of it)."""
-        process = self.decode if name == "decode" else self.prefill
+        """What node `name` ("decode", "prefill", "prefill2"...) printed so far (after it exits: all of it)."""
+        process = self.decode if name == "decode" else self.prefills[name][0]
         if process is not None and process.poll() is not None:
             wait_until(lambda: process.stdout is None or process.stdout.closed or _eof(process), 5, "the output")
         return "".join(self.logs.get(name, []))
@@ -183,7 +190,9 @@ class Nodes:
         wait_until(lambda: get_json(self.url + "/health")["ready"], 60, "the decode node to be ready")
 
     def stop(self) -> None:
-        stop_processes(p for p in (self.decode, self.prefill) if p is not None)
+        stop_processes(
+            p for p in (self.decode, *(process for process, _, _ in self.prefills.values())) if p is not None
+        )
 
 
 # -- lanes: every contract test runs on every lane this machine has --------------------------------

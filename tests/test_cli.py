@@ -107,3 +107,49 @@ def test_serve_refuses_to_start_without_a_secret(monkeypatch):
     monkeypatch.delenv("SMARTGEN_SECRET", raising=False)
     result = runner.invoke(app, ["serve", "--role", "prefill", "--model", "samples/sample-model"])
     assert result.exit_code != 0 and "no shared secret" in result.stderr and "--insecure" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--handshake-timeout", "0", "0.1"),
+        ("--confirm-timeout", "-1", "0.1"),
+        ("--flush-timeout", "nan", "greater than or equal to 0.1"),
+        ("--handshake-timeout", "inf", "--handshake-timeout must be a finite number"),
+        ("--fetch-timeout", "soon", "valid number"),
+    ],
+)
+def test_serve_refuses_a_bad_timeout_with_a_clear_error(option, value, says):
+    args = ["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure", option, value]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and option in result.stderr and "Traceback" not in result.output + result.stderr
+
+
+def test_every_timeout_of_serve_is_an_option_with_help():
+    result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in (
+        "--lease",
+        "--first-token-timeout",
+        "--fetch-timeout",
+        "--fetch-stall-ms",
+        "--handshake-timeout",
+        "--confirm-timeout",
+        "--write-timeout",
+        "--flush-timeout",
+    ):
+        assert option in result.output, option
+
+
+def test_byte_sizes_parse_one_way_and_a_bad_one_names_the_option():
+    from smartgen.cli.sizes import half_of_memory, parse_size
+
+    assert parse_size("1073741824", "--x") == parse_size("1G", "--x") == parse_size("1GiB", "--x") == 2**30
+    assert parse_size("512m", "--x") == 512 * 2**20 and parse_size("1.5K", "--x") == 1536
+    assert half_of_memory() > 0
+    args = ["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure"]
+    for bad in ("lots", "-5G", "0"):
+        result = runner.invoke(app, [*args, "--max-store-bytes", bad], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and "--max-store-bytes" in result.stderr, (bad, result.output)
+        assert "Traceback" not in result.output + result.stderr

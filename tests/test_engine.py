@@ -314,6 +314,10 @@ def test_a_mixed_scheme_batch_treats_each_request_by_its_own_policy(first, secon
             assert (got["fetched_tokens"] > 0) == (got["remote_entries"] > 0)
 
 
+def typed_open_meta() -> dict:
+    return {"slot": 0, "length": 5, "scheme": "partial", "strategy": "profile", "speculative_ratio": 0.1}
+
+
 def test_typed_messages_round_trip_and_refuse_bad_fields():
     from smartgen.engine import messages as msg
     from smartgen.lanes.base import Message, MessageKind
@@ -329,6 +333,13 @@ def test_typed_messages_round_trip_and_refuse_bad_fields():
         back = msg.unpack(typed.pack())
         assert type(back) is type(typed) and back.request_id == "r"
     assert msg.unpack(msg.Fetch("r", 3, 7, positions).pack()).positions.tolist() == [3, 1, 4]
+    held = torch.zeros(4, 5, dtype=torch.bool)
+    held[0] = True
+    again = msg.unpack(msg.Open("r", 2, 5, "partial", "profile", 0.1, torch.arange(5), held, resumed=True).pack())
+    assert isinstance(again, msg.Open) and again.resumed and again.held is not None and torch.equal(again.held, held)
+    assert not msg.unpack(msg.Open("r", 2, 5, "partial", "profile", 0.1).pack()).resumed
+    with pytest.raises(msg.MessageError, match="'held' must be uint8"):
+        msg.unpack(Message(MessageKind.OPEN, "r", {**typed_open_meta(), "length": 5}, {"held": torch.ones(4, 6)}))
     with pytest.raises(msg.MessageError, match="OPEN: missing 'scheme'"):
         msg.unpack(Message(MessageKind.OPEN, "r", {"slot": 0, "length": 5}))
     with pytest.raises(msg.MessageError, match="'layer' must be int, got str"):

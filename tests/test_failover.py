@@ -1,41 +1,30 @@
 """Two prefill nodes, one decode node, one process, real TCP: a lost or stalled prefill node fails only the
 requests that need it (or re-prefills them elsewhere), and the others finish."""
 
+import json
 import threading
 import time
 
+import httpx
 import pytest
 import torch
-from conftest import wait_until
-from tiny_models import IdTokenizer, tiny_config
+from conftest import Nodes, get_json, wait_until
+from inproc_nodes import decode_node, prefill_node, tiny_parts
+from tiny_models import save_tiny_model
 
-from smartgen.engine.policy import get_policy
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits
-from smartgen.roles.planner import NodePlanner
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams, TokenEvent
-from smartgen.runtime.models import kv_layout, model_from_config, model_info
-from smartgen.selectors import make_selector
 
 
 @pytest.fixture(scope="module")
 def parts():
-    model = model_from_config(tiny_config("llama"))
-    layout = kv_layout(model, num_blocks=16)
-    return model, layout, model_info(model)
+    return tiny_parts()
 
 
 def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
-    model, layout, info = parts
-    node = PrefillNode(
-        model,
-        make_selector("quest", info, budget=0.3, page_size=4),
-        layout,
-        NodePlanner(layout, None, "streaming", link_gbps=0.5),
-        port=0,
-        secret="s",
-    )
+    node = prefill_node(parts, start=False)
     if not prefills:  # accepts requests but never prefills them: they stay "prefilling" until it goes away
 
         def nothing_to_prefill(timeout: float | None = None) -> None:
@@ -47,21 +36,7 @@ def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
 
 
 def _decode_node(parts, prefills: list[PrefillNode], limits: DecodeLimits) -> DecodeNode:
-    model, layout, info = parts
-    node = DecodeNode(
-        model,
-        IdTokenizer(),
-        make_selector("quest", info, budget=0.3, page_size=4),
-        layout,
-        get_policy("partial"),
-        [p.address for p in prefills],
-        secret="s",
-        max_batch=4,
-        max_tokens=256,
-        limits=limits,
-    )
-    node.start()
-    return node
+    return decode_node(parts, prefills, limits=limits)
 
 
 def _finish(handle, timeout: float = 60) -> FinishEvent:
@@ -101,6 +76,22 @@ def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_fin
         decode.stop()
         healthy.stop()
         stuck.stop()
+
+
+def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(parts):
+    """Under full transfer decoding waits for every block; a prefill node that sends the first token but never the
+    KV does not hold the request forever: it fails with the reason once --first-token-timeout has passed."""
+    silent = _prefill_node(parts)
+    silent.engine._push = lambda request, layer_blocks, tag: 0  # type: ignore[method-assign]
+    decode = _decode_node(parts, [silent], DecodeLimits(first_token_timeout_s=2))
+    try:
+        finish = _finish(decode.scheduler.submit(_prompt(9), GenerationParams(max_tokens=4, scheme="full")))
+        assert finish.reason == "error" and "its KV did not arrive within 2 s" in (finish.error or ""), finish
+        assert decode.engine.pool.num_free == 4
+        wait_until(lambda: silent.engine.store.num_requests == 0, 10, "the prefill node to free the request")
+    finally:
+        decode.stop()
+        silent.stop()
 
 
 def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
@@ -168,3 +159,129 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts):
         decode.stop()
         healthy.stop()
         stalled.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tinym")
+
+
+def _holder(pair: Nodes) -> str:
+    """The name of the prefill node holding the one request in flight."""
+    held = {
+        name: get_json(f"http://{status}/status")["requests_held"] for name, (_, _, status) in pair.prefills.items()
+    }
+    holders = [name for name, count in held.items() if count == 1]
+    assert len(holders) == 1, held
+    return holders[0]
+
+
+def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_an_undisturbed_run(model_dir, tmp_path):
+    """Real processes: two prefill nodes, kill -9 the one serving a request that is decoding. With
+    `--on-prefill-failure recompute` the request is opened on the other node (the blocks already local stay
+    local: that node pushes none of them), waits parked until it is prefilled, and ends with exactly the
+    tokens of an undisturbed run of the same prompt."""
+    pair = Nodes(
+        model_dir,
+        tmp_path,
+        num_prefills=2,
+        # no prefix cache: the reference run's prompt would be held whole and the request need no prefill node
+        decode_extra=("--on-prefill-failure", "recompute", "--budget", "0.5", "--prefix-cache-bytes", "0"),
+    )
+    try:
+        pair.wait_ready()
+        body = {"prompt": _prompt(11, 80), "max_tokens": 48, "ignore_eos": True, "scheme": "partial"}
+        reference = httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
+        assert reference["usage"]["completion_tokens"] == 48, reference
+        wait_until(
+            lambda: all(get_json(f"http://{s}/status")["requests_held"] == 0 for _, _, s in pair.prefills.values()),
+            20,
+            "the reference run to be released",
+        )
+        texts: list[str] = []
+        killed, before = "", {}
+        with httpx.stream("POST", pair.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                assert "error" not in event, event
+                texts += [choice["text"] for choice in event["choices"]]
+                if len(texts) == 2 and not killed:
+                    killed = _holder(pair)  # scheme partial: the request still needs its prefill node
+                    before = _paths(pair, next(name for name in pair.prefills if name != killed))
+                    pair.prefills[killed][0].kill()
+        assert killed
+        assert "".join(texts) == reference["choices"][0]["text"]
+        survivor = next(name for name in pair.prefills if name != killed)
+        wait_until(lambda: _holder_count(pair, survivor) == 0, 20, "the survivor to release the request")
+        decode_log = pair.output("decode")
+        assert "opened again on another prefill node" in decode_log, decode_log[-3000:]
+        assert "0 of" not in decode_log.split("opened again on another prefill node")[1].split("\n")[0]
+        # the survivor pushed nothing the decode node already had: layers 0-1 (scheme partial's proactive set) were
+        # local before the kill, so its only KV bytes were the on-demand fetches of what was missing
+        after = _paths(pair, survivor)
+        assert after["proactive"] == before["proactive"], (before, after)
+        assert after["on_demand"] > before["on_demand"]
+    finally:
+        pair.stop()
+
+
+def _holder_count(pair: Nodes, name: str) -> int:
+    return get_json(f"http://{pair.prefills[name][2]}/status")["requests_held"]
+
+
+def _paths(pair: Nodes, name: str) -> dict[str, int]:
+    """KV bytes per path a prefill node has sent so far."""
+    return get_json(f"http://{pair.prefills[name][2]}/status")["paths"]["bytes"]
+
+
+def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_goes_on(parts):
+    """Recompute, seen from inside: request A decodes on prefill node X (which holds its fetches back, so A waits
+    parked at its first step), B on Y. X goes away; A is opened again on Y, whose prefill of it is held back here.
+    Meanwhile A stays parked (not failed) and B decodes to its end; once Y has prefilled A, A ends with the tokens
+    of an undisturbed run."""
+    x, y = _prefill_node(parts), _prefill_node(parts)
+    decode = _decode_node(parts, [x, y], DecodeLimits(on_prefill_failure="recompute", fetch_stall_s=0.2))
+    gate = threading.Event()
+    try:
+        params = GenerationParams(max_tokens=32, ignore_eos=True)
+        reference = [e.token_id for e in decode.scheduler.submit(_prompt(21), params).events(60) if _is_token(e)]
+        wait_until(lambda: x.engine.store.num_requests + y.engine.store.num_requests == 0, 10, "its release")
+
+        def never_answered(link, message):  # X is alive but A's fetches wait on it until it goes away
+            while link.alive:
+                time.sleep(0.02)
+
+        real_prefill = y.worker.prefill
+
+        def held_back(request):  # Y prefills a request opened again only when the test says so
+            if request.resumed:
+                gate.wait(60)
+            return real_prefill(request)
+
+        x.engine._serve_fetch = never_answered  # type: ignore[method-assign]
+        y.worker.prefill = held_back  # type: ignore[method-assign]
+        first = decode.scheduler.submit(_prompt(21), params)
+        wait_until(lambda: decode.scheduler.health()["parked"] == 1, 30, "A to park on its first step's fetch")
+        assert x.engine._get(first.request_id) is not None
+        second = decode.scheduler.submit(_prompt(22), params)  # the least loaded: Y
+        x.stop()
+        finish = _finish(second, timeout=60)  # B is not held up by A's wait for its new prefill node
+        assert finish.reason == "length" and finish.usage["completion_tokens"] == 32
+        assert decode.scheduler.health()["parked"] == 1 and not decode.engine.metrics(first.request_id).error
+        assert y.engine._get(first.request_id) is not None  # opened again on Y, prefill held back
+        gate.set()
+        events = list(first.events(timeout=60))
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
+        assert [e.token_id for e in events if _is_token(e)] == reference
+    finally:
+        gate.set()
+        decode.stop()
+        x.stop()
+        y.stop()
+
+
+def _is_token(event) -> bool:
+    return isinstance(event, TokenEvent)

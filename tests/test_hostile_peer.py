@@ -9,11 +9,12 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 
-from smartgen.lanes.auth import client_mac
+from smartgen.lanes.auth import client_handshake, client_mac
 from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.tcp import TcpLane
-from smartgen.lanes.tcp_link import TcpListener, tcp_connect
+from smartgen.lanes.tcp_link import MAX_HANDSHAKES, TcpListener, tcp_connect
 from smartgen.lanes.wire import HEADER, MAGIC, PROTOCOL_VERSION, FrameType, HandshakeError, recv_header, send_header
 
 IDENTITY = {"fingerprint": "f", "model": "m", "layout": [2, 2, 4, "float32", 8]}
@@ -247,3 +248,126 @@ def test_a_connection_flood_gets_no_thread_per_socket():
 
 def test_struct_header_layout_is_what_the_docs_say():
     assert HEADER.size == 18 and struct.calcsize("<2sBBHIQ") == 18
+
+
+def test_the_handshake_timeout_is_each_listeners_own():
+    """`--handshake-timeout`: a connection that never authenticates is closed once its listener's bound passes, and
+    not before (a listener with a 60 s bound still holds its silent connection when the 0.3 s one has let go)."""
+    quick = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=0.3)
+    patient = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=60)
+    try:
+        silent = {
+            name: socket.create_connection(lst.address, timeout=30) for name, lst in (("q", quick), ("p", patient))
+        }
+        for sock in silent.values():
+            assert recv_header(sock).type == FrameType.CHALLENGE
+        assert silent["q"].recv(1) == b""  # closed on us (the 30 s socket timeout is only a hang guard)
+        assert any("timed out" in r for r in quick.rejections), quick.rejections
+        silent["p"].setblocking(False)
+        with pytest.raises(BlockingIOError):  # still open, still waiting for a HELLO
+            silent["p"].recv(1)
+        assert not patient.rejections
+        for sock in silent.values():
+            sock.close()
+    finally:
+        quick.close()
+        patient.close()
+
+
+def test_a_silent_prefill_node_fails_the_connect_within_the_handshake_timeout():
+    """The decode side's bound: a listener that accepts and never says a word is given up on with the reason."""
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        with pytest.raises((TimeoutError, HandshakeError, ConnectionError)) as caught:
+            tcp_connect(*mute.getsockname()[:2], "s", IDENTITY, timeout=0.3)
+        assert "timed out" in str(caught.value)
+
+
+def _half_open(listener: TcpListener, channel: str, session: str) -> socket.socket:
+    """An authenticated connection for one channel of a session whose other channel never comes."""
+    sock = socket.create_connection(listener.address, timeout=30)
+    client_handshake(sock, "s", {**IDENTITY, "channel": channel, "session": session})
+    return sock
+
+
+def test_a_connection_whose_partner_never_comes_is_closed_and_forgotten():
+    """A peer that opens the push connection but never the control one (or the other way round) held a lane, its
+    socket and threads in the listener for ever. Now it is closed once two handshake timeouts pass, only
+    MAX_HANDSHAKES sessions may wait at once, a second connection for a channel already there is refused, and
+    a real decode node still gets in."""
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=0.5)
+    held: list[socket.socket] = []
+    try:
+        held.append(_half_open(listener, "push", "a" * 32))
+        held.append(_half_open(listener, "control", "b" * 32))
+        wait_until(lambda: listener.num_unpaired == 2, 10, "both half pairs to be filed")
+        twin = _half_open(listener, "push", "b" * 32)  # session b has control: push pairs it...
+        held.append(twin)
+        wait_until(lambda: listener.accept(timeout=0) is not None, 10, "session b to pair")
+        again = _half_open(listener, "push", "a" * 32)  # ...but a second push for session a is refused
+        held.append(again)
+        wait_until(lambda: any("a second push connection" in r for r in listener.rejections), 10, "the refusal")
+        assert _reads_to_eof(again)
+        # session a's lone push connection: closed once its partner is overdue, and nothing of it is kept
+        wait_until(lambda: listener.num_unpaired == 0, 30, "the half pair to expire")
+        assert any("(push only): not paired within 1 s" in r for r in listener.rejections), list(listener.rejections)
+        assert _reads_to_eof(held[0])
+        good = tcp_connect(*listener.address, "s", IDENTITY)
+        accepted = listener.accept(timeout=10)
+        assert accepted is not None
+        good.close()
+        accepted[0].close()
+    finally:
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+def test_only_so_many_sessions_may_wait_for_their_partner():
+    listener = TcpListener("127.0.0.1", 0, "s", IDENTITY, handshake_timeout_s=60)
+    held = []
+    try:
+        for i in range(MAX_HANDSHAKES):
+            held.append(_half_open(listener, "push", f"{i:032x}"))
+        wait_until(lambda: listener.num_unpaired == MAX_HANDSHAKES, 30, "every half pair to be filed")
+        held.append(_half_open(listener, "push", "f" * 32))
+        wait_until(lambda: any("sessions wait" in r for r in listener.rejections), 10, "the cap's refusal")
+        assert _reads_to_eof(held[-1]) and listener.num_unpaired == MAX_HANDSHAKES
+    finally:
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+def _reads_to_eof(sock: socket.socket) -> bool:
+    """True once the listener has closed this connection (heartbeats and its goodbye may come first)."""
+    sock.settimeout(30)
+    while True:
+        try:
+            frame = recv_header(sock)
+        except (ConnectionError, OSError):
+            return True
+        if frame.type == FrameType.BYE:
+            return sock.recv(1) == b""
+
+
+def test_pairing_expires_half_pairs_by_the_clock():
+    from smartgen.lanes.pairing import Pairing, PairingRefused
+
+    class FakeLane:
+        closed = False
+
+    now = [0.0]
+    pairing = Pairing(("push", "control"), max_pending=2, timeout_s=1.0, clock=lambda: now[0])
+    first, second = FakeLane(), FakeLane()
+    assert pairing.add("s1", "push", first) is None
+    assert pairing.add("s1", "control", second) == {"push": first, "control": second} and len(pairing) == 0
+    assert pairing.add("s2", "push", first) is None and pairing.add("s3", "control", second) is None
+    with pytest.raises(PairingRefused, match="more than 2 sessions"):
+        pairing.add("s4", "push", FakeLane())
+    with pytest.raises(PairingRefused, match="a second push"):
+        pairing.add("s2", "push", FakeLane())
+    now[0] = 0.5
+    second.closed = True  # its lease expired while it waited
+    assert [reason for reason, _ in pairing.expire()] == ["session s3 (control only): closed"]
+    now[0] = 1.5
+    assert [lane for _, lane in pairing.expire()] == [first] and len(pairing) == 0

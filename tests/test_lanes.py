@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from smartgen.engine.descriptors import block_runs, block_write_ops
+from smartgen.engine.descriptors import block_runs, block_write_ops, held_blocks, token_runs
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import DecodePool, PrefillStore
 from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
@@ -44,6 +44,24 @@ def test_block_runs_and_a_whole_layer_is_three_descriptors():
     assert kinds == sorted(kinds)
 
 
+def test_held_tokens_are_never_pushed_again():
+    """A request opened again after its prefill node was lost: tokens the decode node holds get no descriptor."""
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    pool = DecodePool(layout, num_slots=2, max_tokens=128)
+    entry = PrefillStore(layout).open("r", 100)
+    held = torch.zeros(4, 100, dtype=torch.bool)
+    held[2, 10:30] = True  # blocks of layer 2 partly held
+    held[3] = True  # layer 3 wholly held
+    ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(2, torch.arange(16)), (3, torch.arange(16))], ~held)
+    masks = [op for op in ops if op.dst == "mask"]
+    first = pool.geometry.mask_offset(2, 1, 0)
+    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 10), (30, 70)]
+    assert kv_bytes == 2 * 80 * layout.token_bytes
+    blocks = held_blocks(held, 16)  # 100 tokens in 16 blocks: blocks 2 and 3 (tokens 12-24) lie inside 10:30
+    assert blocks[3].all() and blocks[2].nonzero().flatten().tolist() == [2, 3] and not blocks[:2].any()
+    assert token_runs(~held[2, 5:40]) == [(0, 5), (25, 35)] and token_runs(torch.ones(3, dtype=torch.bool)) == [(0, 3)]
+
+
 @pytest.fixture
 def link(lane_kind):
     prefill, decode = loopback_link(lane_kind)
@@ -70,6 +88,22 @@ def test_writes_land_in_order_and_messages_follow_them(link):
     # the message was posted after the writes, so all of them are in when it arrives
     assert torch.equal(seen[0][19:51], src)
     assert a.counters.snapshot()["bytes_by_tag"]["t"] == 20 * 32
+
+
+def test_a_write_outside_its_requests_slot_never_lands_on_any_lane(link):
+    """Every lane checks each descriptor against the slot the owner accepted the request with: TCP and in-process
+    on the owner's side, one-sided lanes (Mooncake, NIXL, RDMA) on the writer's, before the transport moves a byte."""
+    prefill, decode = link
+    region = torch.zeros(256, dtype=torch.uint8)
+    decode.push.register_region("k", region)
+    decode.push.accept("r", {"k": [(64, 128)]})
+    source = torch.full((256,), 9, dtype=torch.uint8)
+    for offset, length in ((0, 8), (124, 8), (252, 8), (128, 1)):  # before, straddling, past the region, just after
+        done = prefill.push.post_writes("r", {"s": source}, [WriteOp("s", "k", 0, offset, length)], tag="t")
+        assert done.wait(30) and not done.applied, (offset, length)
+    assert not bool(region.any())
+    done = prefill.push.post_writes("r", {"s": source}, [WriteOp("s", "k", 0, 64, 64)], tag="t")
+    assert done.wait(30) and done.applied and bool((region[64:128] == 9).all()) and not bool(region[128:].any())
 
 
 def test_a_mask_write_never_lands_before_its_data(link):

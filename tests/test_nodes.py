@@ -5,47 +5,18 @@ import time
 
 import pytest
 import torch
-from tiny_models import IdTokenizer, tiny_config
+from inproc_nodes import decode_node, prefill_node, tiny_parts
+from tiny_models import IdTokenizer
 
 from smartgen.engine.policy import get_policy
-from smartgen.roles.decode_node import DecodeNode
-from smartgen.roles.planner import NodePlanner
-from smartgen.roles.prefill_node import PrefillNode
 from smartgen.roles.service import FinishEvent, GenerationParams, ServiceError
-from smartgen.runtime.models import kv_layout, model_from_config, model_info
-from smartgen.selectors import make_selector
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    model = model_from_config(tiny_config("llama"))
-    layout = kv_layout(model, num_blocks=16)
-    info = model_info(model)
-    prefills = []
-    for _ in range(2):
-        node = PrefillNode(
-            model,
-            make_selector("quest", info, budget=0.3, page_size=4),
-            layout,
-            NodePlanner(layout, None, "streaming", link_gbps=0.5),
-            port=0,
-            secret="s",
-        )
-        node.start()
-        prefills.append(node)
-    decode = DecodeNode(
-        model,
-        IdTokenizer(),
-        make_selector("quest", info, budget=0.3, page_size=4),
-        layout,
-        get_policy("smartgen"),
-        [p.address for p in prefills],
-        secret="s",
-        max_batch=4,
-        max_tokens=256,
-        max_waiting=16,
-    )
-    decode.start()
+    parts = tiny_parts()
+    prefills = [prefill_node(parts) for _ in range(2)]
+    decode = decode_node(parts, prefills, scheme="smartgen", max_waiting=16)
     yield prefills, decode
     decode.stop()
     for node in prefills:

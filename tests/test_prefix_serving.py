@@ -93,8 +93,8 @@ def test_a_multi_turn_chat_reuses_both_caches_with_the_uncached_tokens(model_dir
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--prefix-cache-bytes", "lots"), "--prefix-cache-bytes takes a size in bytes"),
-        (("--prefix-cache-bytes", "-1G"), "--prefix-cache-bytes takes a size in bytes"),
+        (("--prefix-cache-bytes", "lots"), "--prefix-cache-bytes takes a byte size"),
+        (("--prefix-cache-bytes", "-1G"), "--prefix-cache-bytes takes a byte size"),
         (("--prefix-block-tokens", "0"), "--prefix-block-tokens"),
     ],
 )

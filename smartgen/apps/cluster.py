@@ -55,8 +55,10 @@ class LocalCluster:
     spec: ClusterSpec
     http: str = ""  # the decode node's HOST:PORT (OpenAI API and /status)
     prefill_status: list[str] = field(default_factory=list)  # each prefill node's status HOST:PORT
+    prefill_listen: list[str] = field(default_factory=list)  # each prefill node's HOST:PORT for decode nodes
     run_dir: Path | None = None
-    _processes: list[subprocess.Popen] = field(default_factory=list)
+    nodes: dict[str, subprocess.Popen] = field(default_factory=dict)  # "prefill0", ..., "decode" -> the live process
+    _processes: list[subprocess.Popen] = field(default_factory=list)  # every process started (restarts too)
     _logs: list[Any] = field(default_factory=list)
 
     def __enter__(self) -> LocalCluster:
@@ -100,12 +102,14 @@ class LocalCluster:
         if self.spec.db is not None:
             env["SMARTGEN_DB"] = str(self.spec.db)
         ready = self.run_dir / f"{name}.json"
+        ready.unlink(missing_ok=True)  # a restarted node writes it again
         log_path = self.run_dir / f"{name}.log"
-        log = log_path.open("w")
+        log = log_path.open("a")  # a restarted node adds to its log
         self._logs.append(log)
         command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
         self._processes.append(process)
+        self.nodes[name] = process
         try:
             return process, read_ready_file(ready, READY_TIMEOUT_S, alive=lambda: process.poll() is None)
         except (RuntimeError, TimeoutError):
@@ -115,20 +119,36 @@ class LocalCluster:
             raise RuntimeError(f"the {name} node exited early: {lines[-1] if lines else 'no output'}") from None
 
     def _start(self) -> None:
-        spec = self.spec
-        addresses = []
-        for i in range(spec.prefill_nodes):
-            args = ["--role", "prefill", "--listen", "127.0.0.1:0", "--status", "127.0.0.1:0"]
-            args += ["--prefix-cache-bytes", spec.prefill_cache, *spec.prefill_extra]
-            _, ready = self._launch(f"prefill{i}", args)
-            addresses.append(ready["listen"])
+        for i in range(self.spec.prefill_nodes):
+            self.start_prefill(i)
+        self.start_decode()
+
+    def start_prefill(self, index: int) -> None:
+        """Starts prefill node `index`; again on its old addresses when it ran before (a restart after a fault)."""
+        restart = index < len(self.prefill_listen)
+        listen = self.prefill_listen[index] if restart else "127.0.0.1:0"
+        status = self.prefill_status[index] if restart else "127.0.0.1:0"
+        args = ["--role", "prefill", "--listen", listen, "--status", status]
+        args += ["--prefix-cache-bytes", self.spec.prefill_cache, *self.spec.prefill_extra]
+        _, ready = self._launch(f"prefill{index}", args)
+        if not restart:
+            self.prefill_listen.append(ready["listen"])
             self.prefill_status.append(ready["status"])
-        args = ["--role", "decode", "--prefill", ",".join(addresses), "--http", "127.0.0.1:0"]
+
+    def start_decode(self) -> None:
+        """Starts the decode node (again on its old HTTP address after a fault)."""
+        spec = self.spec
+        args = ["--role", "decode", "--prefill", ",".join(self.prefill_listen), "--http", self.http or "127.0.0.1:0"]
         args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
         args += ["--speculative-ratio", str(spec.speculative_ratio)]
         args += ["--prefix-cache-bytes", spec.decode_cache, *spec.decode_extra]
         _, ready = self._launch("decode", args)
         self.http = ready["http"]
+
+    def log(self, name: str) -> str:
+        """What node `name` ("prefill0", "decode") logged so far."""
+        assert self.run_dir is not None
+        return (self.run_dir / f"{name}.log").read_text(errors="replace")
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:

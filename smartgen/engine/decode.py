@@ -15,8 +15,9 @@ A request on the decode node:
    freed, and RELEASE / ABORT goes to the prefill node if it was not sent yet.
 A prefill node lost (its link closed: dead, silent past its lease, or misbehaving): the link
 leaves the list at once, so no new request picks it; requests that still needed it fail with
-the reason (or, with `recompute`, those still prefilling are opened again on another prefill
-node); requests already fully local go on. Inside a decode step a failed request is only
+the reason (or, with `recompute`, they are opened again on another prefill node, telling it which
+tokens are already local: a request that was decoding waits outside the batch, parked, until the new
+node has prefilled, then fetches what it lacks); requests already fully local go on. Inside a decode step a failed request is only
 marked, never raised, so the step completes for the rest of the batch (see DecodeDriver).
 """
 
@@ -29,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -44,13 +45,17 @@ from smartgen.engine.pool import DecodePool
 from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.link import LinkEnd
 
-__all__ = ["DecodeEngine", "Assembled", "RequestFailed"]
+__all__ = ["DecodeEngine", "Assembled", "RequestFailed", "LinkLost"]
 
 log = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
     """A request could not go on: its prefill node failed it, went away, or timed out."""
+
+
+class LinkLost(RequestFailed):
+    """A fetch's prefill node went away (with `recompute` its request is opened again, not failed)."""
 
 
 class Assembled(NamedTuple):
@@ -94,6 +99,15 @@ class _Request:
     late: list[tuple[int, torch.Tensor, Future, float]] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
+    # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
+    resume: Future | None = None
+    resumed_at: float = 0.0
+    overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
+
+    @property
+    def resuming(self) -> bool:
+        """Waiting for another prefill node to prefill it again: it must not step (nothing to fetch from yet)."""
+        return self.resume is not None and not self.resume.done()
 
 
 class DecodeEngine:
@@ -109,12 +123,14 @@ class DecodeEngine:
         fetch_timeout: float = 30.0,
         recompute: bool = False,
         stall_timeout: float | None = None,
+        prefill_timeout: float = 120.0,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
-        `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt starts with
-        cached blocks gets them in its slot at once (local), and its prefill node never sends them."""
+        `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
+        prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
+        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them."""
         self.layout = layout
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
@@ -123,6 +139,7 @@ class DecodeEngine:
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
         self.stall_timeout = stall_timeout
+        self.prefill_timeout = prefill_timeout
         self.on_link_lost: Callable[[LinkEnd, str], None] | None = None  # told after a link is dropped
         self._links: list[LinkEnd] = []
         self._requests: dict[str, _Request] = {}
@@ -185,13 +202,19 @@ class DecodeEngine:
                     request.metadata[message.layer] = message.tensors
             case msg.FirstToken():
                 request = self._requests.get(message.request_id)
-                if request is not None and not request.first_token.done():
+                if request is not None and request.resuming:  # prefilled again elsewhere: metadata is kept
+                    assert request.resume is not None
+                    if request.first_token.result() != message.token:
+                        log.warning("decode: %s prefilled again gives another first token", message.request_id)
+                    request.resume.set_result(message.token)
+                elif request is not None and not request.first_token.done():
                     for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
                         request.metadata[layer].update(entry)
                     request.metrics.prefill_cached_tokens = message.cached
                     request.first_token.set_result(message.token)
             case msg.Error() | msg.Abort():
-                self._fail_request(message.request_id, message.reason or "prefill node failed")
+                overloaded = isinstance(message, msg.Error) and message.overloaded
+                self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
 
@@ -201,7 +224,7 @@ class DecodeEngine:
             if link not in self._links:
                 return  # already handled (the listener and `open` may both notice)
             self._links.remove(link)
-            victims = [r for r in self._requests.values() if r.link is link and self._needs_link(r)]
+            victims = [r for r in self._requests.values() if r.link is link and not self._fully_local(r)]
             pending = [(i, f) for i, (f, owner) in self._fetches.items() if owner is link]
             for fetch_id, _ in pending:
                 self._fetches.pop(fetch_id, None)
@@ -213,40 +236,60 @@ class DecodeEngine:
             len(victims),
         )
         for request in victims:
-            if not (self.recompute and not request.first_token.done() and self._reopen(request)):
+            if not (self.recompute and self._reopen(request)):
                 self._fail_request(request.request_id, error)
         for _fetch_id, future in pending:
             if not future.done():
                 self.counters.add_failure("on_demand")
-                future.set_exception(RequestFailed(error))
+                future.set_exception(LinkLost(error))
         if self.on_link_lost is not None:
             self.on_link_lost(link, reason)
 
-    def _needs_link(self, request: _Request) -> bool:
-        """False for a request already released with every block local: it decodes on without its prefill node."""
-        return not (request.released and self.pool.masks.all_local(request.slot, request.length))
+    def _fully_local(self, request: _Request) -> bool:
+        """Every prompt token is in the pool: it decodes on without its prefill node."""
+        return self.pool.masks.all_local(request.slot, request.length)
 
     def _reopen(self, request: _Request) -> bool:
-        """Opens a request that had not been prefilled yet on another live prefill node; False when none is left."""
+        """Opens a request again on another live prefill node; False when none is left.
+
+        The OPEN says which prompt tokens are local already (never pushed again). A request past its first
+        token is `resuming` until the new node's FIRST_TOKEN: it steps no more (the driver parks it), and
+        what it fetched from the lost node and never got is asked of the new one when it steps again.
+        """
         try:
             link = self._pick_link()
         except RequestFailed:
             return False
         assert request.open_message is not None
+        held = self.pool.masks.values[:, request.slot, : request.length] == LOCAL  # [L, n]
+        decoding = request.first_token.done()
+        if decoding:
+            request.resume, request.resumed_at = Future(), time.monotonic()
+        request.late = []  # their futures failed with the lost link
         request.link = link
+        message = replace(request.open_message, held=held if bool(held.any()) else None, resumed=decoding)
         link.push.accept(request.request_id, self.pool.geometry.slot_extents(request.slot, request.length))
-        link.control.send(request.open_message.pack())
-        log.info("decode: request %s prefilled again on another prefill node", request.request_id)
+        link.control.send(message.pack())
+        log.info(
+            "decode: request %s opened again on another prefill node (%d of %d prompt KV entries kept)",
+            request.request_id,
+            int(held.sum()),
+            held.numel(),
+        )
         return True
 
-    def _fail_request(self, request_id: str, reason: str) -> None:
+    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
         if not request.metrics.error:
             request.metrics.error = reason
+            request.overloaded = overloaded
         if not request.first_token.done():
             request.first_token.set_exception(RequestFailed(reason))
+        if request.resuming:
+            assert request.resume is not None
+            request.resume.set_exception(RequestFailed(reason))
 
     def _pick_link(self) -> LinkEnd:
         with self._lock:
@@ -280,7 +323,14 @@ class DecodeEngine:
         slot = self.pool.allocate(length, max_new_tokens)
         held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None else 0
         message = msg.Open(
-            request_id, slot, length, policy.name, policy.strategy, policy.speculative_ratio, prompt_ids, held
+            request_id,
+            slot,
+            length,
+            policy.name,
+            policy.strategy,
+            policy.speculative_ratio,
+            prompt_ids,
+            held_prefix=held,
         )
         request = _Request(
             request_id,
@@ -362,6 +412,11 @@ class DecodeEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def was_overloaded(self, request_id: str) -> bool:
+        """The request failed because its prefill node had no room for it (store or queue full)."""
+        request = self._requests.get(request_id)
+        return request is not None and request.overloaded
+
     def failed(self, request_ids: list[str]) -> list[int]:
         """Indices (into `request_ids`) of requests that failed and must leave the batch."""
         return [
@@ -389,7 +444,7 @@ class DecodeEngine:
         """The start of an attention layer: tell prefill nodes the link is idle (speculative policies)."""
         for request_id in request_ids:
             request = self._require_any(request_id)
-            if request.policy.speculative and not request.released and not request.metrics.error:
+            if request.policy.speculative and not (request.released or request.metrics.error or request.resuming):
                 request.link.control.send(msg.Idle(request_id, layer).pack())
 
     def assemble(
@@ -503,6 +558,9 @@ class DecodeEngine:
             status = split.status[rows]
             if not bool((status == REMOTE).any()) or request.metrics.error:
                 continue  # a failed request's rows are assembled from what is local; it leaves after the step
+            if request.resuming:  # nothing to fetch from until its new prefill node has prefilled: park it
+                request.deferred = True
+                continue
             positions = split.index[rows][status == REMOTE].unique().cpu()
             in_flight = [entry for entry in request.late if entry[0] == layer]
             if in_flight:  # a redone step waits for what an earlier try asked for instead of asking again
@@ -513,16 +571,13 @@ class DecodeEngine:
                 if not positions.numel():
                     continue
             future: Future = Future()
+            link = request.link  # once: a lost link may be swapped for another under us (recompute)
             with self._lock:
                 fetch_id = next(self._fetch_ids)
-                self._fetches[fetch_id] = (future, request.link)
-            if not request.link.alive:
-                future.set_exception(
-                    RequestFailed(f"prefill node connection lost: {request.link.error or 'connection closed'}")
-                )
-            request.link.control.send(
-                msg.Fetch(request.request_id, layer, fetch_id, positions).pack(), tag="fetch_request"
-            )
+                self._fetches[fetch_id] = (future, link)
+            if not link.alive:
+                future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+            link.control.send(msg.Fetch(request.request_id, layer, fetch_id, positions).pack(), tag="fetch_request")
             fetches.append((request, positions, future, time.monotonic()))
         return fetches
 
@@ -552,6 +607,12 @@ class DecodeEngine:
                 self.counters.add_failure("on_demand")
                 self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
                 continue
+            except LinkLost as exc:
+                if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
+                    request.deferred = True
+                else:
+                    self._fail_request(request.request_id, str(exc))
+                continue
             except RequestFailed as exc:
                 self._fail_request(request.request_id, str(exc))
                 continue
@@ -580,6 +641,9 @@ class DecodeEngine:
                     continue
                 try:
                     self._land_reply(request, layer, positions, future.result(), sent)
+                except LinkLost as exc:
+                    if not self.recompute:  # else asked again of the node it is opened on next
+                        self._fail_request(request.request_id, str(exc))
                 except RequestFailed as exc:
                     self._fail_request(request.request_id, str(exc))
             request.late = waiting
@@ -596,8 +660,18 @@ class DecodeEngine:
         request.deferred = False
 
     def ready_to_resume(self, request_id: str) -> bool:
-        """A deferred request may step again: its late fetches have landed, or it failed (past fetch_timeout)."""
+        """A deferred request may step again: its late fetches have landed (and, opened again after its prefill
+        node was lost, the new node has prefilled it), or it failed (past fetch_timeout or prefill_timeout)."""
         request = self._require_any(request_id)
+        if request.metrics.error:
+            return True
+        if request.resuming:
+            if time.monotonic() - request.resumed_at > self.prefill_timeout:
+                self._fail_request(request_id, f"not prefilled again within {self.prefill_timeout:g} s")
+                return True
+            return False
+        if not request.link.alive:
+            return False  # its link is being dropped: it is opened again elsewhere or fails
         self._land_late([request])
         if request.late and request.deferred_since is not None:
             if time.monotonic() - request.deferred_since > self.fetch_timeout:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from smartgen.engine.layout import block_bounds
+from smartgen.engine.layout import block_bounds, token_blocks
 from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
 
-__all__ = ["block_runs", "token_runs", "block_write_ops", "ONES_SOURCE"]
+__all__ = ["block_runs", "token_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
 
 ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
 
@@ -37,6 +37,14 @@ def token_runs(want: torch.Tensor) -> list[tuple[int, int]]:
     """Bool [n] -> maximal runs [(start, stop), ...] of True tokens."""
     edges = torch.diff(torch.nn.functional.pad(want.to(torch.int8), (1, 1))).nonzero().flatten().tolist()
     return list(zip(edges[0::2], edges[1::2]))
+
+
+def held_blocks(held: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[L, n] bool held tokens -> [L, M_eff] bool: the blocks every token of which is held."""
+    blocks = token_blocks(held.shape[1], num_blocks).expand(held.shape[0], -1)
+    m_eff = int(blocks[0, -1]) + 1 if held.shape[1] else 0
+    full = torch.ones(held.shape[0], m_eff, dtype=torch.bool)
+    return full.scatter_reduce(1, blocks, held, "amin")
 
 
 def block_write_ops(

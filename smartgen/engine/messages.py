@@ -88,18 +88,27 @@ class Open:
     strategy: str  # the proactive-set strategy
     speculative_ratio: float
     prompt_ids: torch.Tensor | None = None  # [n] int64, when the prefill node runs a model
-    held: int = 0  # leading prompt tokens already in the decode node's slot (its prefix cache): never pushed
+    # Opened again after its prefill node was lost (--on-prefill-failure recompute):
+    held: torch.Tensor | None = None  # [L, n] bool: tokens already local on the decode node, never pushed again
+    resumed: bool = False  # the decode node already has the first token and metadata: send neither again
+    # leading prompt tokens the decode node's prefix cache already put in the slot: never pushed (a count, not
+    # a mask, so a cache hit costs OPEN nothing)
+    held_prefix: int = 0
 
     def pack(self) -> Message:
-        meta = {
+        meta: dict[str, Any] = {
             "slot": self.slot,
             "length": self.length,
             "scheme": self.scheme,
             "strategy": self.strategy,
             "speculative_ratio": self.speculative_ratio,
-            "held": self.held,
+            "held_prefix": self.held_prefix,
         }
+        if self.resumed:
+            meta["resumed"] = True
         payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
+        if self.held is not None:
+            payload["held"] = self.held.to(torch.uint8).cpu().contiguous()
         return Message(self.KIND, self.request_id, meta, payload)
 
     @classmethod
@@ -113,8 +122,20 @@ class Open:
             _field(meta, "strategy", str, what),
             _field(meta, "speculative_ratio", float, what),
             message.payload.get("input_ids"),
-            _field(meta, "held", int, what) if "held" in meta else 0,
+            _held(message.payload.get("held"), meta.get("length")),
+            _field(meta, "resumed", bool, what) if "resumed" in meta else False,
+            _field(meta, "held_prefix", int, what) if "held_prefix" in meta else 0,
         )
+
+
+def _held(held: torch.Tensor | None, length: object) -> torch.Tensor | None:
+    """OPEN's `held` as [L, n] bool; a tensor of another shape or kind is refused (the layer count is the
+    prefill engine's to check)."""
+    if held is None:
+        return None
+    if held.dtype != torch.uint8 or held.dim() != 2 or held.shape[1] != length:
+        raise MessageError(f"OPEN: 'held' must be uint8 [layers, {length}], got {held.dtype} {list(held.shape)}")
+    return held.bool()
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +253,12 @@ class _Reasoned:
 
     @classmethod
     def unpack(cls, message: Message) -> Any:
-        reason = message.meta.get("reason", "")
-        return cls(message.request_id, reason if isinstance(reason, str) else str(reason))
+        return cls(message.request_id, _reason(message))
+
+
+def _reason(message: Message) -> str:
+    reason = message.meta.get("reason", "")
+    return reason if isinstance(reason, str) else str(reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +280,17 @@ class Error(_Reasoned):
     """Prefill -> decode: the prefill node could not serve the request (the reason says why)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.ERROR
+    overloaded: bool = False  # refused for lack of room (store or queue full): the client may try again later
+
+    def pack(self) -> Message:
+        message = _Reasoned.pack(self)
+        if self.overloaded:
+            message.meta["overloaded"] = True
+        return message
+
+    @classmethod
+    def unpack(cls, message: Message) -> Error:
+        return cls(message.request_id, _reason(message), message.meta.get("overloaded") is True)
 
 
 EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Release | Abort | Error

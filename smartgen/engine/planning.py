@@ -24,7 +24,7 @@ __all__ = [
     "speculative_slice_size",
     "Planner",
     "TransferPlanner",
-    "held_blocks",
+    "prefix_blocks",
 ]
 
 
@@ -275,7 +275,7 @@ class Planner:
             else strategy_scores("sequential", self.num_layers, length, self.num_blocks)
         )
         budget = self.budget(length, mode, computed)
-        covered = held_blocks(length, self.num_blocks, held)
+        covered = prefix_blocks(length, self.num_blocks, held)
         if covered:
             scores = scores.clone()
             scores[:, :covered] = float("inf")
@@ -283,7 +283,7 @@ class Planner:
         return plan_transfer(scores, budget)
 
 
-def held_blocks(length: int, num_blocks: int, held: int) -> int:
+def prefix_blocks(length: int, num_blocks: int, held: int) -> int:
     """How many leading blocks of a `length`-token request lie wholly inside its first `held` tokens."""
     if held <= 0:
         return 0

@@ -16,11 +16,15 @@ import torch
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL, MaskTable
 
-__all__ = ["PoolGeometry", "PoolFull", "DecodePool", "RequestKV", "PrefillStore"]
+__all__ = ["PoolGeometry", "PoolFull", "DecodePool", "RequestKV", "PrefillStore", "StoreFull"]
 
 
 class PoolFull(RuntimeError):
     """No free slot, or the request is longer than a slot."""
+
+
+class StoreFull(RuntimeError):
+    """The prefill store has no room for another request's KV under its byte cap (the reason says how much)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,23 +165,44 @@ class RequestKV:
 
 
 class PrefillStore:
-    """The prefill node's per-request KV, kept until the decode node releases the request."""
+    """The prefill node's per-request KV, kept until the decode node releases the request.
 
-    def __init__(self, layout: KVLayout) -> None:
+    `max_bytes` caps the K and V held at once: a request that would go over it is refused (StoreFull) before
+    anything is allocated, so a slow or stuck decode node cannot make a prefill node run out of memory."""
+
+    def __init__(self, layout: KVLayout, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"a prefill store cap must be positive, got {max_bytes}")
         self.layout = layout
+        self.max_bytes = max_bytes
         self._requests: dict[str, RequestKV] = {}
+        self._reserved = 0  # bytes of K and V of the requests held
         self._lock = threading.Lock()
 
     def open(self, request_id: str, length: int) -> RequestKV:
         shape = (self.layout.num_layers, length, self.layout.num_kv_heads, self.layout.head_dim)
-        entry = RequestKV(
-            request_id, torch.empty(shape, dtype=self.layout.dtype), torch.empty(shape, dtype=self.layout.dtype)
-        )
+        needed = self.layout.kv_bytes(length)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already open on this prefill node")
+            if self.max_bytes is not None and self._reserved + needed > self.max_bytes:
+                raise StoreFull(self._full_reason(needed))
+            # under the lock: the check and the allocation are one step (torch.empty does not touch the memory)
+            entry = RequestKV(
+                request_id, torch.empty(shape, dtype=self.layout.dtype), torch.empty(shape, dtype=self.layout.dtype)
+            )
             self._requests[request_id] = entry
+            self._reserved += needed
         return entry
+
+    def _full_reason(self, needed: int) -> str:
+        cap = self.max_bytes or 0
+        if needed > cap:
+            return f"prefill store too small: this prompt's KV needs {needed} bytes, the store holds at most {cap}"
+        return (
+            f"prefill store full: {self._reserved} of {cap} bytes held by {len(self._requests)} request(s), "
+            f"this prompt's KV needs {needed}; try again later"
+        )
 
     def put_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> RequestKV:
         """Stores one layer's K/V ([n, H, d] each) as soon as that layer's prefill is done."""
@@ -199,7 +224,10 @@ class PrefillStore:
     def release(self, request_id: str) -> bool:
         """Frees a request's KV; returns whether it was held."""
         with self._lock:
-            return self._requests.pop(request_id, None) is not None
+            entry = self._requests.pop(request_id, None)
+            if entry is not None:
+                self._reserved -= entry.k.nbytes + entry.v.nbytes
+            return entry is not None
 
     def __contains__(self, request_id: object) -> bool:
         with self._lock:

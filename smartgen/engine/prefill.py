@@ -23,19 +23,21 @@ from dataclasses import dataclass, field
 import torch
 
 from smartgen.engine import messages as msg
-from smartgen.engine.descriptors import ONES_SOURCE, block_runs, block_write_ops
+from smartgen.engine.descriptors import ONES_SOURCE, block_runs, block_write_ops, held_blocks
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout, block_bounds, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
-from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV
+from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV, StoreFull
 from smartgen.engine.prefix_cache import PrefixCache, PrefixHit
 from smartgen.lanes.base import Completion
 from smartgen.lanes.link import LinkEnd
 
-FLUSH_TIMEOUT_S = 600.0
+# proactive-only: its proactive set must land before FIRST_TOKEN within this (`serve --flush-timeout`); past it the
+# request fails. The decode node gives up on a first token after 120 s by default anyway.
+DEFAULT_FLUSH_TIMEOUT_S = 120.0
 
-__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone"]
+__all__ = ["PrefillEngine", "OpenedRequest", "RequestGone", "Overloaded", "DEFAULT_FLUSH_TIMEOUT_S"]
 
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 
 class RequestGone(KeyError):
     """A message for a request this node no longer holds (released, aborted, or never opened)."""
+
+
+class Overloaded(ValueError):
+    """An OPEN refused for lack of room (the queue or the store is full): the decode node answers 503."""
 
 
 @dataclass(slots=True)
@@ -59,7 +65,7 @@ class OpenedRequest:
     kv: RequestKV
     ones: torch.Tensor
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
-    held: int = 0  # leading tokens the decode node already holds: never pushed (its prefix cache)
+    held_prefix: int = 0  # leading tokens the decode node's prefix cache already holds: never pushed
     unsent: torch.Tensor | None = None  # [L, n] bool: tokens no push or fetch has sent yet (held ones are sent)
     prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
@@ -67,6 +73,8 @@ class OpenedRequest:
     spec_cursor: int = 0
     spec_in_flight: Completion | None = None
     completions: list[Completion] = field(default_factory=list)
+    held: torch.Tensor | None = None  # [L, n] bool: tokens the decode node already holds (never pushed)
+    resumed: bool = False  # the decode node had decoded it already: no metadata, FIRST_TOKEN only says "ready"
 
     @property
     def speculation_done(self) -> bool:
@@ -92,6 +100,8 @@ class PrefillEngine:
         layout: KVLayout,
         planner: TransferPlanner,
         max_queue: int = 64,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        max_store_bytes: int | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`prefix_cache`: prompts' KV by token blocks; a request whose prompt starts with cached blocks
@@ -100,8 +110,9 @@ class PrefillEngine:
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.held_saved = PathCounters()  # per path: KV bytes not pushed because the decode node held them
         self.max_queue = max_queue
+        self.flush_timeout_s = flush_timeout_s
         self.planner = planner
-        self.store = PrefillStore(layout)
+        self.store = PrefillStore(layout, max_store_bytes)
         self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
         self.oracle_counts: dict[str, torch.Tensor] = {}  # request_id -> [L, H, n] for the "optimal" strategy
         self._requests: dict[str, OpenedRequest] = {}
@@ -146,7 +157,8 @@ class PrefillEngine:
                 log.info("prefill: %s for %s dropped: %s", message.kind.name, message.request_id, exc)
             except ValueError as exc:  # a request this node refuses (busy, no profile, bad message): say why
                 log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
-                link.control.send(msg.Error(message.request_id, str(exc)).pack())
+                overloaded = isinstance(exc, Overloaded)
+                link.control.send(msg.Error(message.request_id, str(exc), overloaded).pack())
             except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
                 log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
                 link.control.send(msg.Error(message.request_id, str(exc)).pack())
@@ -183,19 +195,24 @@ class PrefillEngine:
     # -- request life -----------------------------------------------------------------
     def _open(self, link: LinkEnd, geometry: PoolGeometry, message: msg.Open) -> None:
         if self._opened.qsize() >= self.max_queue:
-            raise ValueError(f"prefill node is busy: {self.max_queue} requests already queued")
+            raise Overloaded(f"prefill node is busy: {self.max_queue} requests already queued; try again later")
+        if message.held is not None and message.held.shape[0] != self.layout.num_layers:
+            raise msg.MessageError(f"OPEN: 'held' has {message.held.shape[0]} layers, not {self.layout.num_layers}")
         policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
         length = message.length
-        if not 0 <= message.held <= length:
-            raise msg.MessageError(f"OPEN: {message.held} held tokens of a {length}-token prompt")
+        if not 0 <= message.held_prefix <= length:
+            raise msg.MessageError(f"OPEN: {message.held_prefix} held tokens of a {length}-token prompt")
         plan = self.planner.plan(
             length,
             policy.proactive,
             policy.strategy,
             self.oracle_counts.pop(message.request_id, None),
-            held=message.held,
+            held=message.held_prefix,
         )
-        kv = self.store.open(message.request_id, length)
+        try:
+            kv = self.store.open(message.request_id, length)
+        except StoreFull as exc:
+            raise Overloaded(str(exc)) from None
         request = OpenedRequest(
             message.request_id,
             message.slot,
@@ -207,9 +224,13 @@ class PrefillEngine:
             kv,
             ones=torch.ones(length, dtype=torch.uint8),
             prompt=message.prompt_ids,
+            held_prefix=message.held_prefix,
             held=message.held,
-            unsent=(torch.arange(length) >= message.held).repeat(self.layout.num_layers, 1),
+            resumed=message.resumed,
+            unsent=_unsent(self.layout.num_layers, length, message.held, message.held_prefix),
         )
+        if message.held is not None:  # opened again elsewhere (recompute): what the decode node has stays there
+            request.sent = held_blocks(message.held, self.layout.num_blocks)
         with self._lock:
             self._requests[message.request_id] = request
         self._opened.put(request)
@@ -240,7 +261,7 @@ class PrefillEngine:
                 policy.proactive,
                 policy.strategy,
                 computed=request.length - hit.tokens,
-                held=request.held,
+                held=request.held_prefix,
             )
         return hit.kv()
 
@@ -285,9 +306,9 @@ class PrefillEngine:
         self.store.put_layer(request_id, layer, k, v)
         blocks = request.plan.proactive_blocks(layer)
         if token_scores is not None and request.policy.strategy == Strategy.QUERY and layer >= DENSE_LAYERS:
-            if request.held:  # held blocks cost nothing and fill their share of the pick first
+            if request.held_prefix:  # held blocks cost nothing and fill their share of the pick first
                 token_scores = token_scores.clone()
-                token_scores[: request.held] = float("inf")
+                token_scores[: request.held_prefix] = float("inf")
             blocks = query_blocks(token_scores, request.length, request.plan.num_blocks, blocks.numel())
         if request.sent is None:
             request.sent = torch.zeros_like(request.plan.proactive)
@@ -301,7 +322,7 @@ class PrefillEngine:
         decode node has it for its first step without it adding to the time to first token.
         """
         request = self._get(request_id)
-        if request is None or not metadata:
+        if request is None or not metadata or request.resumed:
             return
         message = msg.Metadata(request_id, int(layer), metadata).pack()
         request.link.control.send(message, tag="metadata")
@@ -318,8 +339,9 @@ class PrefillEngine:
         request = self._get(request_id)
         if request is None:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
-        if request.policy.drop_remote and not request.link.push.flush(timeout=FLUSH_TIMEOUT_S):
-            raise TimeoutError(f"the proactive set of {request_id} did not land within {FLUSH_TIMEOUT_S:g} s")
+        if request.policy.drop_remote and not request.link.push.flush(timeout=self.flush_timeout_s):
+            raise TimeoutError(f"the proactive set of {request_id} did not land within {self.flush_timeout_s:g} s")
+        metadata = None if request.resumed else metadata  # a resumed request's decode node kept its metadata
         cached = request.prefix_hit.tokens if request.prefix_hit is not None else 0
         message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or []), cached).pack()
         request.link.control.send(message, tag="metadata")
@@ -369,7 +391,7 @@ class PrefillEngine:
         held_tokens = 0
         for layer, blocks in layer_blocks:
             for first, stop in block_runs(blocks):
-                held_tokens += max(0, min(bounds[stop], request.held) - bounds[first])
+                held_tokens += max(0, min(bounds[stop], request.held_prefix) - bounds[first])
                 if request.unsent is not None:
                     request.unsent[layer, bounds[first] : bounds[stop]] = False
         if held_tokens:
@@ -435,3 +457,12 @@ def query_blocks(token_scores: torch.Tensor, length: int, num_blocks: int, count
     m_eff = int(blocks[-1]) + 1
     best = torch.full((m_eff,), float("-inf")).scatter_reduce(0, blocks, token_scores.float().cpu(), "amax")
     return torch.sort(torch.topk(best, min(count, m_eff)).indices).values
+
+
+def _unsent(num_layers: int, length: int, held: torch.Tensor | None, held_prefix: int) -> torch.Tensor:
+    """[L, n] bool: the tokens a new request's decode node lacks (not in its prefix cache, not kept from a lost
+    prefill node): every push and fetch clears what it sends, so nothing is sent twice."""
+    unsent = (torch.arange(length) >= held_prefix).repeat(num_layers, 1)
+    if held is not None:
+        unsent &= ~held
+    return unsent

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from smartgen.lanes.extras import MissingExtra
 from smartgen.lanes.link import LinkEnd, inproc_link
+from smartgen.lanes.onesided import OneSidedTimeouts
 from smartgen.lanes.tcp_link import LaneFactory, loopback_tcp_link
 
 __all__ = ["LANES", "lane_factory", "unavailable", "loopback_link"]
@@ -19,12 +21,17 @@ LANES = {
 }
 
 
-def lane_factory(name: str) -> LaneFactory:
-    """The factory for a lane by name; MissingExtra (naming the extra) when its package is not installed."""
+def lane_factory(name: str, timeouts: OneSidedTimeouts | None = None) -> LaneFactory:
+    """The factory for a lane by name; MissingExtra (naming the extra) when its package is not installed.
+
+    `timeouts`: how long a one-sided lane waits on its peer (None: the defaults; the TCP lane has no such waits)."""
     if name not in LANES:
         raise ValueError(f"unknown lane {name!r}; choose one of {', '.join(LANES)}")
     module, attr = LANES[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+    factory = getattr(importlib.import_module(module), attr)
+    if timeouts is None or name == "tcp":
+        return factory
+    return functools.partial(factory, timeouts=timeouts)
 
 
 def unavailable(name: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
-__all__ = ["SlotExtents", "ExtentMap"]
+__all__ = ["SlotExtents", "ExtentMap", "extents_meta", "parse_extents"]
 
 # region name -> [(start, stop), ...] byte ranges; what the owner of the regions passes to `Lane.accept`
 ExtentMap = Mapping[str, Sequence[tuple[int, int]]]
@@ -30,3 +30,25 @@ class SlotExtents:
         starts, stops = found
         i = bisect_right(starts, offset) - 1
         return i >= 0 and offset + length <= stops[i]
+
+
+def extents_meta(extents: ExtentMap) -> dict[str, list[list[int]]]:
+    """Extents as JSON for a frame's meta (one-sided lanes send them with ACCEPT)."""
+    return {region: [[int(a), int(b)] for a, b in ranges] for region, ranges in extents.items()}
+
+
+def parse_extents(meta: object) -> ExtentMap:
+    """The inverse of `extents_meta`, checked: a ValueError names what is malformed (the frame came off the wire)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"extents must be an object, got {type(meta).__name__}")
+    extents: dict[str, list[tuple[int, int]]] = {}
+    for region, ranges in meta.items():
+        if not isinstance(ranges, list):
+            raise ValueError(f"extents of region {region!r} must be a list")
+        pairs = []
+        for pair in ranges:
+            if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int and x >= 0 for x in pair)):
+                raise ValueError(f"an extent of region {region!r} must be [start, stop] of non-negative ints")
+            pairs.append((pair[0], pair[1]))
+        extents[str(region)] = pairs
+    return extents

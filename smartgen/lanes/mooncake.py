@@ -10,15 +10,13 @@ The protocol is Mooncake's own choice of transport: "tcp" here, "rdma" on a clus
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from smartgen.lanes.extras import require
-from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
-from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.onesided import one_sided_factory
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
 __all__ = ["MooncakeTransport", "mooncake_lane"]
@@ -79,6 +77,5 @@ class MooncakeTransport(Transport):
             self.deregister(addr)
 
 
-def mooncake_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
-    """A lane factory for TcpListener/tcp_connect: Mooncake for the writes, `sock` as the side channel."""
-    return one_sided_lane(MooncakeTransport(host=sock.getsockname()[0]), sock, name, pacer, bulk)
+# a lane factory for TcpListener/tcp_connect: Mooncake for the writes, the authenticated socket as the side channel
+mooncake_lane = one_sided_factory(lambda sock, timeouts: MooncakeTransport(host=sock.getsockname()[0]))

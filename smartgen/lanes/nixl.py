@@ -9,7 +9,6 @@ environment: `UCX_TLS=tcp,self` on a machine without RDMA, its defaults on a clu
 from __future__ import annotations
 
 import base64
-import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,13 +17,10 @@ from typing import Any
 import torch
 
 from smartgen.lanes.extras import require
-from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
-from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.onesided import one_sided_factory
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
 __all__ = ["NixlTransport", "nixl_lane"]
-
-XFER_TIMEOUT = 60.0
 
 
 class NixlTransport(Transport):
@@ -37,8 +33,9 @@ class NixlTransport(Transport):
         """The nixl._api module, or MissingExtra naming the extra."""
         return require("nixl._api", "nixl")
 
-    def __init__(self, backend: str = "UCX") -> None:
+    def __init__(self, backend: str = "UCX", write_timeout_s: float = 30.0) -> None:
         api = self.probe()
+        self.write_timeout_s = write_timeout_s  # a write list not DONE by then breaks the lane
         self.agent_name = f"smartgen-{uuid.uuid4().hex[:12]}"
         self._agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=[backend]))
         self._peer: str | None = None
@@ -81,7 +78,7 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL could not set up a write of {len(segments)} segments: {exc}") from exc
         try:
             state = self._agent.transfer(handle)
-            deadline = time.monotonic() + XFER_TIMEOUT
+            deadline = time.monotonic() + self.write_timeout_s
             spins = 0
             while state == "PROC":
                 state = self._agent.check_xfer_state(handle)
@@ -89,7 +86,7 @@ class NixlTransport(Transport):
                 if spins > 64:  # spin briefly for small writes, then stop burning a shared core
                     time.sleep(20e-6)
                 if time.monotonic() > deadline:
-                    raise TransportError(f"NIXL write to {self._peer} still running after {XFER_TIMEOUT} s")
+                    raise TransportError(f"NIXL write to {self._peer} still running after {self.write_timeout_s:g} s")
             if state != "DONE":
                 raise TransportError(f"NIXL write to {self._peer} ended in state {state}")
         finally:
@@ -105,6 +102,5 @@ class NixlTransport(Transport):
                 pass
 
 
-def nixl_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
-    """A lane factory for TcpListener/tcp_connect: NIXL for the writes, `sock` as the side channel."""
-    return one_sided_lane(NixlTransport(), sock, name, pacer, bulk)
+# a lane factory for TcpListener/tcp_connect: NIXL for the writes, the authenticated socket as the side channel
+nixl_lane = one_sided_factory(lambda sock, timeouts: NixlTransport(write_timeout_s=timeouts.write_s))

@@ -5,7 +5,9 @@ transports' connection info (LANE_INFO), the owner's registered regions (REGION)
 messages (MESSAGE) and the accept/revoke handshake. Writes land in the owner's memory without
 its CPU, so the owner cannot drop a late write itself: the writer keeps the owner's accepted
 set, `accept` and `revoke` are round trips (ACCEPT/REVOKE answered by CONFIRM), and the writer
-confirms a REVOKE only when no write of that request is in flight.
+confirms a REVOKE only when no write of that request is in flight. For the same reason ACCEPT
+carries the request's slot extents, and the writer checks every descriptor against them (and
+against the region) before the transport moves a byte; one outside is dropped, as on TCP.
 
 Two threads move what is posted, in posting order: the pacing thread books the node's pacer a
 chunk at a time (write bytes and message payloads alike) and hands each chunk on with its
@@ -22,14 +24,14 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from smartgen.lanes.base import Completion, Message, WriteOp
-from smartgen.lanes.extents import ExtentMap
+from smartgen.lanes.extents import ExtentMap, SlotExtents, extents_meta, parse_extents
 from smartgen.lanes.framing import message_frame, recv_message
 from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
@@ -38,10 +40,26 @@ from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportE
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, recv_header, send_frame, send_header
 from smartgen.lanes.write_plan import chunk_ops, region_runs
 
-__all__ = ["OneSidedLane", "one_sided_lane"]
+__all__ = [
+    "OneSidedLane",
+    "OneSidedTimeouts",
+    "one_sided_factory",
+    "DEFAULT_CONFIRM_TIMEOUT_S",
+    "DEFAULT_WRITE_TIMEOUT_S",
+]
 
 log = logging.getLogger(__name__)
-CONFIRM_TIMEOUT = 10.0
+DEFAULT_CONFIRM_TIMEOUT_S = 10.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class OneSidedTimeouts:
+    """How long a one-sided lane waits on its peer (`serve --confirm-timeout`, `--write-timeout`); past either the
+    lane is broken: a writer must never guess whether the owner still takes writes, or whether a write landed."""
+
+    confirm_s: float = DEFAULT_CONFIRM_TIMEOUT_S  # LANE_INFO answered; an ACCEPT or REVOKE confirmed
+    write_s: float = DEFAULT_WRITE_TIMEOUT_S  # one write list completes (NIXL, RDMA; Mooncake's synchronous write keeps its own bound)
 
 
 @dataclass(slots=True)
@@ -69,15 +87,23 @@ class OneSidedLane(QueuedLane):
     """One endpoint: `transport` moves the writes, `sock` (already authenticated) carries everything else."""
 
     def __init__(
-        self, sock: socket.socket, transport: Transport, name: str, pacer: Pacer | None = None, bulk: bool = False
+        self,
+        sock: socket.socket,
+        transport: Transport,
+        name: str,
+        pacer: Pacer | None = None,
+        bulk: bool = False,
+        timeouts: OneSidedTimeouts = OneSidedTimeouts(),
     ) -> None:
         super().__init__(name, pacer, bulk)
         self.transport = transport
+        self.confirm_timeout_s = timeouts.confirm_s
         self.error: str | None = None
         self._sock = sock
         self._send_lock = threading.Lock()
         self._post_lock = threading.Lock()  # held while a chunk is written, so a REVOKE waits for it
-        self._peer_accepted: set[str] = set()  # requests the peer lets us write for
+        # requests the peer lets us write for -> where (its slot's byte ranges per region; None: anywhere in a region)
+        self._peer_accepted: dict[str, SlotExtents | None] = {}
         self._peer_regions: dict[str, tuple[int, int, Any]] = {}  # name -> (addr, length, key)
         self._local_handles: list[Any] = []
         self._sources = SourceCache(transport)
@@ -100,7 +126,7 @@ class OneSidedLane(QueuedLane):
     def _exchange_info(self) -> None:
         """Both ends send their transport's info first, then read the peer's (small frames: no deadlock)."""
         timeout = self._sock.gettimeout()
-        self._sock.settimeout(CONFIRM_TIMEOUT)
+        self._sock.settimeout(self.confirm_timeout_s)
         try:
             send_frame(
                 self._sock, FrameType.LANE_INFO, meta={"transport": self.transport.name, **self.transport.info()}
@@ -125,20 +151,21 @@ class OneSidedLane(QueuedLane):
         self._send_control(FrameType.REGION, "", meta)
 
     def accept(self, request_id: str, extents: ExtentMap | None = None) -> None:
-        # the writer checks descriptors against regions; slot extents are kept on this side only
+        # the writer's lane checks every descriptor against these before writing: nothing checks on this side
         super().accept(request_id, extents)
-        self._round_trip(FrameType.ACCEPT, request_id)
+        meta = {} if extents is None else {"extents": extents_meta(extents)}
+        self._round_trip(FrameType.ACCEPT, request_id, meta)
 
     def revoke(self, request_id: str) -> None:
         super().revoke(request_id)
         self._round_trip(FrameType.REVOKE, request_id)
 
-    def _round_trip(self, frame_type: FrameType, request_id: str) -> None:
+    def _round_trip(self, frame_type: FrameType, request_id: str, meta: dict[str, Any] | None = None) -> None:
         token = next(self._tokens)
         event = self._confirmed[token] = threading.Event()
         try:
-            self._send_control(frame_type, request_id, {"token": token})
-            deadline = time.monotonic() + CONFIRM_TIMEOUT
+            self._send_control(frame_type, request_id, {**(meta or {}), "token": token})
+            deadline = time.monotonic() + self.confirm_timeout_s
             while not event.wait(0.05):  # a closed lane has nothing in flight: stop waiting
                 if self._closed.is_set():
                     return
@@ -210,6 +237,11 @@ class OneSidedLane(QueuedLane):
                     self._fail(item)
                     self._on_broken(f"{self.transport.name}: {exc}")
                     return
+                except Exception as exc:  # a bug must close the lane with its reason, never leave a batch hanging
+                    log.exception("%s: posting failed", self.name)
+                    self._fail(item)
+                    self._on_broken(f"{self.transport.name}: {type(exc).__name__}: {exc}")
+                    return
         finally:
             self._drain(self._outbox, self._in_flight)
 
@@ -231,19 +263,33 @@ class OneSidedLane(QueuedLane):
         batch = chunk.batch
         with self._post_lock:
             if batch.applied and batch.request_id in self._peer_accepted:
+                ops = self._inside_slot(batch, chunk.ops)
                 try:
-                    segments = [self._resolve(batch.sources, op) for op in chunk.ops]
+                    segments = [self._resolve(batch.sources, op) for op in ops]
                 except (KeyError, ValueError) as exc:  # a bad descriptor fails its batch, not the lane
                     log.warning("%s: dropped a batch of %r: %s", self.name, batch.request_id, exc)
                     batch.applied = False
                 else:
-                    runs = [segments] if self.transport.ordered else region_runs(segments, chunk.ops)
+                    runs = [segments] if self.transport.ordered else region_runs(segments, ops)
                     for run in runs:  # each run lands whole before the next starts: data before mask
                         self.transport.write(run)
             else:
                 batch.applied = False
         if chunk.last:
             batch.completion.set(batch.applied)
+
+    def _inside_slot(self, batch: _Batch, ops: list[WriteOp]) -> list[WriteOp]:
+        """The descriptors inside the request's slot; the others are dropped (and the batch reported not applied)."""
+        allowed = self._peer_accepted.get(batch.request_id)
+        if allowed is None:
+            return ops
+        inside = [op for op in ops if allowed.allows(op.dst, op.dst_offset, op.length)]
+        if len(inside) < len(ops):
+            log.warning(
+                "%s: dropped %d write(s) of %r outside its slot", self.name, len(ops) - len(inside), batch.request_id
+            )
+            batch.applied = False
+        return inside
 
     def _resolve(self, sources: Mapping[str, torch.Tensor], op: WriteOp) -> Segment:
         source = sources[op.src]
@@ -272,9 +318,11 @@ class OneSidedLane(QueuedLane):
                 elif frame.type in (FrameType.ACCEPT, FrameType.REVOKE):
                     with self._post_lock:  # a REVOKE waits for the chunk being written
                         if frame.type == FrameType.ACCEPT:
-                            self._peer_accepted.add(frame.request_id)
+                            extents = frame.meta.get("extents")
+                            allowed = None if extents is None else SlotExtents(parse_extents(extents))
+                            self._peer_accepted[frame.request_id] = allowed
                         else:
-                            self._peer_accepted.discard(frame.request_id)
+                            self._peer_accepted.pop(frame.request_id, None)
                     self._send_control(FrameType.CONFIRM, frame.request_id, {"token": frame.meta["token"]})
                 elif frame.type == FrameType.CONFIRM:
                     event = self._confirmed.get(int(frame.meta["token"]))
@@ -325,12 +373,24 @@ class OneSidedLane(QueuedLane):
             item.completion.set(False)
 
 
-def one_sided_lane(
-    transport: Transport, sock: socket.socket, name: str, pacer: Pacer | None, bulk: bool
-) -> OneSidedLane:
-    """Wraps a fresh transport and its side channel into a lane; the transport is closed if that fails."""
-    try:
-        return OneSidedLane(sock, transport, name, pacer, bulk)
-    except BaseException:
-        transport.close()
-        raise
+def one_sided_factory(
+    make_transport: Callable[[socket.socket, OneSidedTimeouts], Transport],
+) -> Callable[..., OneSidedLane]:
+    """A lane factory for TcpListener/tcp_connect: a fresh `make_transport(sock, timeouts)` moves the writes, `sock`
+    (authenticated) is the side channel; the transport is closed if the lane does not come up."""
+
+    def factory(
+        sock: socket.socket,
+        name: str,
+        pacer: Pacer | None = None,
+        bulk: bool = False,
+        timeouts: OneSidedTimeouts = OneSidedTimeouts(),
+    ) -> OneSidedLane:
+        transport = make_transport(sock, timeouts)
+        try:
+            return OneSidedLane(sock, transport, name, pacer, bulk, timeouts)
+        except BaseException:
+            transport.close()
+            raise
+
+    return factory

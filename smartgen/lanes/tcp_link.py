@@ -1,7 +1,8 @@
 """TCP links: the prefill node listens, each decode node connects twice (push lane + control/fetch lane).
 
 Both connections of one decode node carry the same session id in their HELLO, so the
-listener can pair them into one LinkEnd. Every connection is authenticated and checked
+listener can pair them into one LinkEnd (`pairing.py`: a connection whose partner never comes
+is closed after a while, and only so many may wait). Every connection is authenticated and checked
 (protocol version, shared secret, model fingerprint, KV layout) before any data moves.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +22,18 @@ from smartgen.lanes.base import Lane
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.pairing import Pairing, PairingRefused
 from smartgen.lanes.tcp import TcpLane
 from smartgen.lanes.wire import PROTOCOL_VERSION, HandshakeError
 
-__all__ = ["TcpListener", "tcp_connect", "parse_address"]
+__all__ = ["TcpListener", "tcp_connect", "parse_address", "DEFAULT_HANDSHAKE_TIMEOUT_S"]
 
 CHANNELS = ("push", "control")
-HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated peer holds a socket and a thread no longer than this
-MAX_HANDSHAKES = 16  # connections being authenticated at once; more are closed at once
+# connecting and authenticating one connection takes no longer (`serve --handshake-timeout`): an unauthenticated
+# peer holds a socket and a thread no longer than this
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 16  # connections being authenticated at once (and sessions waiting for a partner); more are closed
+MAX_REJECTIONS = 256  # refusals kept for reading (a flood of bad connections must not grow memory)
 
 # Wraps an authenticated socket into a lane endpoint: TcpLane, or a one-sided lane using it as side channel.
 LaneFactory = Callable[[socket.socket, str, Pacer, bool], Lane]
@@ -58,9 +65,14 @@ class TcpListener:
         pacer: Pacer | None = None,
         lane_factory: LaneFactory = TcpLane,
         lease: Lease | None = Lease(),
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: a server context (lanes/tls.py) to wrap every connection in before the handshake; None: plain TCP."""
         self.secret = secret
+        self.tls = tls
         self.lease = lease
+        self.handshake_timeout_s = handshake_timeout_s
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.lane_factory = lane_factory
         self.identity = identity
@@ -68,16 +80,18 @@ class TcpListener:
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._half: dict[str, dict[str, Lane]] = {}
+        # the second connection follows the first within a handshake or two; a partner later than that is not coming
+        self._pairs = Pairing(CHANNELS, MAX_HANDSHAKES, 2 * handshake_timeout_s)
         self._ready: list[tuple[LinkEnd, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self.rejections: list[str] = []
+        self.rejections: deque[str] = deque(maxlen=MAX_REJECTIONS)  # the latest refusals, for tests and errors
         self._thread = threading.Thread(target=self._accept_loop, name="tcp-listen", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._expire_half_pairs()
             try:
                 sock, _ = self._server.accept()
             except TimeoutError:
@@ -93,7 +107,9 @@ class TcpListener:
 
     def _admit(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(self.handshake_timeout_s)  # bounds the TLS handshake too
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True)
             hello = server_handshake(sock, self.secret, self.identity)
         except Exception as exc:  # whatever a stranger sends, the listener answers with a logged refusal
             with self._cond:
@@ -119,12 +135,34 @@ class TcpListener:
             sock.close()
             return
         with self._cond:
-            half = self._half.setdefault(session, {})
-            half[channel] = lane
-            if len(half) == len(CHANNELS):
-                del self._half[session]
-                self._ready.append((LinkEnd(half["push"], half["control"], self.pacer), hello))
-                self._cond.notify_all()
+            try:
+                pair = self._pairs.add(session, channel, lane)
+            except PairingRefused as exc:
+                self.rejections.append(str(exc))
+                refused: PairingRefused | None = exc
+            else:
+                refused = None
+                if pair is not None:
+                    self._ready.append((LinkEnd(pair["push"], pair["control"], self.pacer), hello))
+                    self._cond.notify_all()
+        if refused is not None:
+            log.warning("refused a connection: %s", refused)
+            lane.close()
+
+    def _expire_half_pairs(self) -> None:
+        """Closes the connections whose partner did not come in time (or that closed while waiting)."""
+        with self._cond:
+            stale = self._pairs.expire()
+            self.rejections.extend(reason for reason, _ in stale)
+        for reason, lane in stale:
+            log.warning("closed an unpaired connection: %s", reason)
+            lane.close()
+
+    @property
+    def num_unpaired(self) -> int:
+        """Sessions that have one connection up and wait for the other."""
+        with self._cond:
+            return len(self._pairs)
 
     def accept(self, timeout: float | None = None) -> tuple[LinkEnd, dict[str, Any]] | None:
         """The next connected decode node (its LinkEnd and HELLO), or None after `timeout`."""
@@ -140,7 +178,7 @@ class TcpListener:
         self._server.close()
         with self._cond:
             self._cond.notify_all()
-            halves = [lane for half in self._half.values() for lane in half.values()]
+            halves = self._pairs.drain()
         for lane in halves:
             lane.close()
 
@@ -152,12 +190,16 @@ def tcp_connect(
     hello: dict[str, Any],
     gbps: float | None = None,
     delay_s: float = 0.0,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     version: int = PROTOCOL_VERSION,
     lane_factory: LaneFactory = TcpLane,
     lease: Lease | None = Lease(),
+    tls: ssl.SSLContext | None = None,
 ) -> LinkEnd:
-    """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd."""
+    """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd.
+
+    `timeout` bounds connecting and each step of the handshake (then the lease takes over). `tls`: a client context
+    (lanes/tls.py); the prefill node's certificate must then name `host`."""
     session = uuid.uuid4().hex
     pacer = Pacer(gbps, delay_s)
     lanes = {}
@@ -165,7 +207,12 @@ def tcp_connect(
         for channel in CHANNELS:
             sock = socket.create_connection((host, port), timeout=timeout)
             try:
+                if tls is not None:
+                    sock = tls.wrap_socket(sock, server_hostname=host)
                 client_handshake(sock, secret, {**hello, "channel": channel, "session": session}, version=version)
+            except (TimeoutError, ssl.SSLError) as exc:
+                sock.close()
+                raise _tls_hint(exc, tls is not None) from exc
             except BaseException:
                 sock.close()
                 raise
@@ -180,6 +227,17 @@ def tcp_connect(
             lane.close()
         raise
     return LinkEnd(lanes["push"], lanes["control"], pacer)
+
+
+def _tls_hint(exc: OSError, tls: bool) -> OSError:
+    """A TLS mismatch shows as a silent peer (plain client, TLS server) or a protocol error: say what to check."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return exc  # says itself what is wrong with the certificate
+    if isinstance(exc, ssl.SSLError):
+        return ConnectionError(f"TLS: {exc.reason or exc}: does the prefill node serve TLS (--tls-cert/--tls-key)?")
+    if not tls:
+        return TimeoutError(f"{exc} waiting for the handshake: if the prefill node serves TLS, give --tls-ca")
+    return exc
 
 
 def loopback_tcp_link(

@@ -19,6 +19,7 @@ from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.tcp_link import tcp_connect
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.monitoring import decode_monitoring
@@ -53,6 +54,7 @@ class DecodeNode:
         emulate_layer_s: float = 0.0,
         limits: DecodeLimits | None = None,
         prefix_cache: PrefixCache | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
@@ -66,6 +68,7 @@ class DecodeNode:
             stall_timeout=limits.fetch_stall_s,
             recompute=limits.on_prefill_failure == "recompute",
             prefix_cache=prefix_cache,
+            prefill_timeout=limits.first_token_timeout_s,
         )
         hello = {
             **node_identity(model, layout, model_name),
@@ -73,12 +76,22 @@ class DecodeNode:
             "pool": {"slots": max_batch, "max_tokens": max_tokens},
             "node": uuid.uuid4().hex[:8],
         }
-        factory = lane_factory(lane)
+        factory = lane_factory(lane, limits.one_sided)
+        tls_context = None if tls is None else tls.client_context()
         lease = Lease(limits.lease_s)
 
         def connect(host: str, port: int) -> LinkEnd:
             return tcp_connect(
-                host, port, secret, hello, gbps=link_gbps, delay_s=delay_s, lane_factory=factory, lease=lease
+                host,
+                port,
+                secret,
+                hello,
+                gbps=link_gbps,
+                delay_s=delay_s,
+                timeout=limits.handshake_timeout_s,
+                lane_factory=factory,
+                lease=lease,
+                tls=tls_context,
             )
 
         self.peers = PrefillPeers(self.engine, prefill_addresses, connect)

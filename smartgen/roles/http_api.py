@@ -203,7 +203,7 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
     done = gen.done
     assert done is not None  # set when gen.pieces() ran to its end
     if done.error is not None:
-        return _error(done.error, 503 if done.reason == "aborted" else 500)
+        return _error(done.error, _failure_status(done.reason))
     text = "".join(pieces)
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason, "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -230,7 +230,7 @@ async def _sse(gen: _Generation, head: dict[str, Any], chat: bool, include_usage
         done = gen.done
         assert done is not None  # set when gen.pieces() ran to its end
         if done.error is not None:
-            error = _error_body(done.error, 503 if done.reason == "aborted" else 500)
+            error = _error_body(done.error, _failure_status(done.reason))
             yield f"data: {json.dumps(error)}\n\n"
         else:
             yield chunk({} if chat else "", finish=done.reason)
@@ -244,7 +244,7 @@ async def _sse(gen: _Generation, head: dict[str, Any], chat: bool, include_usage
 
 @dataclass(slots=True)
 class _Done:
-    reason: str  # OpenAI finish_reason: "stop" | "length"; or the service's "error" | "aborted"
+    reason: str  # OpenAI finish_reason: "stop" | "length"; or the service's "error" | "aborted" | "overloaded"
     usage: dict[str, Any]
     error: str | None = None
 
@@ -381,6 +381,11 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
     if any(part.get("type") != "text" for part in content):
         raise ServiceError("only text content parts are supported")
     return "".join(str(part.get("text", "")) for part in content)
+
+
+def _failure_status(reason: str) -> int:
+    """A request the nodes ended: aborted (shutting down) or refused for lack of room is 503 (try again), else 500."""
+    return 503 if reason in ("aborted", "overloaded") else 500
 
 
 def _error_body(message: str, status: int) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from smartgen.engine.policy import get_policy
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.decode_node import DecodeNode
-from smartgen.roles.limits import DecodeLimits
+from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
@@ -46,6 +47,8 @@ class NodeSettings:
 
     def prefix_cache(self) -> PrefixCache:
         return PrefixCache(self.prefix_cache_bytes, self.prefix_block_tokens)
+
+    tls: TlsFiles | None = None  # TLS on the TCP connections between the nodes (None: plain TCP)
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -102,7 +105,7 @@ def build_prefill_node(
     db: Path | None,
     fallback_strategy: str,
     model_name: str,
-    max_queue: int,
+    limits: PrefillLimits | None = None,
 ) -> tuple[PrefillNode, str]:
     model, layout, selector = _load(settings)
     lookup, profile_note = _profile_lookup(db, model, settings, layout)
@@ -118,10 +121,10 @@ def build_prefill_node(
         model_name=model_name,
         link_gbps=settings.link_gbps,
         delay_s=settings.delay_ms / 1e3,
-        max_queue=max_queue,
         lane=settings.lane,
-        lease_s=settings.lease_s,
         prefix_cache=settings.prefix_cache(),
+        limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
+        tls=settings.tls,
     )
     return node, profile_note
 
@@ -165,4 +168,5 @@ def build_decode_node(
         emulate_layer_s=emulate_layer_ms / 1e3,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
         prefix_cache=settings.prefix_cache(),
+        tls=settings.tls,
     )

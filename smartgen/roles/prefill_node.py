@@ -29,10 +29,12 @@ from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
-from smartgen.lanes.liveness import DEFAULT_LEASE_S, Lease
+from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
+from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
+from smartgen.roles.limits import PrefillLimits
 from smartgen.roles.monitoring import prefill_monitoring
 from smartgen.roles.planner import NodePlanner
 from smartgen.runtime.prefill import PrefillRunner
@@ -58,15 +60,23 @@ class PrefillNode:
         model_name: str = "model",
         link_gbps: float | None = None,
         delay_s: float = 0.0,
-        max_queue: int = 64,
         lane: str = "tcp",
-        lease_s: float = DEFAULT_LEASE_S,
         prefix_cache: PrefixCache | None = None,
+        limits: PrefillLimits | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
+        limits = limits or PrefillLimits()
         self.model = model
         self.layout = layout
         self.planner = planner
-        self.engine = PrefillEngine(layout, planner, max_queue=max_queue, prefix_cache=prefix_cache)
+        self.engine = PrefillEngine(
+            layout,
+            planner,
+            max_queue=limits.max_queue,
+            flush_timeout_s=limits.flush_timeout_s,
+            max_store_bytes=limits.max_store_bytes,
+            prefix_cache=prefix_cache,
+        )
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
@@ -76,8 +86,10 @@ class PrefillNode:
             secret,
             self.identity,
             Pacer(link_gbps, delay_s),
-            lane_factory=lane_factory(lane),
-            lease=Lease(lease_s),
+            lane_factory=lane_factory(lane, limits.one_sided),
+            lease=Lease(limits.lease_s),
+            handshake_timeout_s=limits.handshake_timeout_s,
+            tls=None if tls is None else tls.server_context(),
         )
         self.address = self.listener.address
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
@@ -98,6 +110,7 @@ class PrefillNode:
             "model": self.identity["model"],
             "requests_held": self.engine.store.num_requests,
             "bytes_held": self.engine.store.bytes_held,
+            "store_cap_bytes": self.engine.store.max_bytes,
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
             "paths": self.engine.counters.snapshot(),

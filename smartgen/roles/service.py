@@ -45,7 +45,7 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class FinishEvent:
-    reason: str  # "stop" | "length" | "error" | "aborted"
+    reason: str  # "stop" | "length" | "error" | "aborted" | "overloaded" (a prefill node had no room: 503)
     error: str | None
     usage: dict[str, Any]  # prompt_tokens, completion_tokens, total_tokens, ttft, ttst, tbt (seconds), scheme
 

@@ -63,7 +63,8 @@ class Token:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A request left the driver: reason "stop", "length", "aborted" or "error" (then `error` says why)."""
+    """A request left the driver: reason "stop", "length", "aborted", "error" or "overloaded" (a prefill node had no
+    room for it: worth a retry later); `error` says why."""
 
     request_id: str
     reason: str
@@ -163,10 +164,16 @@ class DecodeDriver:
                     if isinstance(events[-1], Finished):
                         continue
                 if request.policy.wait_for_all and not self.engine.is_all_local(rid):
-                    still.append(request)  # full transfer: decoding starts when every block is here
+                    # full transfer: decoding starts when every block is here, within the same bound as the first token
+                    if time.monotonic() - request.opened > self.prefill_timeout:
+                        reason = f"its KV did not arrive within {self.prefill_timeout:g} s"
+                        events.append(self._abort(request, reason, "error"))
+                    else:
+                        still.append(request)
                     continue
             except (RequestFailed, KeyError) as exc:
-                events.append(self._abort(request, str(exc), "error"))
+                kind = "overloaded" if self.engine.was_overloaded(rid) else "error"
+                events.append(self._abort(request, str(exc), kind))
                 continue
             self._join_batch(request)
         self.prefilling = still

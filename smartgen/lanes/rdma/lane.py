@@ -10,23 +10,19 @@ SEND/RECV with per-row scatter lists that a verbs-native fetch path will use.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from smartgen.lanes.onesided import OneSidedLane, one_sided_lane
-from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.onesided import one_sided_factory
 from smartgen.lanes.rdma.handshake import QpInfo
 from smartgen.lanes.rdma.plan import SendQueue, plan_writes
 from smartgen.lanes.rdma.verbs import VerbsEndpoint
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
 __all__ = ["RdmaTransport", "rdma_lane"]
-
-COMPLETION_TIMEOUT = 30.0
 
 
 class RdmaTransport(Transport):
@@ -35,7 +31,14 @@ class RdmaTransport(Transport):
     name = "rdma"
     ordered = True
 
-    def __init__(self, device: str | None = None, port: int | None = None, gid_index: int | None = None) -> None:
+    def __init__(
+        self,
+        device: str | None = None,
+        port: int | None = None,
+        gid_index: int | None = None,
+        write_timeout_s: float = 30.0,
+    ) -> None:
+        self.write_timeout_s = write_timeout_s  # WRITEs not completed by then break the lane
         self.endpoint = VerbsEndpoint(device, port, gid_index)
         self._queue = SendQueue(self.endpoint.limits.max_send_wr)
         self._next_wr_id = 1
@@ -57,7 +60,7 @@ class RdmaTransport(Transport):
         keyed = [s._replace(src_key=s.src_key.lkey) for s in segments]
         batches = plan_writes(keyed, self.endpoint.limits, self._next_wr_id)
         self._next_wr_id += sum(len(b) for b in batches)
-        deadline = time.monotonic() + COMPLETION_TIMEOUT
+        deadline = time.monotonic() + self.write_timeout_s
         for batch in batches:
             while not self._queue.fits(batch):
                 self._retire(deadline)
@@ -70,12 +73,11 @@ class RdmaTransport(Transport):
         for wr_id in self.endpoint.poll():
             self._queue.completed(wr_id)
         if time.monotonic() > deadline:
-            raise TransportError(f"RDMA WRITEs not completed after {COMPLETION_TIMEOUT} s")
+            raise TransportError(f"RDMA WRITEs not completed after {self.write_timeout_s:g} s")
 
     def close(self) -> None:
         self.endpoint.close()
 
 
-def rdma_lane(sock: socket.socket, name: str, pacer: Pacer | None = None, bulk: bool = False) -> OneSidedLane:
-    """A lane factory for TcpListener/tcp_connect: verbs WRITEs, `sock` as the authenticated side channel."""
-    return one_sided_lane(RdmaTransport(), sock, name, pacer, bulk)
+# a lane factory for TcpListener/tcp_connect: verbs WRITEs, the authenticated socket as the side channel
+rdma_lane = one_sided_factory(lambda sock, timeouts: RdmaTransport(write_timeout_s=timeouts.write_s))

@@ -1,0 +1,55 @@
+"""Prefill and decode nodes of the tiny Llama in this process, over real TCP on loopback (shared by the node tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiny_models import IdTokenizer, tiny_config
+
+from smartgen.engine.policy import get_policy
+from smartgen.roles.decode_node import DecodeNode
+from smartgen.roles.planner import NodePlanner
+from smartgen.roles.prefill_node import PrefillNode
+from smartgen.runtime.models import kv_layout, model_from_config, model_info
+from smartgen.selectors import make_selector
+
+Parts = tuple[Any, Any, Any]  # (model, layout, model_info)
+
+
+def tiny_parts(num_blocks: int = 16) -> Parts:
+    model = model_from_config(tiny_config("llama"))
+    return model, kv_layout(model, num_blocks=num_blocks), model_info(model)
+
+
+def prefill_node(parts: Parts, *, start: bool = True, **options: Any) -> PrefillNode:
+    """A prefill node on a free port (secret "s"), started unless told; `options` go to PrefillNode (limits=...)."""
+    model, layout, info = parts
+    node = PrefillNode(
+        model,
+        make_selector("quest", info, budget=0.3, page_size=4),
+        layout,
+        NodePlanner(layout, None, "streaming", link_gbps=0.5),
+        port=0,
+        secret="s",
+        **options,
+    )
+    if start:
+        node.start()
+    return node
+
+
+def decode_node(parts: Parts, prefills: list[PrefillNode], scheme: str = "partial", **options: Any) -> DecodeNode:
+    """A started decode node (4 slots of 256 tokens) on `prefills`; `options` go to DecodeNode (limits=...)."""
+    model, layout, info = parts
+    node = DecodeNode(
+        model,
+        IdTokenizer(),
+        make_selector("quest", info, budget=0.3, page_size=4),
+        layout,
+        get_policy(scheme),
+        [p.address for p in prefills],
+        secret="s",
+        **{"max_batch": 4, "max_tokens": 256, **options},
+    )
+    node.start()
+    return node
