@@ -210,6 +210,14 @@ def serve(
             rich_help_panel=PANEL_FAULTS,
         ),
     ] = 120.0,
+    queue_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Decode node: seconds a request may wait for a free pool slot; past it, 503 with the reason.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
+    ] = 300.0,
     fetch_timeout: Annotated[
         float,
         typer.Option(
@@ -350,6 +358,7 @@ def serve(
     waits = {
         "--lease": lease,
         "--first-token-timeout": first_token_timeout,
+        "--queue-timeout": queue_timeout,
         "--fetch-timeout": fetch_timeout,
         "--fetch-stall-ms": fetch_stall_ms,
         "--handshake-timeout": handshake_timeout,
@@ -436,6 +445,7 @@ def serve(
                 handshake_timeout_s=handshake_timeout,
                 confirm_timeout_s=confirm_timeout,
                 write_timeout_s=write_timeout,
+                queue_timeout_s=queue_timeout,
             )
             decode_node = build_decode_node(
                 settings,

@@ -132,6 +132,7 @@ def test_every_timeout_of_serve_is_an_option_with_help():
     for option in (
         "--lease",
         "--first-token-timeout",
+        "--queue-timeout",
         "--fetch-timeout",
         "--fetch-stall-ms",
         "--handshake-timeout",

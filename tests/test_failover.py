@@ -94,6 +94,23 @@ def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(par
         silent.stop()
 
 
+def test_a_request_that_waits_too_long_for_a_pool_slot_gets_overloaded(parts):
+    """--queue-timeout: with the only pool slot held (its prefill node never prefills), the next request waits in the
+    queue, then fails as overloaded (503 over HTTP) with the reason; it never touched a prefill node."""
+    stuck = _prefill_node(parts, prefills=False)
+    decode = decode_node(parts, [stuck], max_batch=1, limits=DecodeLimits(queue_timeout_s=1, first_token_timeout_s=60))
+    try:
+        holder = decode.scheduler.submit(_prompt(11), GenerationParams(max_tokens=4))
+        wait_until(lambda: decode.engine.pool.num_free == 0, 10, "the slot to be taken")
+        finish = _finish(decode.scheduler.submit(_prompt(12), GenerationParams(max_tokens=4)), timeout=30)
+        assert finish.reason == "overloaded" and "waited 1 s for one of the 1 pool slots" in (finish.error or "")
+        assert decode.scheduler.health()["waiting"] == 0 and stuck.engine.num_open == 1  # only the holder
+        holder.cancel("test over")
+    finally:
+        decode.stop()
+        stuck.stop()
+
+
 def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
     stalled, healthy = _prefill_node(parts), _prefill_node(parts)
     release = False

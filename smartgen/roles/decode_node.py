@@ -109,6 +109,7 @@ class DecodeNode:
             model_name,
             max_waiting=max_waiting,
             prefill_timeout=limits.first_token_timeout_s,
+            queue_timeout=limits.queue_timeout_s,
             peers=self.peers.snapshot,
         )
         peers = [f"{host}:{port}" for host, port in prefill_addresses]

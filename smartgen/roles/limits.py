@@ -37,6 +37,7 @@ class DecodeLimits:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # connecting to a prefill node and authenticating
     confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S  # one-sided lanes: the peer's CONFIRM of ACCEPT/REVOKE
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # one-sided lanes: one write list completes
+    queue_timeout_s: float = 300.0  # waiting for a free pool slot (then 503)
 
     @property
     def one_sided(self) -> OneSidedTimeouts:
@@ -54,6 +55,7 @@ class DecodeLimits:
                 "handshake_timeout_s",
                 "confirm_timeout_s",
                 "write_timeout_s",
+                "queue_timeout_s",
             ),
         )
         if self.fetch_stall_s is not None:

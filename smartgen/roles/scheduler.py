@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -59,9 +60,12 @@ class DecodeScheduler:
         *,
         max_waiting: int = 64,
         prefill_timeout: float = 120.0,
+        queue_timeout: float = 300.0,
         peers: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
+        """`queue_timeout`: a request that waits this long for a free pool slot fails as overloaded (503)."""
         self.driver = DecodeDriver(runner, prefill_timeout=prefill_timeout)
+        self.queue_timeout = queue_timeout
         self.engine: DecodeEngine = runner.engine
         self.tokenizer = tokenizer
         self.default_policy = default_policy
@@ -191,6 +195,7 @@ class DecodeScheduler:
         try:
             while not self._stop.is_set():
                 self._deliver(self._reap_cancelled())
+                self._expire_waiting()
                 self._deliver(self._dispatch())
                 if self.driver.num_active:
                     self._deliver(self.driver.step())
@@ -217,6 +222,23 @@ class DecodeScheduler:
             self._active[active.handle.request_id] = active
             events += self.driver.add(active.request)
         return events
+
+    def _expire_waiting(self) -> None:
+        """Fails the requests that waited longer than `queue_timeout` for a pool slot (503: try again later)."""
+        if self._waiting.empty():
+            return
+        now = time.monotonic()
+        with self._waiting.mutex:  # in place, keeping the others' order: a queue.Queue has no remove
+            expired = [a for a in self._waiting.queue if now - a.request.arrival > self.queue_timeout]
+            for active in expired:
+                self._waiting.queue.remove(active)
+            self._waiting.not_full.notify(len(expired))
+        for active in expired:
+            reason = (
+                f"overloaded: waited {self.queue_timeout:g} s for one of the {self.engine.pool.num_slots} pool "
+                "slots; try again later"
+            )
+            self._finish(active, "overloaded", reason, None)
 
     def _reap_cancelled(self) -> list[Event]:
         events: list[Event] = []
