@@ -73,3 +73,27 @@ def test_a_speculative_push_never_resends_a_fetched_token():
         moved = engine.counters.snapshot()["bytes"]
     assert fetched and moved["speculative"] > 0, "the run must both fetch and speculate for this to test anything"
     assert not resent, f"{len(resent)} fetched tokens pushed again, e.g. {resent[:3]}"
+
+
+def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices():
+    """Fetches pre-empt pushes, so a slice still on the link when the next fetch comes is partly sent twice: a
+    slice is sized by the measured link rate x the time between idle notices (at least one block, at most the
+    speculative ratio's share), and by the ratio alone until a rate is measured."""
+    from types import SimpleNamespace
+
+    from smartgen.engine.layout import KVLayout
+    from smartgen.engine.planning import Planner
+    from smartgen.engine.prefill import PrefillEngine
+
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    engine = PrefillEngine(layout, Planner(4, 16))
+    block_bytes = 2 * 4 * layout.token_bytes  # 4 unsent tokens per block, K and V
+    pending = torch.full((10,), 4.0)
+    slicing = SimpleNamespace(link_rate=0.0, idle_window=0.001)
+    assert engine._slice_blocks(slicing, pending, 6) == 6  # no rate measured yet: the ratio's share
+    slicing.link_rate = 2.5 * block_bytes / 0.001
+    assert engine._slice_blocks(slicing, pending, 6) == 2
+    slicing.link_rate = 1.0
+    assert engine._slice_blocks(slicing, pending, 6) == 1  # never nothing: speculation always moves on
+    slicing.link_rate = 1e15
+    assert engine._slice_blocks(slicing, pending, 6) == 6

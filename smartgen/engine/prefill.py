@@ -67,6 +67,13 @@ class OpenedRequest:
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
     held_prefix: int = 0  # leading tokens the decode node's prefix cache already holds: never pushed
     unsent: torch.Tensor | None = None  # [L, n] bool: tokens no push or fetch has sent yet (held ones are sent)
+    # the link's rate as this request's proactive pushes measured it (bytes/s; 0 until one landed), and when the
+    # last idle notice came: a speculative slice is sized to what the link moves between two notices
+    link_rate: float = 0.0
+    first_push: float | None = None
+    pushed_bytes: int = 0
+    last_idle: float | None = None
+    idle_window: float = 0.0
     prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
     spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
@@ -356,6 +363,9 @@ class PrefillEngine:
 
     def push_speculative(self, request: OpenedRequest) -> int:
         """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight."""
+        now = time.monotonic()
+        request.idle_window = now - request.last_idle if request.last_idle is not None else 0.0
+        request.last_idle = now
         if not request.policy.speculative or request.speculation_done:
             return 0
         if request.spec_in_flight is not None and not request.spec_in_flight.done():
@@ -371,7 +381,7 @@ class PrefillEngine:
                 1, blocks, request.unsent.float()
             )
             keep = pending.flatten()[ahead] > 0
-            taken = keep.nonzero().flatten()[:size]
+            taken = keep.nonzero().flatten()[: self._slice_blocks(request, pending.flatten()[ahead[keep]], size)]
             ids = ahead[taken]
             request.spec_cursor += int(taken[-1]) + 1 if taken.numel() else ahead.numel()
         else:
@@ -382,6 +392,18 @@ class PrefillEngine:
         layer_of = ids // request.plan.num_blocks
         layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
         return self._push(request, layer_blocks, tag="speculative")
+
+    def _slice_blocks(self, request: OpenedRequest, pending_tokens: torch.Tensor, limit: int) -> int:
+        """How many of the next blocks (their unsent token counts, in order) one speculative slice takes: what the
+        link moves in one idle window (between two idle notices) at the rate the proactive pushes measured, at
+        least one block, at most `limit` (the speculative ratio). A slice still on the link when the next fetch
+        comes is sent twice for every token that fetch wants (fetches pre-empt pushes), so big slices cost bytes.
+        Without a measured rate yet: `limit`."""
+        if request.link_rate <= 0 or request.idle_window <= 0:
+            return limit
+        budget = request.link_rate * request.idle_window
+        cumulative = torch.cumsum(pending_tokens * 2 * self.layout.token_bytes, 0)
+        return max(1, min(limit, int((cumulative <= budget).sum())))
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
         ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.unsent)
@@ -403,9 +425,16 @@ class PrefillEngine:
         self.counters.add(path, kv_bytes)
         posted = time.monotonic()
 
+        if tag == "proactive" and request.first_push is None:
+            request.first_push = posted
+
         def landed(applied: bool) -> None:  # posting to applied at the decode node: the push's transfer time
             if applied:  # a batch dropped because its request ended meanwhile is no transfer (and no failure)
-                self.counters.add_time(path, time.monotonic() - posted)
+                now = time.monotonic()
+                self.counters.add_time(path, now - posted)
+                if tag == "proactive" and request.first_push is not None and now > request.first_push:
+                    request.pushed_bytes += kv_bytes  # pushes go back to back: their span is the link's pace
+                    request.link_rate = request.pushed_bytes / (now - request.first_push)
 
         completion.add_done_callback(landed)
         if tag == "speculative":
