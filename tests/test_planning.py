@@ -149,3 +149,18 @@ def test_planner_scales_timings_with_length():
     assert planner.budget(64, "floor") == 32
     assert planner.budget(64, "budget") == max(32, int(64 * (3 / 4) * 1e-3 / 2e-3))
     assert planner.budget(8, "floor") == 16  # short prompt: M_eff = 8 blocks per layer
+
+
+def test_the_node_planner_learns_prefill_time_per_token_from_long_prefills_only():
+    """A 2-token warm-up is almost all fixed overhead: counted, it made every token look 100x dearer, K_r covered
+    every block, and fetches re-sent what the pushes were still carrying."""
+    from smartgen.engine.layout import KVLayout
+    from smartgen.roles.planner import NodePlanner
+
+    planner = NodePlanner(KVLayout(4, 2, 8, num_blocks=16), None, "streaming", None)
+    planner.record_prefill(2, 0.05)
+    assert planner.prefill_seconds_per_token == 0.0
+    planner.record_prefill(1000, 0.2)
+    assert planner.prefill_seconds_per_token == pytest.approx(2e-4)
+    planner.record_prefill(500, 0.2)  # length-weighted: the long prefill counts for more
+    assert planner.prefill_seconds_per_token == pytest.approx((0.8 * 0.2 + 0.2) / (0.8 * 1000 + 500))

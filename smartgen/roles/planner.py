@@ -22,6 +22,9 @@ __all__ = ["ProfileMatch", "NodePlanner"]
 
 log = logging.getLogger(__name__)
 
+MIN_MEASURED_TOKENS = 64  # shorter prefills do not teach the per-token time (fixed overhead dominates)
+PREFILL_DECAY = 0.8  # weight of the past in the measured prefill time per token
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileMatch:
@@ -47,16 +50,29 @@ class NodePlanner:
         self.fallback_strategy = fallback_strategy
         self.link_seconds_per_token = transfer_seconds(layout.kv_bytes(1), link_gbps)
         self._prefill_seconds_per_token = 0.0
+        self._measured_seconds = 0.0
+        self._measured_tokens = 0.0
         self._lock = threading.Lock()
         self._warned = False
         self.last_match: ProfileMatch | None = None
 
     def record_prefill(self, length: int, seconds: float) -> None:
-        """A running mean of this node's prefill time per token (for K_r without a profile)."""
+        """This node's prefill time per token (for K_r), from the prefills it ran: a decayed, length-weighted
+        mean, so one long prefill counts as much as its tokens. Prefills under MIN_MEASURED_TOKENS are left
+        out: their time is mostly fixed overhead, and a 2-token warm-up once made every token look 100x
+        dearer, so K_r covered every block and fetches re-sent what the pushes were still carrying."""
+        if length < MIN_MEASURED_TOKENS or seconds <= 0:
+            return
         with self._lock:
-            sample = seconds / max(length, 1)
-            old = self._prefill_seconds_per_token
-            self._prefill_seconds_per_token = sample if old == 0 else 0.8 * old + 0.2 * sample
+            self._measured_seconds = PREFILL_DECAY * self._measured_seconds + seconds
+            self._measured_tokens = PREFILL_DECAY * self._measured_tokens + length
+            self._prefill_seconds_per_token = self._measured_seconds / self._measured_tokens
+
+    @property
+    def prefill_seconds_per_token(self) -> float:
+        """The measured prefill time per token (0 until a long enough prefill ran here)."""
+        with self._lock:
+            return self._prefill_seconds_per_token
 
     def plan(
         self,
