@@ -22,13 +22,16 @@ def tiny_parts(num_blocks: int = 16) -> Parts:
 
 
 def prefill_node(parts: Parts, *, start: bool = True, **options: Any) -> PrefillNode:
-    """A prefill node on a free port (secret "s"), started unless told; `options` go to PrefillNode (limits=...)."""
+    """A prefill node on a free port (secret "s"), started unless told; `options` go to PrefillNode (limits=...).
+
+    Its prefill time per token is fixed, not measured: proactive-only's answers follow K_r, which must not
+    follow this shared machine's load between two runs a test compares."""
     model, layout, info = parts
     node = PrefillNode(
         model,
         make_selector("quest", info, budget=0.3, page_size=4),
         layout,
-        NodePlanner(layout, None, "streaming", link_gbps=0.5),
+        NodePlanner(layout, None, "streaming", link_gbps=0.5, prefill_seconds_per_token=2e-4),
         port=0,
         secret="s",
         **options,

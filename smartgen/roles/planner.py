@@ -44,12 +44,16 @@ class NodePlanner:
         lookup: Callable[[int], ProfileMatch | None] | None,
         fallback_strategy: str,
         link_gbps: float | None,
+        prefill_seconds_per_token: float | None = None,
     ) -> None:
+        """`prefill_seconds_per_token`: a fixed T_p per token instead of this node's measured one (tests whose
+        answers depend on K_r, as proactive-only's do, need it not to follow the machine's load)."""
         self.layout = layout
+        self.fixed_prefill = prefill_seconds_per_token
         self.lookup = lookup
         self.fallback_strategy = fallback_strategy
         self.link_seconds_per_token = transfer_seconds(layout.kv_bytes(1), link_gbps)
-        self._prefill_seconds_per_token = 0.0
+        self._prefill_seconds_per_token = prefill_seconds_per_token or 0.0
         self._measured_seconds = 0.0
         self._measured_tokens = 0.0
         self._lock = threading.Lock()
@@ -61,7 +65,7 @@ class NodePlanner:
         mean, so one long prefill counts as much as its tokens. Prefills under MIN_MEASURED_TOKENS are left
         out: their time is mostly fixed overhead, and a 2-token warm-up once made every token look 100x
         dearer, so K_r covered every block and fetches re-sent what the pushes were still carrying."""
-        if length < MIN_MEASURED_TOKENS or seconds <= 0:
+        if length < MIN_MEASURED_TOKENS or seconds <= 0 or self.fixed_prefill is not None:
             return
         with self._lock:
             self._measured_seconds = PREFILL_DECAY * self._measured_seconds + seconds
