@@ -73,7 +73,6 @@ class OpenedRequest:
     first_push: float | None = None
     pushed_bytes: int = 0
     last_idle: float | None = None
-    idle_window: float = 0.0
     prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
     spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
@@ -364,7 +363,7 @@ class PrefillEngine:
     def push_speculative(self, request: OpenedRequest) -> int:
         """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight."""
         now = time.monotonic()
-        request.idle_window = now - request.last_idle if request.last_idle is not None else 0.0
+        window = now - request.last_idle if request.last_idle is not None else 0.0
         request.last_idle = now
         if not request.policy.speculative or request.speculation_done:
             return 0
@@ -381,7 +380,9 @@ class PrefillEngine:
                 1, blocks, request.unsent.float()
             )
             keep = pending.flatten()[ahead] > 0
-            taken = keep.nonzero().flatten()[: self._slice_blocks(request, pending.flatten()[ahead[keep]], size)]
+            taken = keep.nonzero().flatten()[
+                : self._slice_blocks(request.link_rate, window, pending.flatten()[ahead[keep]], size)
+            ]
             ids = ahead[taken]
             request.spec_cursor += int(taken[-1]) + 1 if taken.numel() else ahead.numel()
         else:
@@ -393,15 +394,15 @@ class PrefillEngine:
         layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
         return self._push(request, layer_blocks, tag="speculative")
 
-    def _slice_blocks(self, request: OpenedRequest, pending_tokens: torch.Tensor, limit: int) -> int:
+    def _slice_blocks(self, link_rate: float, window: float, pending_tokens: torch.Tensor, limit: int) -> int:
         """How many of the next blocks (their unsent token counts, in order) one speculative slice takes: what the
         link moves in one idle window (between two idle notices) at the rate the proactive pushes measured, at
         least one block, at most `limit` (the speculative ratio). A slice still on the link when the next fetch
         comes is sent twice for every token that fetch wants (fetches pre-empt pushes), so big slices cost bytes.
         Without a measured rate yet: `limit`."""
-        if request.link_rate <= 0 or request.idle_window <= 0:
+        if link_rate <= 0 or window <= 0:
             return limit
-        budget = request.link_rate * request.idle_window
+        budget = link_rate * window
         cumulative = torch.cumsum(pending_tokens * 2 * self.layout.token_bytes, 0)
         return max(1, min(limit, int((cumulative <= budget).sum())))
 

@@ -190,12 +190,6 @@ class PrefixCache:
             self.stats.evicted_blocks += 1
         return self._bytes + needed <= self.budget_bytes
 
-    def clear(self) -> None:
-        """Drops every unpinned block."""
-        with self._lock:
-            for key in [key for key, block in self._blocks.items() if not block.pins]:
-                self._bytes -= self._blocks.pop(key).nbytes
-
     @property
     def bytes_held(self) -> int:
         with self._lock:
