@@ -34,10 +34,11 @@ def bench(
         str,
         typer.Option(
             help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
-            "partial+profile, partial+profile+parallel, smartgen, proactive-only.",
+            "partial+profile, partial+profile+parallel, smartgen, proactive-only, quant2 (full transfer of 2-bit "
+            "quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),
-    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only",
+    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only,quant2",
     strategies: Annotated[
         str,
         typer.Option(

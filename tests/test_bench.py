@@ -15,7 +15,7 @@ import pytest
 from smartgen.apps.bench.config import BenchConfig, Point
 from smartgen.apps.bench.stats import percentile
 
-SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only"
+SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only,quant2"
 SAMPLE_KV_BYTES_PER_TOKEN = 2 * 6 * 2 * 32 * 4  # K and V, 6 layers, 2 KV heads, head dim 32, fp32
 
 
@@ -61,6 +61,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
             assert group["path_bytes"]["proactive"] == 0
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
+        if group["scheme"] == "quant2":  # every layer packed: 2-bit codes, fp16 scales, a 128-token exact residual
+            prompt = sum(r["prompt_tokens"] for r in group["requests"])
+            assert 0 < group["path_bytes"]["full"] < 0.3 * SAMPLE_KV_BYTES_PER_TOKEN * prompt
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
     for summary in data["summaries"]:

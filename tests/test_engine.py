@@ -60,7 +60,7 @@ def remote_read_guard(monkeypatch):
     return violations
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if not p.quantize_bits])  # lossy: test_quant_transfer
 def test_every_policy_assembles_the_true_kv(name, importance, remote_read_guard):
     policy = POLICIES[name]
     result = simulate(config(), policy, importance)

@@ -200,7 +200,8 @@ def _check_same(model, scheme: str, selector: str, batch: bool = False) -> None:
     tokens, metrics, (prefill, decode, _) = _run(model, scheme, selector, 1 << 24, 1 << 24, batch)
     assert tokens == expected, (scheme, selector)
     assert prefill["hit_tokens"] > 0
-    if POLICIES[scheme].speculative or POLICIES[scheme].wait_for_all:
+    policy = POLICIES[scheme]  # a quantized transfer's prompt is lossy: it neither fills nor takes from the cache
+    if (policy.speculative or policy.wait_for_all) and not policy.quantize_bits:
         if not batch:  # finished requests' prompts end up in the decode node's cache
             assert decode["hit_tokens"] > 0 and metrics[1].held_tokens == 64
     if not batch:

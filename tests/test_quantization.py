@@ -38,7 +38,8 @@ def test_round_trip_error_is_at_most_half_a_step_and_the_residual_is_exact(n, gr
     k_hat, v_hat = quantize_kv(k, v, cfg)
     num_keys, num_values = cfg.split(n)
     assert num_keys % group == 0 and n - num_keys >= residual and num_values == max(0, n - residual)
-    tol = 1e-5
+    # scale and zero are stored as fp16 (KIVI's storage): each adds up to half an fp16 ulp of the group's range
+    tol = 1e-5 + 2**-10 * max(float(k.abs().max()), float(v.abs().max()))
     assert ((k_hat[:num_keys] - k[:num_keys]).abs() <= _key_steps(k, cfg, num_keys) / 2 + tol).all()
     assert ((v_hat[:num_values] - v[:num_values]).abs() <= _value_steps(v, cfg, num_values) / 2 + tol).all()
     assert torch.equal(k_hat[num_keys:], k[num_keys:]) and torch.equal(v_hat[num_values:], v[num_values:])

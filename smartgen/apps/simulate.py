@@ -20,6 +20,7 @@ import torch
 
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
 from smartgen.engine.decode import DecodeEngine
+from smartgen.engine.kv_quant import SERVING_QUANT, quantize_kv
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.planning import ImportanceAccumulator, Planner
 from smartgen.engine.policy import Policy
@@ -198,8 +199,11 @@ def simulate(
     for i, (rid, n) in enumerate(zip(request_ids, config.lengths)):
         if policies[i].strategy == "optimal":
             prefill.oracle_counts[rid] = trace.request_counts(n, config.steps, seed=config.seed * 101 + i)
+    # what each request's pool must hold once its prompt landed: the prompt's KV, or what a quantized transfer
+    # of it delivers (lossy by design)
+    landed = {rid: _as_landed(kvs[rid], p) for rid, p in zip(request_ids, policies)}
     # The ground truth (prompt + generated KV) is made up front, so the timed loop runs only the engine.
-    truths = [_truth(config, i, kvs[rid]) for i, rid in enumerate(request_ids)]
+    truths = [_truth(config, i, landed[rid]) for i, rid in enumerate(request_ids)]
     synthetic = _SyntheticDecode(decode, config, trace, truths, {rid: i for i, rid in enumerate(request_ids)})
     driver = DecodeDriver(synthetic, prefill_timeout=600)  # type: ignore[arg-type]  # a runner without a model
     worker = PrefillWorker(prefill, _SyntheticPrefill(config, [kvs[rid] for rid in request_ids]))  # type: ignore[arg-type]
@@ -226,8 +230,8 @@ def simulate(
         pool_equal = None
         if config.verify and all_local:
             pool_equal = all(
-                torch.equal(decode.pool.k[:, decode.slot_of(rid), :n], kvs[rid][0])
-                and torch.equal(decode.pool.v[:, decode.slot_of(rid), :n], kvs[rid][1])
+                torch.equal(decode.pool.k[:, decode.slot_of(rid), :n], landed[rid][0])
+                and torch.equal(decode.pool.v[:, decode.slot_of(rid), :n], landed[rid][1])
                 for rid, n in zip(request_ids, config.lengths)
             )
         max_fetch = max(int(decode.fetch_counts(rid).max()) for rid in request_ids)
@@ -306,6 +310,14 @@ def _drain(decode: DecodeEngine, request_ids: list[str], timeout: float = 120.0)
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of a float tensor, so NaN poisoning and -0.0 compare exactly."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _as_landed(prompt_kv: tuple[torch.Tensor, torch.Tensor], policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, n, H, d] as the decode pool ends up holding them under `policy`."""
+    if not policy.quantize_bits:
+        return prompt_kv
+    pairs = [quantize_kv(k, v, SERVING_QUANT) for k, v in zip(*prompt_kv)]
+    return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
 
 def _truth(

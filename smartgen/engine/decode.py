@@ -246,7 +246,10 @@ class DecodeEngine:
             self.on_link_lost(link, reason)
 
     def _fully_local(self, request: _Request) -> bool:
-        """Every prompt token is in the pool: it decodes on without its prefill node."""
+        """Every prompt token is in the pool: it decodes on without its prefill node. A quantized transfer's
+        layers that arrived are dequantized into the pool first."""
+        if request.policy.quantize_bits:
+            self.pool.land_quantized(request.slot, request.length)
         return self.pool.masks.all_local(request.slot, request.length)
 
     def _reopen(self, request: _Request) -> bool:
@@ -321,7 +324,8 @@ class DecodeEngine:
         request_id = request_id or uuid.uuid4().hex
         link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
         slot = self.pool.allocate(length, max_new_tokens)
-        held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None else 0
+        # a quantized transfer lands whole layers (lossy): it neither takes from nor gives to the prefix cache
+        held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None and not policy.quantize_bits else 0
         message = msg.Open(
             request_id,
             slot,
@@ -380,7 +384,7 @@ class DecodeEngine:
         """A finished request's prompt blocks that are local in every layer go to the prefix cache (only the
         prompt: generated tokens' K/V come from sparse decode steps, not from prefill)."""
         prompt = request.open_message.prompt_ids if request.open_message is not None else None
-        if prompt is None or not self.prefix_cache.enabled:
+        if prompt is None or not self.prefix_cache.enabled or request.policy.quantize_bits:
             return
         local = self.pool.masks.local_prefix(request.slot, request.length)
         local -= local % self.prefix_cache.block_tokens
@@ -406,8 +410,7 @@ class DecodeEngine:
         return self._require(request_id).metadata
 
     def is_all_local(self, request_id: str) -> bool:
-        request = self._require(request_id)
-        return self.pool.masks.all_local(request.slot, request.length)
+        return self._fully_local(self._require(request_id))
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -433,7 +436,7 @@ class DecodeEngine:
         """Blocks until every prompt block of the request is in the pool (full transfer)."""
         request = self._require(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.pool.masks.all_local(request.slot, request.length):
+        while not self._fully_local(request):
             if request.metrics.error:
                 raise RequestFailed(request.metrics.error)
             if deadline is not None and time.monotonic() > deadline:

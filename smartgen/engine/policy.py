@@ -53,6 +53,8 @@ class Policy:
     speculative: push the next slice of unsent blocks on every idle notice.
     wait_for_all: decoding starts only when every block is local (full transfer).
     drop_remote: entries not sent proactively are never fetched and never attended (proactive-only).
+    quantize_bits: with "all", each layer crosses the link quantized to this many bits (KIVI/HACK-like,
+    `engine.kv_quant.SERVING_QUANT`) and is dequantized on the decode node: lossy; 0 = exact.
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -63,6 +65,7 @@ class Policy:
     speculative_ratio: float = 0.1
     wait_for_all: bool = False
     drop_remote: bool = False
+    quantize_bits: int = 0
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -75,6 +78,8 @@ class Policy:
             raise ValueError(f"speculative ratio must be in (0, 1], got {self.speculative_ratio}")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
+        if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
+            raise ValueError("only full transfer can be quantized: a quantized layer lands whole or not at all")
 
     def with_strategy(self, strategy: str) -> Policy:
         """The same scheme with another proactive-set strategy (random, sequential, streaming, ...)."""
@@ -100,6 +105,9 @@ POLICIES: dict[str, Policy] = {
         Policy("partial+profile+parallel", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False),
         Policy("smartgen", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
+        Policy(
+            "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2
+        ),
     )
 }
 

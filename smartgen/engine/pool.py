@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes, unpack_layer
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL, MaskTable
 
@@ -43,20 +44,43 @@ class PoolGeometry:
         """Byte offset of (layer, slot, token) in the int8 mask region."""
         return (layer * self.num_slots + slot) * self.max_tokens + token
 
+    @property
+    def quant_layer_bytes(self) -> int:
+        """Room for one layer of one slot in the quantized staging region: a full slot packed (`quant2`)."""
+        layout = self.layout
+        return packed_layer_bytes(self.max_tokens, layout.num_kv_heads, layout.head_dim, layout.dtype, SERVING_QUANT)
+
+    def quant_offset(self, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot)'s packed layer in the quantized staging region."""
+        return (layer * self.num_slots + slot) * self.quant_layer_bytes
+
+    def ready_offset(self, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot)'s flag in the quant_ready region: 1 once its packed layer is in."""
+        return layer * self.num_slots + slot
+
     def slot_extents(self, slot: int, length: int) -> dict[str, list[tuple[int, int]]]:
         """The byte ranges a prefill node may write for a request of `length` prompt tokens in `slot`:
-        per layer, its prompt tokens in K, V and the mask (what a lane checks every descriptor against)."""
+        per layer, its prompt tokens in K, V and the mask, and its packed layer and flag in the quantized
+        staging regions (what a lane checks every descriptor against)."""
         layers = range(self.layout.num_layers)
         kv = [(self.kv_offset(layer, slot, 0), self.kv_offset(layer, slot, length)) for layer in layers]
         mask = [(self.mask_offset(layer, slot, 0), self.mask_offset(layer, slot, length)) for layer in layers]
-        return {"k": kv, "v": kv, "mask": mask}
+        packed = packed_layer_bytes(
+            length, self.layout.num_kv_heads, self.layout.head_dim, self.layout.dtype, SERVING_QUANT
+        )
+        quant = [(self.quant_offset(layer, slot), self.quant_offset(layer, slot) + packed) for layer in layers]
+        ready = [(self.ready_offset(layer, slot), self.ready_offset(layer, slot) + 1) for layer in layers]
+        return {"k": kv, "v": kv, "mask": mask, "quant": quant, "quant_ready": ready}
 
 
 class DecodePool:
     """The decode node's KV pool: K and V [L, S, N, H, d] plus the mask table [L, S, N].
 
     Host memory (pinned when CUDA is present) unless a device is given. One slot per request;
-    prompt tokens arrive from prefill nodes, generated tokens are appended here.
+    prompt tokens arrive from prefill nodes, generated tokens are appended here. A quantized transfer
+    (`quant2`) lands each layer packed in a staging region [L, S, packed bytes of a full slot] with a flag
+    [L, S] written after it; `land_quantized` dequantizes flagged layers into K and V and marks them local.
+    The staging region is about a fifth of K+V's size in fp32 (two fifths in fp16).
     """
 
     def __init__(self, layout: KVLayout, num_slots: int, max_tokens: int, device: str | torch.device = "cpu") -> None:
@@ -69,6 +93,9 @@ class DecodePool:
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.masks = MaskTable(layout.num_layers, num_slots, max_tokens)
+        staging = (layout.num_layers, num_slots, self.geometry.quant_layer_bytes)
+        self.quant = torch.zeros(staging, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.quant_ready = torch.zeros(layout.num_layers, num_slots, dtype=torch.uint8, device=device)
         self.lengths = [0] * num_slots  # tokens in use per slot (prompt + generated)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.Lock()
@@ -95,6 +122,7 @@ class DecodePool:
                 raise PoolFull(f"all {self.num_slots} pool slots are in use")
             slot = self._free.pop()
         self.masks.open(slot, prompt_length)
+        self.quant_ready[:, slot] = 0
         self.lengths[slot] = prompt_length
         return slot
 
@@ -135,12 +163,30 @@ class DecodePool:
         self.v[layer, slot, positions] = v.to(self.v.device)
         self.masks.set_local_tokens(layer, slot, positions)
 
+    def land_quantized(self, slot: int, length: int) -> int:
+        """Dequantizes every layer of the slot whose packed bytes are in (flag set) into K and V, then marks
+        its prompt tokens local and clears the flag; returns the layers landed."""
+        layout = self.layout
+        landed = 0
+        for layer in self.quant_ready[:, slot].nonzero().flatten().tolist():
+            k, v = unpack_layer(
+                self.quant[layer, slot], length, layout.num_kv_heads, layout.head_dim, layout.dtype, SERVING_QUANT
+            )
+            self.k[layer, slot, :length] = k
+            self.v[layer, slot, :length] = v
+            self.masks.values[layer, slot, :length] = LOCAL  # after the data, as a push does
+            self.quant_ready[layer, slot] = 0
+            landed += 1
+        return landed
+
     def byte_views(self) -> dict[str, torch.Tensor]:
-        """The regions a lane registers: flat uint8 views of K, V and the masks."""
+        """The regions a lane registers: flat uint8 views of K, V, the masks and the quantized staging."""
         return {
             "k": self.k.view(-1).view(torch.uint8),
             "v": self.v.view(-1).view(torch.uint8),
             "mask": self.masks.values.view(-1).view(torch.uint8),
+            "quant": self.quant.view(-1),
+            "quant_ready": self.quant_ready.view(-1),
         }
 
 

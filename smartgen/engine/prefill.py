@@ -24,13 +24,14 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.descriptors import ONES_SOURCE, block_runs, block_write_ops, held_blocks
+from smartgen.engine.kv_quant import SERVING_QUANT, pack_layer
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout, block_bounds, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
 from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV, StoreFull
 from smartgen.engine.prefix_cache import PrefixCache, PrefixHit
-from smartgen.lanes.base import Completion
+from smartgen.lanes.base import Completion, WriteOp
 from smartgen.lanes.link import LinkEnd
 
 # proactive-only: its proactive set must land before FIRST_TOKEN within this (`serve --flush-timeout`); past it the
@@ -310,6 +311,8 @@ class PrefillEngine:
         if request is None:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         self.store.put_layer(request_id, layer, k, v)
+        if request.policy.quantize_bits:
+            return self._push_quantized(request, layer, k, v)
         blocks = request.plan.proactive_blocks(layer)
         if token_scores is not None and request.policy.strategy == Strategy.QUERY and layer >= DENSE_LAYERS:
             if request.held_prefix:  # held blocks cost nothing and fill their share of the pick first
@@ -441,6 +444,33 @@ class PrefillEngine:
         if tag == "speculative":
             request.spec_in_flight = completion
         return kv_bytes
+
+    def _push_quantized(self, request: OpenedRequest, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Quantized full transfer: the layer packed (`engine.kv_quant`) into the decode node's staging region,
+        then its flag; the decode node dequantizes it into the pool. A layer the decode node holds already (a
+        lost prefill node's request opened again here) is not sent."""
+        if request.unsent is not None:
+            if not bool(request.unsent[layer].any()):
+                return 0
+            request.unsent[layer] = False
+        packed = pack_layer(k, v, SERVING_QUANT)
+        geometry = request.geometry
+        ops = [
+            WriteOp("packed", "quant", 0, geometry.quant_offset(layer, request.slot), packed.numel()),
+            WriteOp(ONES_SOURCE, "quant_ready", 0, geometry.ready_offset(layer, request.slot), 1),
+        ]
+        completion = request.link.push.post_writes(
+            request.request_id, {"packed": packed, ONES_SOURCE: request.ones}, ops, tag="proactive"
+        )
+        self.counters.add("full", packed.numel())
+        posted = time.monotonic()
+
+        def landed(applied: bool) -> None:
+            if applied:
+                self.counters.add_time("full", time.monotonic() - posted)
+
+        completion.add_done_callback(landed)
+        return packed.numel()
 
     def _serve_fetch(self, link: LinkEnd, message: msg.Fetch) -> None:
         request = self._get(message.request_id)

@@ -11,7 +11,15 @@ from smartgen.engine.policy import get_policy
 
 __all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES"]
 
-DEFAULT_SCHEMES = ("full", "partial", "partial+profile", "partial+profile+parallel", "smartgen", "proactive-only")
+DEFAULT_SCHEMES = (
+    "full",
+    "partial",
+    "partial+profile",
+    "partial+profile+parallel",
+    "smartgen",
+    "proactive-only",
+    "quant2",
+)
 # the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
 # selections, which a serving node cannot know; `smartgen simulate --strategy optimal` runs it)
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming")

@@ -130,10 +130,6 @@ def run_bench(
     result = BenchResult(config, str(model_path), trained, points, [], machine=_machine())
     if not trained:
         result.notes.append("random weights: timings only, accuracy not reported")
-    result.notes.append(
-        "2-bit quantized full transfer (HACK/KIVI-like) is not a serving scheme yet: `smartgen eval` reports its "
-        "accuracy; its transfer time is not benchmarked here"
-    )
     prompts = _Prompts(config, tokenizer)
     say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
     pilot = _pilot(config, model_path, prompts)
