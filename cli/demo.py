@@ -112,6 +112,17 @@ def demo(
             "-" if not (first and ttst) else f"{first / ttst:.2f}x",
         )
     console.print(table)
+    full = next((r for r in results if r.scheme == "full" and r.mean("tbt")), None)
+    if full is not None:
+        from smartgen.apps.demo import decode_side_ratio
+
+        ratio = decode_side_ratio(setup, full.mean("tbt"))
+        console.print(
+            f"regime: stall ratio {setup['stall_ratio']:g} (full transfer / prefill; the paper's testbed: about 4.7), "
+            f"decode-side ratio {ratio:.3f} (what the link moves in one all-local step / one step's selected bytes; "
+            "the paper's: about 0.15; below it every remote entry stalls a step). "
+            "`smartgen bench --decode-ratio 0.15` sets both; docs/bench.md explains them."
+        )
 
 
 def _monitor_command(decode: str, prefill: list[str]) -> str:

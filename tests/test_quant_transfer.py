@@ -85,6 +85,20 @@ def test_a_flagged_layer_lands_dequantized_and_local_and_others_stay_remote():
     assert pool.land_quantized(slot, 300) == 0  # the flag was cleared
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_staging_slot_holds_a_packed_layer_of_every_length_up_to_the_slot(dtype):
+    # packed size is not monotonic in the length (up to G - 1 keys past a whole group stay exact): a 505-token
+    # prompt packs larger than a 582-token one, which once overflowed a slot sized for its full length
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=dtype, num_blocks=8)
+    for max_tokens in (1, 100, 128, 160, 582, 1000):
+        room = DecodePool(layout, num_slots=1, max_tokens=max_tokens).geometry.quant_layer_bytes
+        sizes = [packed_layer_bytes(n, 2, 32, dtype, SERVING_QUANT) for n in range(1, max_tokens + 1)]
+        assert room == max(sizes)
+    assert packed_layer_bytes(505, 2, 32, torch.float32, SERVING_QUANT) > packed_layer_bytes(
+        582, 2, 32, torch.float32, SERVING_QUANT
+    )
+
+
 def test_slot_extents_cover_the_packed_layer_and_its_flag_only():
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=8)
     pool = DecodePool(layout, num_slots=3, max_tokens=500)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smartgen.roles.processes import read_ready_file, stop_processes
+from smartgen.roles.processes import die_with_parent, read_ready_file, stop_processes
 
 __all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json"]
 
@@ -107,7 +107,8 @@ class LocalCluster:
         log = log_path.open("a")  # a restarted node adds to its log
         self._logs.append(log)
         command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        # the nodes die with this process, even when it is killed (a timeout, kill -9) and cannot stop them itself
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, preexec_fn=die_with_parent)
         self._processes.append(process)
         self.nodes[name] = process
         try:

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DemoConfig", "SchemeResult", "run_demo"]
 
@@ -80,7 +81,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
     ]
     mean_tokens = statistics.mean(len(tokenizer(s.prompt).input_ids) for s in samples)
     prefill_seconds = stored.prefill_seconds_per_token * mean_tokens
-    kv_bytes = kv_layout(model, num_blocks=config.blocks).kv_bytes(int(mean_tokens))
+    layout = kv_layout(model, num_blocks=config.blocks)
+    kv_bytes = layout.kv_bytes(int(mean_tokens))
     gbps = gbps_for(kv_bytes, config.transfer_ratio * prefill_seconds)
     setup = {
         "model": config.model.name,
@@ -91,6 +93,9 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         "transfer_s": transfer_seconds(kv_bytes, gbps),
         "selector": f"{config.selector} {config.budget:g}",
         "profile": stored.id,
+        "stall_ratio": config.transfer_ratio,
+        # one decode step's selection over the link: the budget of every layer past the two always sent whole
+        "selected_bytes": config.budget * layout.kv_bytes(int(mean_tokens), num_layers=max(layout.num_layers - 2, 1)),
     }
     say(
         f"link paced at {gbps * 1000:.1f} Mbit/s: a full transfer of {setup['kv_mib']:.1f} MiB takes "
@@ -138,3 +143,11 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         if config.before_stop is not None:
             config.before_stop()
         return results, setup
+
+
+def decode_side_ratio(setup: dict[str, Any], step_s: float) -> float:
+    """Bytes the demo's link moves during one all-local decode step of `step_s` / one step's selected bytes (the
+    paper's testbed: about 0.15; far below it every remote entry stalls a step)."""
+    from smartgen.lanes.rate import bytes_per_second
+
+    return bytes_per_second(setup["link_gbps"]) * step_s / setup["selected_bytes"]

@@ -410,7 +410,13 @@ class DecodeEngine:
         return self._require(request_id).metadata
 
     def is_all_local(self, request_id: str) -> bool:
-        return self._fully_local(self._require(request_id))
+        request = self._require(request_id)
+        try:
+            return self._fully_local(request)
+        except ValueError as exc:  # a quantized layer that does not unpack: the peer sent something else
+            reason = f"bad quantized KV from the prefill node: {exc}"
+            self._fail_request(request_id, reason)
+            raise RequestFailed(reason) from None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -436,7 +442,7 @@ class DecodeEngine:
         """Blocks until every prompt block of the request is in the pool (full transfer)."""
         request = self._require(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._fully_local(request):
+        while not self.is_all_local(request_id):
             if request.metrics.error:
                 raise RequestFailed(request.metrics.error)
             if deadline is not None and time.monotonic() > deadline:

@@ -48,7 +48,13 @@ class PoolGeometry:
     def quant_layer_bytes(self) -> int:
         """Room for one layer of one slot in the quantized staging region: a full slot packed (`quant2`)."""
         layout = self.layout
-        return packed_layer_bytes(self.max_tokens, layout.num_kv_heads, layout.head_dim, layout.dtype, SERVING_QUANT)
+        # not monotonic in the length: up to G - 1 keys past a whole group stay exact, so a slightly shorter prompt
+        # can take more bytes; within each run of G lengths the last is the largest, and each run beats the one before
+        first = max(1, self.max_tokens - SERVING_QUANT.group + 1)
+        return max(
+            packed_layer_bytes(n, layout.num_kv_heads, layout.head_dim, layout.dtype, SERVING_QUANT)
+            for n in range(first, self.max_tokens + 1)
+        )
 
     def quant_offset(self, layer: int, slot: int) -> int:
         """Byte offset of (layer, slot)'s packed layer in the quantized staging region."""

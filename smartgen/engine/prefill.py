@@ -455,6 +455,8 @@ class PrefillEngine:
             request.unsent[layer] = False
         packed = pack_layer(k, v, SERVING_QUANT)
         geometry = request.geometry
+        if packed.numel() > geometry.quant_layer_bytes:  # the slot holds the prompt, so this is a bug: say so
+            raise ValueError(f"a packed layer of {request.length} tokens overflows the staging slot")
         ops = [
             WriteOp("packed", "quant", 0, geometry.quant_offset(layer, request.slot), packed.numel()),
             WriteOp(ONES_SOURCE, "quant_ready", 0, geometry.ready_offset(layer, request.slot), 1),

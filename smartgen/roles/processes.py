@@ -12,7 +12,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_ready_file", "read_ready_file", "stop_processes"]
+__all__ = ["write_ready_file", "read_ready_file", "stop_processes", "die_with_parent"]
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """For `Popen(preexec_fn=...)`: the child gets SIGTERM (a node's graceful stop) when the process that started it
+    dies, even by SIGKILL, so a killed `smartgen bench` or `demo` leaves no nodes behind. Linux only; else a no-op."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def write_ready_file(path: Path, info: dict[str, Any]) -> None:
