@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from smartgen.apps.bench.config import BenchConfig, Point
 from smartgen.apps.bench.stats import percentile
+from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes
 
 SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only,quant2"
 SAMPLE_KV_BYTES_PER_TOKEN = 2 * 6 * 2 * 32 * 4  # K and V, 6 layers, 2 KV heads, head dim 32, fp32
@@ -62,8 +64,12 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert group["path_bytes"]["proactive"] == 0
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
         if group["scheme"] == "quant2":  # every layer packed: 2-bit codes, fp16 scales, a 128-token exact residual
-            prompt = sum(r["prompt_tokens"] for r in group["requests"])
-            assert 0 < group["path_bytes"]["full"] < 0.3 * SAMPLE_KV_BYTES_PER_TOKEN * prompt
+            packed = sum(
+                6 * packed_layer_bytes(r["prompt_tokens"], 2, 32, torch.float32, SERVING_QUANT)
+                for r in group["requests"]
+            )
+            assert group["path_bytes"]["full"] == packed
+            assert packed < 0.4 * SAMPLE_KV_BYTES_PER_TOKEN * sum(r["prompt_tokens"] for r in group["requests"])
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
     for summary in data["summaries"]:
