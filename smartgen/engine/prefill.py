@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -127,6 +128,7 @@ class PrefillEngine:
         self._opened: queue.Queue[OpenedRequest] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._links: list[LinkEnd] = []
+        self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quant-pack")  # quant2's layers, in order
 
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd, geometry: PoolGeometry) -> None:
@@ -144,6 +146,7 @@ class PrefillEngine:
             return list(self._links)
 
     def close(self) -> None:
+        self._packer.shutdown(wait=False, cancel_futures=True)
         for link in self.links:
             link.close()
         for thread in self._threads:
@@ -311,8 +314,9 @@ class PrefillEngine:
         if request is None:
             raise RequestGone(f"request {request_id!r} is not open on this prefill node")
         self.store.put_layer(request_id, layer, k, v)
-        if request.policy.quantize_bits:
-            return self._push_quantized(request, layer, k, v)
+        if request.policy.quantize_bits:  # packed off the prefill thread, in layer order (one packer)
+            self._packer.submit(self._push_quantized, request, layer)
+            return 0
         blocks = request.plan.proactive_blocks(layer)
         if token_scores is not None and request.policy.strategy == Strategy.QUERY and layer >= DENSE_LAYERS:
             if request.held_prefix:  # held blocks cost nothing and fill their share of the pick first
@@ -445,10 +449,22 @@ class PrefillEngine:
             request.spec_in_flight = completion
         return kv_bytes
 
-    def _push_quantized(self, request: OpenedRequest, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+    def _push_quantized(self, request: OpenedRequest, layer: int) -> int:
         """Quantized full transfer: the layer packed (`engine.kv_quant`) into the decode node's staging region,
         then its flag; the decode node dequantizes it into the pool. A layer the decode node holds already (a
-        lost prefill node's request opened again here) is not sent."""
+        lost prefill node's request opened again here) is not sent. Runs on the packer thread, so a failure
+        fails the request here instead of raising."""
+        if self._get(request.request_id) is not request:
+            return 0  # released (or aborted) while its layers waited to be packed
+        try:
+            return self._pack_and_post(request, layer)
+        except Exception as exc:  # a bug must not silently stall the request: it fails with the reason
+            log.exception("prefill: packing layer %d of %s failed", layer, request.request_id)
+            self.fail(request.request_id, f"quantized transfer failed: {exc}")
+            return 0
+
+    def _pack_and_post(self, request: OpenedRequest, layer: int) -> int:
+        k, v = request.kv.k[layer, : request.length], request.kv.v[layer, : request.length]
         if request.unsent is not None:
             if not bool(request.unsent[layer].any()):
                 return 0
