@@ -45,7 +45,7 @@ def main() -> None:
 
     from smartgen.apps.evalsuite import generate_suite
     from smartgen.apps.evaluation import infinigen_warmup, parse_selector_spec
-    from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_decode
+    from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_sample
     from smartgen.runtime.models import load_model, model_info
     from smartgen.selectors import make_selector
 
@@ -74,20 +74,7 @@ def main() -> None:
     stats: dict[tuple[str, int], RecallStats] = {}
     start = time.monotonic()
     for i, sample in enumerate(samples):
-        enc = tokenizer(sample.prompt, return_offsets_mapping=True)
-        ids = enc.input_ids
-        needle = torch.tensor(
-            [b > a and any(a < e and b > s for s, e in sample.needle_spans) for a, b in enc.offset_mapping]
-        )
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=sample.max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        trace = trace_decode(model, ids, out[0, len(ids) :], needle)
+        trace = trace_sample(model, tokenizer, sample)
         for label, (selector, budget) in runs.items():
             key = (label, sample.length)
             stats[key] = selector_recall(selector, budget, trace, stats.get(key))
