@@ -113,7 +113,8 @@ def eval_command(
         Path | None,
         typer.Option(
             help="HATA hash weights (safetensors from smartgen.selectors.hata.save_weights); "
-            "default: trained on calibration-variant prompts before the run.",
+            "default: the model's in the profile store (`smartgen profile --selector hata` trains them), "
+            "else trained on calibration-variant prompts before the run.",
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = None,
@@ -310,6 +311,22 @@ def _run(
             f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         )
     console = Console()
+    hata_source = "given" if hata_weights is not None else "trained on calibration-variant prompts"
+    if (
+        hata_weights is None
+        and any(c.selector == "hata" for c in conditions)
+        and (db is not None or default_db_path().exists())
+    ):
+        from smartgen.apps.hash_weights import stored_hash_weights
+        from smartgen.store import ProfileStore
+
+        try:
+            with ProfileStore(db, create=False) as store:
+                found = stored_hash_weights(store, hf_model)
+        except StoreError as exc:
+            fail(str(exc))
+        if found is not None:
+            hata_source, hata_weights = f"#{found[0]} from {store.path}", found[1]
     profiles = None
     if wants_profiles:
         try:
@@ -320,6 +337,7 @@ def _run(
     console.print(
         f"[bold]smartgen eval[/]: {model_path} · {len(samples)} prompts ({', '.join(tasks)} at {', '.join(map(str, lengths))} tokens) "
         f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
+        + (f" · HATA weights: {hata_source}" if any(c.selector == "hata" for c in conditions) else "")
     )
     columns = (
         TextColumn("{task.description}"),
