@@ -143,3 +143,33 @@ def test_training_improves_recall_over_random_weights(tiny_llama):
             stats = selector_recall(selector, 0.1, trace, stats)
         recall[name] = stats.overall("kv_recall")
     assert recall["trained"] > recall["random"] + 0.02, recall
+
+
+def test_serve_loads_hata_weights_from_the_profile_store(tmp_path):
+    """`smartgen serve --selector hata` builds its selector from the store's newest weights for the model, or
+    refuses in one line."""
+    from tiny_models import save_tiny_model
+
+    from smartgen.roles.launch import NodeSettings, _load
+    from smartgen.runtime.fingerprint import model_fingerprint
+    from smartgen.runtime.models import load_model, model_info
+    from smartgen.selectors.hata import random_weights, weights_to_bytes
+    from smartgen.store import HashWeightsRecord, ProfileStore
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    db = tmp_path / "p.db"
+    settings = NodeSettings(folder, selector="hata", db=db)
+    with pytest.raises(ValueError, match="no profile database at .*smartgen profile --selector hata"):
+        _load(settings)
+    model = load_model(folder)
+    weights = random_weights(model_info(model), rbit=16, seed=3)
+    with ProfileStore(db) as store:
+        with pytest.raises(ValueError, match="no HATA hash weights for this model"):
+            _load(settings)
+        record = HashWeightsRecord(
+            model_fingerprint(model), "tiny", 16, len(weights), "c.jsonl", "0" * 64, 1, 1, weights_to_bytes(weights)
+        )
+        store.add_hash_weights(record)
+    _, _, selector = _load(settings)
+    assert selector.name == "hata" and sorted(selector.weights) == sorted(weights)
+    assert all(torch.equal(selector.weights[layer], weights[layer]) for layer in weights)
