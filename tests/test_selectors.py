@@ -356,3 +356,18 @@ def test_infinigen_without_speculation_selects_with_the_layers_own_query(tiny):
     step = random_step(2, lengths, seed=2)  # carries a (random) hidden state too: it must be ignored
     without_hidden = StepQuery(2, step.query, None, step.positions, lengths)
     assert torch.equal(plain.select(step, metadata), plain.select(without_hidden, metadata))
+
+
+def test_infinigen_without_skewing_ignores_the_skew(tiny, warmup):
+    """skewing=False is InfiniGen's ablation: A = I, so the partial keys are raw key columns."""
+    model, info = tiny
+    _, skew = warmup
+    plain = InfiniGenSelector(info, skew=skew, skewing=False)
+    seen, _ = run_captured(model, prompt(50, seed=1))
+    hidden, q, k = seen[2]
+    meta = plain.build_metadata(PrefillLayer(2, q, k, hidden))
+    assert torch.equal(meta["skew"], torch.eye(D_HEAD).expand(H, -1, -1))
+    expect = torch.stack([k[h][:, meta["columns"][h]] for h in range(H)])
+    torch.testing.assert_close(meta["partial_keys"], expect)
+    skewed = InfiniGenSelector(info, skew=skew).build_metadata(PrefillLayer(2, q, k, hidden))
+    assert not torch.equal(skewed["partial_keys"], meta["partial_keys"])

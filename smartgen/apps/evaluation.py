@@ -335,7 +335,12 @@ def evaluate(
     params = dict(selector_params or {})
     options = tuple(sorted((k, v) for k, v in params.items() if k != "budget" and k not in LEARNED_PARAMS))
     cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if selector != "dense" else ())
-    if selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only") and "skew" not in params:
+    if (
+        selector == "infinigen"
+        and cond.scheme in ("smartgen", "proactive-only")
+        and "skew" not in params
+        and params.get("skewing", True)
+    ):
         params["skew"] = infinigen_warmup(model, tokenizer, samples)
     if selector == "hata" and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
         params["weights"] = hata_calibration(model, tokenizer, samples)
@@ -448,7 +453,11 @@ def evaluate_conditions(
     total = len(samples) * len(conditions)
     for n, cond in enumerate(conditions):
         params: dict[str, Any] = {"budget": cond.budget, **dict(cond.options)}
-        if cond.selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only"):
+        if (
+            cond.selector == "infinigen"
+            and cond.scheme in ("smartgen", "proactive-only")
+            and params.get("skewing", True)
+        ):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew
         if cond.selector == "hata" and cond.scheme in ("smartgen", "proactive-only"):

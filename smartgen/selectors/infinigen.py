@@ -28,7 +28,7 @@ Choices of ours:
   selection (columns are then picked by Σ|QA|); the σ_q·σ_k order is kept for fidelity.
 - Columns are chosen from the queries only (the speedup code), not the simulation's union
   with the keys' top columns, so d' is fixed per head.
-- skew=None means no skewing (A = I), InfiniGen's ablation; pass `compute_skewing`'s result.
+- skew=None (or skewing=False) means no skewing (A = I), InfiniGen's ablation; pass `compute_skewing`'s result.
 - If a step has no hidden state but carries this layer's query, that query is used instead
   (selection without lookahead, for tests and comparisons).
 - Prompt tokens only: generated tokens are local on the decode node, so the partial K is
@@ -128,8 +128,10 @@ class InfiniGenSelector(Selector):
         alpha: float = 4.0,
         skew: Mapping[int, torch.Tensor] | None = None,
         speculate: bool = True,
+        skewing: bool = True,
     ) -> None:
-        """`speculate=False` selects with the layer's own query instead of layer l-1's input (no prefetch overlap)."""
+        """`speculate=False` selects with the layer's own query instead of layer l-1's input (no prefetch overlap);
+        `skewing=False` ignores `skew` (A = I: the columns are the raw q/k dimensions, InfiniGen's ablation)."""
         super().__init__(info)
         self.lookahead = speculate
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
@@ -138,7 +140,7 @@ class InfiniGenSelector(Selector):
         self.budget = budget
         self.alpha = alpha
         self.num_columns = max(1, int(info.head_dim * partial_ratio))
-        self.skew = dict(skew) if skew is not None else {}
+        self.skew = dict(skew) if skew is not None and skewing else {}
         self._rope = info.rope
         if self._rope is None and info.model is not None:
             self._rope = rope_from_model(info.model)
