@@ -450,6 +450,7 @@ def _table(report: EvalReport, labels: list[str]):
         table.add_row("top-k recall", "", *(_fraction(r, "recall") for r in recalls))
         table.add_row("retrieval heads", "recall", *(_fraction(r, "retrieval_recall") for r in recalls))
         table.add_row("", "mass kept", *(_fraction(r, "retrieval_mass") for r in recalls))
+        table.add_row("", "top-1 kept", *(_fraction(r, "retrieval_top1") for r in recalls))
     return table
 
 

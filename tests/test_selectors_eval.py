@@ -119,6 +119,8 @@ def test_oracle_recall_beside_accuracy(tiny):
     assert 0.5 < oracle["mass"] <= oracle["oracle_mass"] + 1e-4  # a query head's own top-k holds the most of it
     per_head = oracle["kv_recall_per_head"]  # [L][H]: layers 0-1 are never scored
     assert len(per_head) == 4 and per_head[0] == [None, None] and per_head[2] == [pytest.approx(1.0)] * 2
+    top1 = oracle["top1_hit_per_head"]  # [L][Hq]: whether each query head's most attended token is in its row
+    assert len(top1[3]) == 4 and all(0.0 <= v <= 1.0 for v in top1[3]) and top1[1] == [None] * 4
     dropped = report.runs["proactive-only topk 20%"]
     assert dropped.proactive_share == 0.5 and dropped.recall is not None and dropped.recall["recall"] == 0.0
     for label in ("smartgen quest(page_size=4) 20%", "streamingllm 20%"):

@@ -11,6 +11,8 @@ and prompts:
 - head_recall [L, Hq]: the same against each query head's own top-k (the row is its KV head's);
 - mass [L, Hq]: the query head's attention probability (over the prompt) on the selected tokens;
   oracle_mass the same on its own top-k: 1 - mass is what the selection takes from that head;
+- top1_hit [L, Hq]: whether the head's single most attended prompt token is in its row (a retrieval head
+  that puts ~all its weight on the next needle token loses the answer when it is not);
 - needle_hit [L, Hq]: share of the answer needle's tokens in the head's row (prompts with a needle);
 - needle_mass [L, Hq]: full attention's probability on the needle: the retrieval heads are the
   heads with the largest (see `retrieval_heads`);
@@ -121,7 +123,7 @@ class RecallStats:
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     KV_FIELDS = ("kv_recall", "size")
-    Q_FIELDS = ("head_recall", "mass", "oracle_mass", "needle_hit", "needle_mass")
+    Q_FIELDS = ("head_recall", "mass", "oracle_mass", "top1_hit", "needle_hit", "needle_mass")
 
     def __post_init__(self) -> None:
         for name in self.KV_FIELDS + self.Q_FIELDS:
@@ -212,6 +214,7 @@ def selector_recall(
             stats.add("head_recall", layer, per_head.gather(1, q_top).sum(-1) / k)
             stats.add("mass", layer, (probs * per_head).sum(-1))
             stats.add("oracle_mass", layer, probs.gather(1, q_top).sum(-1))
+            stats.add("top1_hit", layer, per_head.gather(1, probs.argmax(-1, keepdim=True)).squeeze(1).double())
             if needle is not None:
                 stats.add("needle_hit", layer, (per_head & needle).sum(-1) / needle.sum())
                 stats.add("needle_mass", layer, probs[:, needle].sum(-1))
@@ -280,7 +283,9 @@ def recall_summary(stats: RecallStats, heads: list[tuple[int, int]]) -> dict[str
         "retrieval_recall": over("head_recall"),
         "retrieval_mass": over("mass"),
         "retrieval_oracle_mass": over("oracle_mass"),
+        "retrieval_top1": over("top1_hit"),
         "retrieval_needle_hit": over("needle_hit"),
         "kv_recall_per_head": table("kv_recall"),
         "head_recall_per_head": table("head_recall"),
+        "top1_hit_per_head": table("top1_hit"),
     }
