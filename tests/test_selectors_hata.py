@@ -173,3 +173,42 @@ def test_serve_loads_hata_weights_from_the_profile_store(tmp_path):
     _, _, selector = _load(settings)
     assert selector.name == "hata" and sorted(selector.weights) == sorted(weights)
     assert all(torch.equal(selector.weights[layer], weights[layer]) for layer in weights)
+
+
+def test_gqa_max_scores_softmax_each_heads_estimated_logits_then_max():
+    selector = HATASelector(INFO, budget=5, rbit=32, seed=3, gqa="max")
+    g = torch.Generator().manual_seed(2)
+    keys, query = torch.randn(H, 30, D_HEAD, generator=g), torch.randn(HQ, D_HEAD, generator=g)
+    meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 30, D_HEAD), keys, None))
+    weight, group = selector.weights[2], HQ // H
+    logits = torch.zeros(H, group, 30)
+    for j in range(HQ):
+        h = j // group
+        cq = ((query[j] @ weight[h]) > 0).float() * 2 - 1
+        ck = ((keys[h] @ weight[h]) > 0).float() * 2 - 1
+        cosine = 1 - 2 * ((32 - ck @ cq) / 2) / 32
+        logits[h, j % group] = cosine * query[j].norm() * keys[h].norm(dim=-1) * D_HEAD**-0.5
+    expect = logits.softmax(dim=-1).amax(dim=1)
+    torch.testing.assert_close(selector.scores(query, meta, 2, 30), expect)
+    index = selector.select(StepQuery(2, query[None], None, torch.tensor([30]), [30]), [meta])
+    assert torch.equal(index, expect.topk(5).indices.sort().values)
+
+
+def test_gqa_max_keeps_the_token_one_sharp_head_needs():
+    """Three heads spread their weight, one puts it on token 7: the max rule keeps token 7 (it is the exact top-k's score)."""
+    from smartgen.selectors.base import group_max_probability
+    from smartgen.selectors.topk import kv_head_scores
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 40, D_HEAD, generator=g)
+    query = torch.randn(4, D_HEAD, generator=g) * 0.3
+    query[0] = keys[0, 7] * 3  # head 0 attends sharply to token 7
+    logits = torch.einsum("gd,nd->gn", query, keys[0])[None] * D_HEAD**-0.5  # [1, G, n]
+    torch.testing.assert_close(group_max_probability(logits), kv_head_scores(query, keys))
+    assert 7 in group_max_probability(logits).topk(4).indices
+
+
+@pytest.mark.parametrize("name", ["hata", "quest", "infinigen"])
+def test_an_unknown_gqa_rule_is_a_one_line_error(name):
+    with pytest.raises(ValueError, match=f"{name}: gqa must be one of"):
+        make_selector(name, INFO, budget=0.1, gqa="mean")
