@@ -56,7 +56,7 @@ def test_hash_bits_are_the_signs_of_the_projection():
 
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_scores_match_a_brute_force_computation(use_norm):
-    selector = HATASelector(INFO, budget=5, rbit=32, use_norm=use_norm, seed=3)
+    selector = HATASelector(INFO, budget=5, rbit=32, use_norm=use_norm, seed=3, gqa="sum")
     g = torch.Generator().manual_seed(1)
     keys, query = torch.randn(H, 30, D_HEAD, generator=g), torch.randn(HQ, D_HEAD, generator=g)
     meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 30, D_HEAD), keys, None))
@@ -192,6 +192,9 @@ def test_gqa_max_scores_softmax_each_heads_estimated_logits_then_max():
     torch.testing.assert_close(selector.scores(query, meta, 2, 30), expect)
     index = selector.select(StepQuery(2, query[None], None, torch.tensor([30]), [30]), [meta])
     assert torch.equal(index, expect.topk(5).indices.sort().values)
+    no_norm = HATASelector(INFO, budget=5, rbit=32, seed=3, gqa="max", use_norm=False)
+    without_k = (logits / keys.norm(dim=-1)[:, None, :]).softmax(dim=-1).amax(dim=1)  # ‖k‖ left out
+    torch.testing.assert_close(no_norm.scores(query, meta, 2, 30), without_k)
 
 
 def test_gqa_max_keeps_the_token_one_sharp_head_needs():
