@@ -4,8 +4,8 @@ Each eval-suite prompt is answered densely (greedy), then replayed once with eve
 (`smartgen.apps.selector_recall`); every selector then picks on every decode step and is compared with the
 exact top-k at the same budget. Prints, per selector, budget and length: recall of the oracle's top-k
 over all sparse layers and KV heads, attention mass kept (mean over query heads, and the oracle's own),
-and on the retrieval heads (full attention puts >= 10% on the answer needle): their recall, mass kept and
-needle tokens kept. `--per-head` also prints the [layer x head] recall of every run.
+and on the retrieval heads (full attention puts >= 10% on the answer needle): their recall, mass kept, how
+often their most attended token is kept (top1) and needle tokens kept. `--per-head` also prints the [layer x head] recall of every run.
 
     python bench/selector_recall.py --lengths 1024,2048,3072 --num 4 \\
         --selectors quest,infinigen,streaming --budgets 0.1,0.2
@@ -45,7 +45,7 @@ def main() -> None:
 
     from smartgen.apps.evalsuite import generate_suite
     from smartgen.apps.evaluation import infinigen_warmup, parse_selector_spec
-    from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_decode
+    from smartgen.apps.selector_recall import RecallStats, retrieval_heads, selector_recall, trace_sample
     from smartgen.runtime.models import load_model, model_info
     from smartgen.selectors import make_selector
 
@@ -74,20 +74,7 @@ def main() -> None:
     stats: dict[tuple[str, int], RecallStats] = {}
     start = time.monotonic()
     for i, sample in enumerate(samples):
-        enc = tokenizer(sample.prompt, return_offsets_mapping=True)
-        ids = enc.input_ids
-        needle = torch.tensor(
-            [b > a and any(a < e and b > s for s, e in sample.needle_spans) for a, b in enc.offset_mapping]
-        )
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=sample.max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        trace = trace_decode(model, ids, out[0, len(ids) :], needle)
+        trace = trace_sample(model, tokenizer, sample)
         for label, (selector, budget) in runs.items():
             key = (label, sample.length)
             stats[key] = selector_recall(selector, budget, trace, stats.get(key))
@@ -97,14 +84,15 @@ def main() -> None:
     print(f"model {args.model.name}; tasks {args.tasks}; {args.num} prompts per task and length; seed {args.seed}")
     print(f"retrieval heads (layer, query head), full attention >= 10% on the needle: {heads}")
     header = f"{'selector':<44}{'len':>6}{'recall':>8}{'mass':>7}{'oracle':>8}{'size':>6}"
-    header += f"{'ret.rec':>9}{'ret.mass':>9}{'ret.orc':>8}{'needle':>8}"
+    header += f"{'ret.rec':>9}{'ret.mass':>9}{'ret.orc':>8}{'top1':>6}{'needle':>8}"
     print(header)
     for (label, length), s in stats.items():
         line = f"{label:<44}{length:>6}{s.overall('kv_recall'):>8.3f}{s.overall('mass'):>7.3f}"
         line += f"{s.overall('oracle_mass'):>8.3f}{s.overall('size'):>6.2f}"
         if heads:
             line += f"{s.overall('head_recall', heads):>9.3f}{s.overall('mass', heads):>9.3f}"
-            line += f"{s.overall('oracle_mass', heads):>8.3f}{s.overall('needle_hit', heads):>8.3f}"
+            line += f"{s.overall('oracle_mass', heads):>8.3f}{s.overall('top1_hit', heads):>6.2f}"
+            line += f"{s.overall('needle_hit', heads):>8.3f}"
         print(line)
     if args.per_head:
         for (label, length), s in stats.items():

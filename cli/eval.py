@@ -13,6 +13,8 @@ from smartgen.cli.profiles import DbOption
 from .errors import fail
 from .lists import names as _split
 
+DEFAULT_STALL_RATIO = 4.7  # smartgen.apps.evaluation.DEFAULT_STALL_RATIO, kept here so --help imports no torch
+
 if TYPE_CHECKING:
     from smartgen.apps.evaluation import EvalReport
 
@@ -83,12 +85,24 @@ def eval_command(
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = "0.1",
-    transfer_ratio: Annotated[
-        float | None,
+    stall_ratio: Annotated[
+        float,
         typer.Option(
-            min=0.01, help="T_t / T_p for K_r (default: the profile's timings, else 5).", rich_help_panel=PANEL_SCHEMES
+            min=0.01,
+            help="K_r as serving would set it on a link where a full KV transfer takes this many times the prefill "
+            "(4.7 on the paper's testbed): proactive-only drops what such a link cannot carry.",
+            rich_help_panel=PANEL_SCHEMES,
         ),
-    ] = None,
+    ] = DEFAULT_STALL_RATIO,
+    profile_timings: Annotated[
+        bool,
+        typer.Option(
+            "--profile-timings",
+            help="Take T_p and T_t from the profile instead of --stall-ratio (on a CPU with a fast loopback "
+            "that sends every block during prefill).",
+            rich_help_panel=PANEL_SCHEMES,
+        ),
+    ] = False,
     blocks: Annotated[
         int,
         typer.Option(
@@ -99,7 +113,8 @@ def eval_command(
         Path | None,
         typer.Option(
             help="HATA hash weights (safetensors from smartgen.selectors.hata.save_weights); "
-            "default: trained on calibration-variant prompts before the run.",
+            "default: the model's in the profile store (`smartgen profile --selector hata` trains them), "
+            "else trained on calibration-variant prompts before the run.",
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = None,
@@ -139,6 +154,15 @@ def eval_command(
             min=0, help="Residual window R: the last R tokens stay full precision.", rich_help_panel=PANEL_QUANT
         ),
     ] = 128,
+    recall_prompts: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Prompts per task and length traced densely to measure each selector's recall of the exact "
+            "top-k (same budget), overall and on the retrieval heads; 0 = off.",
+            rich_help_panel=PANEL_OUTPUT,
+        ),
+    ] = 2,
     json_out: Annotated[
         Path | None,
         typer.Option(
@@ -198,8 +222,21 @@ def eval_command(
             weights = load_weights(hata_weights)
         except (OSError, ValueError) as exc:
             fail(f"cannot read HATA weights from {hata_weights}: {exc}")
+    ratio = None if profile_timings else stall_ratio
     report = _run(
-        model, conditions, task_names, prompt_lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size, weights
+        model,
+        conditions,
+        task_names,
+        prompt_lengths,
+        num,
+        seed,
+        db,
+        blocks,
+        ratio,
+        quant,
+        batch_size,
+        weights,
+        recall_prompts,
     )
     render(report)
     if json_out is not None:
@@ -211,7 +248,8 @@ def eval_command(
                 "num": num,
                 "seed": seed,
                 "blocks": blocks,
-                "transfer_ratio": transfer_ratio,
+                "stall_ratio": ratio,
+                "recall_prompts": recall_prompts,
                 "quant": {"bits": quant_bits, "group": quant_group, "residual": quant_residual},
             }
         }
@@ -220,7 +258,19 @@ def eval_command(
 
 
 def _run(
-    model_path: Path, conditions, tasks, lengths, num, seed, db, blocks, transfer_ratio, quant, batch_size, hata_weights
+    model_path: Path,
+    conditions,
+    tasks,
+    lengths,
+    num,
+    seed,
+    db,
+    blocks,
+    stall_ratio,
+    quant,
+    batch_size,
+    hata_weights,
+    recall_prompts,
 ) -> EvalReport:
     """Loads the model, tokenizer and profiles, makes the suite and runs it with a progress bar."""
     from rich.console import Console
@@ -261,6 +311,22 @@ def _run(
             f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         )
     console = Console()
+    hata_source = "given" if hata_weights is not None else "trained on calibration-variant prompts"
+    if (
+        hata_weights is None
+        and any(c.selector == "hata" for c in conditions)
+        and (db is not None or default_db_path().exists())
+    ):
+        from smartgen.apps.hash_weights import stored_hash_weights
+        from smartgen.store import ProfileStore
+
+        try:
+            with ProfileStore(db, create=False) as store:
+                found = stored_hash_weights(store, hf_model)
+        except StoreError as exc:
+            fail(str(exc))
+        if found is not None:
+            hata_source, hata_weights = f"#{found[0]} from {store.path}", found[1]
     profiles = None
     if wants_profiles:
         try:
@@ -271,6 +337,7 @@ def _run(
     console.print(
         f"[bold]smartgen eval[/]: {model_path} · {len(samples)} prompts ({', '.join(tasks)} at {', '.join(map(str, lengths))} tokens) "
         f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
+        + (f" · HATA weights: {hata_source}" if any(c.selector == "hata" for c in conditions) else "")
     )
     columns = (
         TextColumn("{task.description}"),
@@ -290,7 +357,8 @@ def _run(
                 conditions,
                 profiles=profiles,
                 num_blocks=blocks,
-                transfer_ratio=transfer_ratio,
+                stall_ratio=stall_ratio,
+                recall_prompts=recall_prompts,
                 quant=quant,
                 batch_size=batch_size,
                 hata_weights=hata_weights,
@@ -332,6 +400,14 @@ def render(report: EvalReport) -> None:
                 else f"the {run.strategy} strategy (no profile)"
             )
             console.print(f"{label}: K_r = {run.proactive_share:.0%} of the blocks, proactive set from {source}")
+    recall = next((run.recall for run in report.runs.values() if run.recall), None)
+    if recall is not None:
+        heads = ", ".join(f"L{layer}h{head}" for layer, head in recall["retrieval_heads"]) or "none found"
+        console.print(
+            f"top-k recall: share of the exact top-k (same budget) each row holds, layers >= 2, over "
+            f"{recall['prompts']} traced prompt(s); retrieval heads (>= 10% of full attention on the needle): {heads}; "
+            "per layer and head in --json"
+        )
         if run.kv_byte_ratio is not None:
             console.print(f"{label}: a quantized transfer moves {run.kv_byte_ratio:.1%} of the fp16 KV bytes")
 
@@ -368,7 +444,19 @@ def _table(report: EvalReport, labels: list[str]):
     )
     if report.reference is not None:
         table.add_row("vs full-cache", "", *(_pct(report.relative_overall(label)) for label in labels))
+    recalls = [report.runs[label].recall for label in labels]
+    if any(recalls):
+        table.add_section()
+        table.add_row("top-k recall", "", *(_fraction(r, "recall") for r in recalls))
+        table.add_row("retrieval heads", "recall", *(_fraction(r, "retrieval_recall") for r in recalls))
+        table.add_row("", "mass kept", *(_fraction(r, "retrieval_mass") for r in recalls))
+        table.add_row("", "top-1 kept", *(_fraction(r, "retrieval_top1") for r in recalls))
     return table
+
+
+def _fraction(recall: dict | None, key: str) -> str:
+    value = None if recall is None else recall.get(key)
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _pct_ci(value: float | None, interval: tuple[float, float] | None) -> str:

@@ -32,6 +32,7 @@ class SelectorName(str, Enum):
     quest = "quest"
     infinigen = "infinigen"
     topk = "topk"
+    hata = "hata"
 
 
 def _default_calibration() -> Path:
@@ -93,6 +94,24 @@ def profile(
             rich_help_panel=PANEL_LINK,
         ),
     ] = False,
+    retrain_hata: Annotated[
+        bool,
+        typer.Option(
+            "--retrain-hata",
+            help="hata: train new hash weights even when the store has some for this model.",
+            rich_help_panel=PANEL_SELECT,
+        ),
+    ] = False,
+    hata_prompts: Annotated[
+        int,
+        typer.Option(
+            min=1, help="hata: calibration prompts its hash weights are trained on.", rich_help_panel=PANEL_SELECT
+        ),
+    ] = 24,
+    hata_steps: Annotated[
+        int,
+        typer.Option(min=1, help="hata: optimiser steps per layer (HATA's script: 300).", rich_help_panel=PANEL_SELECT),
+    ] = 300,
     db: DbOption = None,
     png: Annotated[
         Path | None,
@@ -106,7 +125,8 @@ def profile(
 
     Decodes every prompt with all KV local, counts each KV entry's selections per layer, and
     stores one profile per length range in the profile database; ends with the heat map and
-    K_r at a few link rates.
+    K_r at a few link rates. With --selector hata it first trains HATA's hash weights on the
+    calibration set and stores them with the profiles (unless the store has them for this model).
     """
     from rich.console import Console
 
@@ -141,6 +161,7 @@ def profile(
             link_gbps,
             measure_link,
             limit,
+            (retrain_hata, hata_prompts, hata_steps),
         )
         console = Console()
         for item in profiles:
@@ -173,6 +194,7 @@ def _run(
     link_gbps: float,
     measure_link: bool,
     limit: int | None,
+    hata: tuple[bool, int, int] = (False, 24, 300),
 ) -> list:
     """Loads the calibration set, model and tokenizer and profiles with a progress bar; fails in one line."""
     from rich.console import Console
@@ -213,6 +235,12 @@ def _run(
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
+    params: dict = {"budget": budget}
+    weights_id = None
+    if selector == "hata":
+        weights_id, params["weights"] = _hash_weights(
+            console, store, hf_model, tokenizer, calibration_set, hata, str(model)
+        )
     try:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("profiling", total=None)
@@ -221,7 +249,8 @@ def _run(
                 tokenizer,
                 calibration_set,
                 selector,
-                {"budget": budget},
+                params,
+                weights_id=weights_id,
                 num_blocks=blocks,
                 length_ranges=length_ranges,
                 decode_tokens=decode_tokens,
@@ -232,6 +261,35 @@ def _run(
             )
     except (CalibrationError, ValueError) as exc:
         fail(str(exc))
+
+
+def _hash_weights(console: Console, store, model, tokenizer, calibration_set, hata: tuple[bool, int, int], name: str):
+    """(id, weights): HATA's hash weights from the store, else trained on the calibration set and stored."""
+    import time
+
+    from smartgen.apps.hash_weights import ensure_hash_weights
+    from smartgen.selectors.hata_train import HashTrainingConfig
+    from smartgen.store import StoreError
+
+    retrain, num_prompts, steps = hata
+    start = time.monotonic()
+    try:
+        with console.status("HATA hash weights: training on the calibration set (once per model)"):
+            weights_id, weights, trained = ensure_hash_weights(
+                store,
+                model,
+                tokenizer,
+                calibration_set,
+                retrain=retrain,
+                num_prompts=num_prompts,
+                config=HashTrainingConfig(steps=steps),
+                model_name=name,
+            )
+    except (StoreError, ValueError) as exc:
+        fail(str(exc))
+    what = f"trained in {time.monotonic() - start:.0f} s and stored" if trained else "from the store"
+    console.print(f"HATA hash weights #{weights_id} ({len(weights)} layers): {what}")
+    return weights_id, weights
 
 
 def _add(store, item) -> int:

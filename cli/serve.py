@@ -46,7 +46,9 @@ def serve(
     selector: Annotated[
         str,
         typer.Option(
-            help="KV selector on the decode node: quest, infinigen, topk or dense.", rich_help_panel=PANEL_MODEL
+            help="KV selector on the decode node: quest, infinigen, hata (hash weights from the profile store: "
+            "`smartgen profile --selector hata`), topk or dense.",
+            rich_help_panel=PANEL_MODEL,
         ),
     ] = "quest",
     budget: Annotated[
@@ -413,6 +415,7 @@ def serve(
         tls=tls,
         prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),
         prefix_block_tokens=prefix_block_tokens,
+        db=db,
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name

@@ -3,6 +3,7 @@
 from smartgen.store.compare import Overlap, compare, top_blocks
 from smartgen.store.database import DEFAULT_TIMEOUT_S, Match, ProfileStore, default_timeout
 from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
+from smartgen.store.hash_weights import HashWeightsRecord
 from smartgen.store.migrations import MIGRATIONS, applied_migrations, migrate, pending_migrations, schema
 from smartgen.store.profile import Profile
 
@@ -10,6 +11,7 @@ __all__ = [
     "ProfileStore",
     "Match",
     "Profile",
+    "HashWeightsRecord",
     "Overlap",
     "compare",
     "top_blocks",

@@ -13,6 +13,7 @@ failing; past the timeout a `StoreLockedError` says so. Every sqlite error leave
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from typing import Any, NamedTuple
 from sqlite_utils import Database
 
 from smartgen.store.errors import NewerSchemaError, NoProfileError, ProfileNotFoundError, StoreError, StoreLockedError
+from smartgen.store.hash_weights import HashWeightsRecord
 from smartgen.store.migrations import migrate, pending_migrations
 from smartgen.store.profile import Profile, short
 from smartgen.sysinfo import default_db_path
@@ -34,6 +36,7 @@ __all__ = ["ProfileStore", "Match", "DEFAULT_TIMEOUT_S", "default_timeout"]
 
 DEFAULT_TIMEOUT_S = 5.0
 TABLE = "profiles"
+HASH_TABLE = "hash_weights"
 
 
 def default_timeout() -> float:
@@ -273,6 +276,32 @@ class ProfileStore:
         if holding:
             return Match(min(holding, key=lambda p: (p.length_hi - p.length_lo, -(p.id or 0))), False)
         return Match(min(candidates, key=lambda p: (p.distance(length), -(p.id or 0))), True)
+
+    def add_hash_weights(self, record: HashWeightsRecord) -> int:
+        """Stores a model's HATA hash weights; returns their new id (the newest are the ones used)."""
+        with self._write() as db:
+            table = db.table(HASH_TABLE)
+            table.insert(record.to_row())
+            assert table.last_pk is not None
+            return int(table.last_pk)
+
+    def hash_weights(self, fingerprint: str, rbit: int | None = None) -> HashWeightsRecord | None:
+        """The newest HATA hash weights stored for this model (of `rbit` bits, if given), or None."""
+        where = "model_fingerprint = ?"
+        args: list[Any] = [fingerprint]
+        if rbit is not None:
+            where += " AND rbit = ?"
+            args.append(rbit)
+        with self._guard():
+            rows = list(self.db.table(HASH_TABLE).rows_where(where, args, order_by="id desc", limit=1))
+        return HashWeightsRecord.from_row(rows[0]) if rows else None
+
+    def list_hash_weights(self, fingerprint: str | None = None) -> builtins.list[HashWeightsRecord]:
+        """Every stored set of hash weights, oldest first (optionally one model's)."""
+        where, args = ("model_fingerprint = ?", [fingerprint]) if fingerprint is not None else (None, [])
+        with self._guard():
+            rows = list(self.db.table(HASH_TABLE).rows_where(where, args, order_by="id"))
+        return [HashWeightsRecord.from_row(row) for row in rows]
 
     def export(self, profile_id: int) -> dict[str, Any]:
         """A profile as JSON-ready data (the importance bit-exact, base64)."""

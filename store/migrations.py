@@ -81,6 +81,27 @@ def m001_initial(db: Database) -> None:
     db.table("profiles").create_index(["model_fingerprint", "selector", "num_blocks"], index_name="profiles_lookup")
 
 
+@_migration
+def m002_hash_weights(db: Database) -> None:
+    """HATA's hash weights per model, trained on a calibration set: safetensors bytes ("layer.<l>": [H, d, rbit])."""
+    columns = {
+        "id": int,
+        "created_at": str,  # ISO 8601, UTC
+        "smartgen_version": str,
+        "model_fingerprint": str,
+        "model": str,
+        "rbit": int,  # bits per code
+        "num_layers": int,  # layers with weights (every layer >= 2)
+        "calibration": str,
+        "calibration_hash": str,
+        "num_prompts": int,
+        "steps": int,  # optimiser steps per layer
+        "weights": bytes,
+    }
+    db.table("hash_weights").create(columns, pk="id", not_null=set(columns) - {"id"})
+    db.table("hash_weights").create_index(["model_fingerprint", "rbit"], index_name="hash_weights_lookup")
+
+
 def applied_migrations(db: Database) -> list[str]:
     """Names recorded in `_migrations`, in the order they were applied ([] for a new database)."""
     if not db.table(MIGRATIONS_TABLE).exists():

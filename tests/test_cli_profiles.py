@@ -287,3 +287,41 @@ def test_profiles_errors(db, tmp_path):
     )
     Database(db).table("_migrations").insert({"name": "m002_future", "applied_at": "2030"})
     _error(runner.invoke(app, ["profiles", "list", "--db", str(db)]), "newer SmartGen")
+
+
+def test_profile_hata_trains_and_stores_its_hash_weights_once(model_dir, calibration, tmp_path):
+    """HATA's weights are a step of `smartgen profile`, kept in the store, reused, and read by `smartgen eval`."""
+    from smartgen.runtime.fingerprint import model_fingerprint
+    from smartgen.runtime.models import load_model
+    from smartgen.selectors.hata import weights_from_bytes
+
+    db = tmp_path / "p.db"
+    args = ["profile", "--model", str(model_dir), "--calibration", str(calibration), "--selector", "hata"]
+    args += ["--blocks", "8", "--ranges", "30-200", "--decode-tokens", "1", "--db", str(db), "--hata-steps", "3"]
+    args += ["--hata-prompts", "4"]
+    output = _ok(runner.invoke(app, args))
+    assert "HATA hash weights #1" in output and "trained in" in output and "stored 1 profile(s)" in output
+    fingerprint = model_fingerprint(load_model(model_dir))
+    with ProfileStore(db) as store:
+        record = store.hash_weights(fingerprint)
+        [profile] = store.list()
+    assert record is not None and record.id == 1 and record.rbit == 128 and record.steps == 3
+    assert record.num_prompts == 4 and record.calibration == "calibration.jsonl" and record.num_layers == 2
+    weights = weights_from_bytes(record.weights)
+    assert sorted(weights) == [2, 3] and weights[2].shape[2] == 128  # layers >= 2, [H, d, rbit]
+    assert profile.selector == "hata" and profile.selector_params == {"budget": 0.1, "weights": "store:1"}
+    again = _ok(runner.invoke(app, args))
+    assert "HATA hash weights #1" in again and "from the store" in again
+    retrained = _ok(runner.invoke(app, [*args, "--retrain-hata"]))
+    assert "HATA hash weights #2" in retrained and "trained in" in retrained
+    with ProfileStore(db) as store:
+        assert [r.id for r in store.list_hash_weights(fingerprint)] == [1, 2]
+        assert [p.selector_params["weights"] for p in store.list()] == ["store:1", "store:1", "store:2"]
+    evaluated = runner.invoke(
+        app,
+        ["eval", "--model", str(model_dir), "--schemes", "smartgen", "--selector", "hata", "--tasks", "passkey"]
+        + ["--lengths", "200", "--num", "1", "--blocks", "8", "--recall-prompts", "0", "--db", str(db)],
+        env={"COLUMNS": "200"},
+    )
+    assert evaluated.exit_code == 0, evaluated.output
+    assert f"HATA weights: #2 from {db}" in " ".join(evaluated.output.split())

@@ -90,8 +90,8 @@ def test_full_cache_equals_the_dense_reference(tiny, samples):
 
 
 def test_proactive_only_never_fetches_and_attends_less(tiny, samples):
-    smartgen = _run(tiny, samples, "smartgen", transfer_ratio=5.0)
-    dropped = _run(tiny, samples, "proactive-only", transfer_ratio=5.0)
+    smartgen = _run(tiny, samples, "smartgen", stall_ratio=5.0)
+    dropped = _run(tiny, samples, "proactive-only", stall_ratio=5.0)
     # 4 layers at T_t = 5 T_p: K_r is the floor, layers 0-1, so layers 2-3 get no prompt KV at all
     assert smartgen.proactive_share == dropped.proactive_share == 0.5
     assert smartgen.strategy == dropped.strategy == "streaming"
@@ -270,12 +270,14 @@ def test_a_profile_gives_importance_and_timings(tiny, samples):
     profile = SimpleNamespace(
         importance=torch.rand(4, 64), prefill_seconds_per_token=1e-4, transfer_seconds_per_token=1e-4, id=7
     )
-    run = _run(tiny, samples, "proactive-only", profiles=lambda length: profile)
-    # T_t = T_p: K_r = L·M·(L-1)/L = 3 of 4 layers' blocks
+    run = _run(tiny, samples, "proactive-only", profiles=lambda length: profile, stall_ratio=None)
+    # the profile's timings, T_t = T_p: K_r = L·M·(L-1)/L = 3 of 4 layers' blocks
     assert run.strategy == "profile" and run.profile_ids == [7] and run.proactive_share == 0.75
-    assert (
-        _run(tiny, samples, "proactive-only", profiles=lambda length: profile, transfer_ratio=5.0).proactive_share
-        == 0.5
+    # the default stall ratio 4.7 overrides them: (L-1)/(L·4.7) < 2/L, so K_r is the floor, layers 0-1
+    assert _run(tiny, samples, "proactive-only", profiles=lambda length: profile).proactive_share == 0.5
+    # a stall ratio of 1.25: K_r = 3/(4·1.25) = 60% of the blocks
+    assert _run(tiny, samples, "proactive-only", profiles=lambda length: profile, stall_ratio=1.25).proactive_share == (
+        pytest.approx(0.6, abs=0.01)
     )
 
 

@@ -356,3 +356,38 @@ def test_infinigen_without_speculation_selects_with_the_layers_own_query(tiny):
     step = random_step(2, lengths, seed=2)  # carries a (random) hidden state too: it must be ignored
     without_hidden = StepQuery(2, step.query, None, step.positions, lengths)
     assert torch.equal(plain.select(step, metadata), plain.select(without_hidden, metadata))
+
+
+def test_infinigen_without_skewing_ignores_the_skew(tiny, warmup):
+    """skewing=False is InfiniGen's ablation: A = I, so the partial keys are raw key columns."""
+    model, info = tiny
+    _, skew = warmup
+    plain = InfiniGenSelector(info, skew=skew, skewing=False)
+    seen, _ = run_captured(model, prompt(50, seed=1))
+    hidden, q, k = seen[2]
+    meta = plain.build_metadata(PrefillLayer(2, q, k, hidden))
+    assert torch.equal(meta["skew"], torch.eye(D_HEAD).expand(H, -1, -1))
+    expect = torch.stack([k[h][:, meta["columns"][h]] for h in range(H)])
+    torch.testing.assert_close(meta["partial_keys"], expect)
+    skewed = InfiniGenSelector(info, skew=skew).build_metadata(PrefillLayer(2, q, k, hidden))
+    assert not torch.equal(skewed["partial_keys"], meta["partial_keys"])
+
+
+def test_quest_gqa_max_ranks_pages_by_each_heads_softmaxed_bound():
+    from smartgen.selectors.base import ModelInfo
+    from smartgen.selectors.quest import QuestSelector, page_bounds, page_upper_bounds
+
+    info = ModelInfo(num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
+    g = torch.Generator().manual_seed(4)
+    keys, query = torch.randn(2, 70, 8, generator=g), torch.randn(4, 8, generator=g)
+    query[1] *= 20  # head 1's bounds are on a larger scale than head 0's: "bound" follows head 1 alone
+    for gqa in ("bound", "max"):
+        selector = QuestSelector(info, budget=20, page_size=4, gqa=gqa)
+        meta = selector.build_metadata(PrefillLayer(2, torch.randn(4, 70, 8), keys, None))
+        index = selector.select(StepQuery(2, query[None], None, torch.tensor([70]), [70]), [meta])
+        page_max, page_min = page_bounds(keys, 4)
+        bounds = page_upper_bounds(query, page_max[:, :-1], page_min[:, :-1]).view(2, 2, -1)
+        score = bounds.amax(dim=1) if gqa == "bound" else (bounds * 8**-0.5).softmax(-1).amax(dim=1)
+        pages = score.topk(selector.page_budget(70) - 1).indices.sort().values  # + the last page, 17
+        for h in range(2):
+            assert index[h][index[h] >= 0].div(4, rounding_mode="floor").unique().tolist() == [*pages[h].tolist(), 17]

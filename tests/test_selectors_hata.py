@@ -56,7 +56,7 @@ def test_hash_bits_are_the_signs_of_the_projection():
 
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_scores_match_a_brute_force_computation(use_norm):
-    selector = HATASelector(INFO, budget=5, rbit=32, use_norm=use_norm, seed=3)
+    selector = HATASelector(INFO, budget=5, rbit=32, use_norm=use_norm, seed=3, gqa="sum")
     g = torch.Generator().manual_seed(1)
     keys, query = torch.randn(H, 30, D_HEAD, generator=g), torch.randn(HQ, D_HEAD, generator=g)
     meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 30, D_HEAD), keys, None))
@@ -143,3 +143,75 @@ def test_training_improves_recall_over_random_weights(tiny_llama):
             stats = selector_recall(selector, 0.1, trace, stats)
         recall[name] = stats.overall("kv_recall")
     assert recall["trained"] > recall["random"] + 0.02, recall
+
+
+def test_serve_loads_hata_weights_from_the_profile_store(tmp_path):
+    """`smartgen serve --selector hata` builds its selector from the store's newest weights for the model, or
+    refuses in one line."""
+    from tiny_models import save_tiny_model
+
+    from smartgen.roles.launch import NodeSettings, _load
+    from smartgen.runtime.fingerprint import model_fingerprint
+    from smartgen.runtime.models import load_model, model_info
+    from smartgen.selectors.hata import random_weights, weights_to_bytes
+    from smartgen.store import HashWeightsRecord, ProfileStore
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    db = tmp_path / "p.db"
+    settings = NodeSettings(folder, selector="hata", db=db)
+    with pytest.raises(ValueError, match="no profile database at .*smartgen profile --selector hata"):
+        _load(settings)
+    model = load_model(folder)
+    weights = random_weights(model_info(model), rbit=16, seed=3)
+    with ProfileStore(db) as store:
+        with pytest.raises(ValueError, match="no HATA hash weights for this model"):
+            _load(settings)
+        record = HashWeightsRecord(
+            model_fingerprint(model), "tiny", 16, len(weights), "c.jsonl", "0" * 64, 1, 1, weights_to_bytes(weights)
+        )
+        store.add_hash_weights(record)
+    _, _, selector = _load(settings)
+    assert selector.name == "hata" and sorted(selector.weights) == sorted(weights)
+    assert all(torch.equal(selector.weights[layer], weights[layer]) for layer in weights)
+
+
+def test_gqa_max_scores_softmax_each_heads_estimated_logits_then_max():
+    selector = HATASelector(INFO, budget=5, rbit=32, seed=3, gqa="max")
+    g = torch.Generator().manual_seed(2)
+    keys, query = torch.randn(H, 30, D_HEAD, generator=g), torch.randn(HQ, D_HEAD, generator=g)
+    meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 30, D_HEAD), keys, None))
+    weight, group = selector.weights[2], HQ // H
+    logits = torch.zeros(H, group, 30)
+    for j in range(HQ):
+        h = j // group
+        cq = ((query[j] @ weight[h]) > 0).float() * 2 - 1
+        ck = ((keys[h] @ weight[h]) > 0).float() * 2 - 1
+        cosine = 1 - 2 * ((32 - ck @ cq) / 2) / 32
+        logits[h, j % group] = cosine * query[j].norm() * keys[h].norm(dim=-1) * D_HEAD**-0.5
+    expect = logits.softmax(dim=-1).amax(dim=1)
+    torch.testing.assert_close(selector.scores(query, meta, 2, 30), expect)
+    index = selector.select(StepQuery(2, query[None], None, torch.tensor([30]), [30]), [meta])
+    assert torch.equal(index, expect.topk(5).indices.sort().values)
+    no_norm = HATASelector(INFO, budget=5, rbit=32, seed=3, gqa="max", use_norm=False)
+    without_k = (logits / keys.norm(dim=-1)[:, None, :]).softmax(dim=-1).amax(dim=1)  # ‖k‖ left out
+    torch.testing.assert_close(no_norm.scores(query, meta, 2, 30), without_k)
+
+
+def test_gqa_max_keeps_the_token_one_sharp_head_needs():
+    """Three heads spread their weight, one puts it on token 7: the max rule keeps token 7 (it is the exact top-k's score)."""
+    from smartgen.selectors.base import group_max_probability
+    from smartgen.selectors.topk import kv_head_scores
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 40, D_HEAD, generator=g)
+    query = torch.randn(4, D_HEAD, generator=g) * 0.3
+    query[0] = keys[0, 7] * 3  # head 0 attends sharply to token 7
+    logits = torch.einsum("gd,nd->gn", query, keys[0])[None] * D_HEAD**-0.5  # [1, G, n]
+    torch.testing.assert_close(group_max_probability(logits), kv_head_scores(query, keys))
+    assert 7 in group_max_probability(logits).topk(4).indices
+
+
+@pytest.mark.parametrize("name", ["hata", "quest", "infinigen"])
+def test_an_unknown_gqa_rule_is_a_one_line_error(name):
+    with pytest.raises(ValueError, match=f"{name}: gqa must be one of"):
+        make_selector(name, INFO, budget=0.1, gqa="mean")

@@ -105,9 +105,57 @@ def test_schema_columns_after_migrations(tmp_path):
     db = Database(tmp_path / "p.db")
     assert [c.name for c in db.table("profiles").columns] == PROFILE_COLUMNS
     assert [c.name for c in db.table("_migrations").columns] == ["name", "applied_at"]
-    assert [r["name"] for r in db.table("_migrations").rows] == [fn.__name__ for fn in MIGRATIONS] == ["m001_initial"]
+    assert (
+        [r["name"] for r in db.table("_migrations").rows]
+        == [fn.__name__ for fn in MIGRATIONS]
+        == [
+            "m001_initial",
+            "m002_hash_weights",
+        ]
+    )
     assert db.journal_mode == "wal"
     assert {tuple(i.columns) for i in db.table("profiles").indexes} == {("model_fingerprint", "selector", "num_blocks")}
+    assert [c.name for c in db.table("hash_weights").columns] == HASH_COLUMNS
+    assert {tuple(i.columns) for i in db.table("hash_weights").indexes} == {("model_fingerprint", "rbit")}
+
+
+HASH_COLUMNS = [
+    "id",
+    "created_at",
+    "smartgen_version",
+    "model_fingerprint",
+    "model",
+    "rbit",
+    "num_layers",
+    "calibration",
+    "calibration_hash",
+    "num_prompts",
+    "steps",
+    "weights",
+]
+
+
+def test_hash_weights_round_trip_and_the_newest_win(store):
+    from smartgen.store import HashWeightsRecord
+
+    def record(fingerprint, rbit, data):
+        return HashWeightsRecord(fingerprint, "m", rbit, 4, "cal.jsonl", "0" * 64, 3, 10, data)
+
+    assert store.hash_weights("a" * 64) is None
+    first = store.add_hash_weights(record("a" * 64, 128, b"one"))
+    second = store.add_hash_weights(record("a" * 64, 128, b"two"))
+    other = store.add_hash_weights(record("a" * 64, 64, b"three"))
+    store.add_hash_weights(record("b" * 64, 128, b"four"))
+    assert first < second < other
+    newest = store.hash_weights("a" * 64)
+    assert newest is not None and newest.id == other and newest.weights == b"three"
+    by_bits = store.hash_weights("a" * 64, rbit=128)
+    assert by_bits is not None
+    assert by_bits.id == second and by_bits.weights == b"two" and by_bits.calibration == "cal.jsonl"
+    assert [r.id for r in store.list_hash_weights("a" * 64)] == [first, second, other]
+    assert len(store.list_hash_weights()) == 4
+    with pytest.raises(ValueError, match="rbit"):
+        record("a" * 64, 12, b"x")
 
 
 def test_migrations_run_once(tmp_path):
@@ -129,7 +177,7 @@ def test_docs_quote_the_real_schema():
     block = re.search(r"<!-- schema -->\n```sql\n(.*?)```\n<!-- /schema -->", text, re.S)
     assert block, "docs/profiles.md must quote the schema between <!-- schema --> markers"
     assert block.group(1).strip() == schema().strip(), "regenerate it: python -m smartgen.store"
-    for column in PROFILE_COLUMNS:
+    for column in PROFILE_COLUMNS + HASH_COLUMNS:
         assert f"`{column}`" in text, f"docs/profiles.md does not describe {column}"
 
 

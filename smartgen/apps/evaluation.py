@@ -10,9 +10,10 @@ Schemes (docs/eval.md says how to read the results):
 - streamingllm: 4 sink tokens + the most recent prompt tokens (the budget in all), full transfer.
 - quant2: dense selection, full transfer, each layer's K/V quantized at the prefill hand-off (KIVI-like).
 
-K_r needs T_p and T_t. A profile gives both. Without one (or with an explicit `transfer_ratio`),
-T_t = transfer_ratio x T_p (default 5: the paper's testbed is 4.7x), so proactive-only really drops
-blocks on a machine whose own link would send everything during prefill.
+K_r needs T_p and T_t. Serving would run on a link where a full KV transfer takes `stall_ratio` x the
+prefill (default 4.7, the paper's testbed), so T_t = stall_ratio x T_p: proactive-only really drops
+what such a link cannot carry during prefill, on any machine. `stall_ratio=None` uses a profile's
+measured T_p and T_t instead (on a CPU with a fast loopback those send every block during prefill).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ __all__ = [
 SCHEMES = ("full-cache", "smartgen", "proactive-only", "streamingllm", "quant2")
 REFERENCE = "full-cache"
 STREAMING_SINKS = 4
-DEFAULT_TRANSFER_RATIO = 5.0
+DEFAULT_STALL_RATIO = 4.7  # full transfer time / prefill time on the paper's testbed (25-32 Gbit/s)
 LEARNED_PARAMS = ("skew", "weights")  # tensors learned offline (InfiniGen, HATA): never echoed in reports
 PREFILL_SECONDS_PER_TOKEN = 1e-4  # without a profile only T_t / T_p matters to K_r
 
@@ -151,6 +152,9 @@ class SchemeRun:
     proactive_shares: list[float] = field(default_factory=list)  # K_r / all blocks, per sample
     kv_byte_ratio: float | None = None  # quantized transfer bytes / fp16 (quant2)
     seconds: float = 0.0
+    recall: dict[str, Any] | None = None  # selector_recall.recall_summary against the exact top-k
+    # proactive-only: prompt length -> bool [L, n], the prompt tokens its proactive set leaves on the decode node
+    local_mask: Callable[[int], torch.Tensor] | None = None
 
     def accuracy(self) -> dict[tuple[str, int], float]:
         scores: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -189,6 +193,7 @@ class SchemeRun:
             "accuracy": {f"{task}@{length}": acc for (task, length), acc in self.accuracy().items()},
             "ci95": {f"{task}@{length}": list(ci) for (task, length), ci in self.intervals().items()},
             "overall_ci95": list(self.overall_interval()),
+            "oracle_recall": self.recall,
             "samples": [asdict(r) for r in self.results],
         }
 
@@ -315,7 +320,7 @@ def evaluate(
     importance: torch.Tensor | None = None,
     profiles: ProfileSource | None = None,
     num_blocks: int = DEFAULT_NUM_BLOCKS,
-    transfer_ratio: float | None = None,
+    stall_ratio: float | None = DEFAULT_STALL_RATIO,
     quant: KVQuantConfig | None = None,
     batch_size: int = 4,
     on_progress: ProgressFn | None = None,
@@ -323,13 +328,19 @@ def evaluate(
     """Greedy answers to `samples` under one scheme, scored as RULER does.
 
     selector_params["budget"] is also StreamingLLM's window. `profiles` (length -> Profile) gives the
-    proactive set's importance and T_p / T_t; else `importance` [L, M] with T_t = transfer_ratio x T_p.
-    An explicit transfer_ratio overrides a profile's timings too.
+    proactive set's importance (else `importance` [L, M], else the streaming strategy). K_r follows
+    T_t = stall_ratio x T_p; `stall_ratio=None` takes T_p and T_t from the profile (the default ratio
+    without one).
     """
     params = dict(selector_params or {})
     options = tuple(sorted((k, v) for k, v in params.items() if k != "budget" and k not in LEARNED_PARAMS))
     cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if selector != "dense" else ())
-    if selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only") and "skew" not in params:
+    if (
+        selector == "infinigen"
+        and cond.scheme in ("smartgen", "proactive-only")
+        and "skew" not in params
+        and params.get("skewing", True)
+    ):
         params["skew"] = infinigen_warmup(model, tokenizer, samples)
     if selector == "hata" and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
         params["weights"] = hata_calibration(model, tokenizer, samples)
@@ -350,8 +361,10 @@ def evaluate(
             run.profile_ids.append(profile.id)
         chosen = policy if policy.proactive != "budget" or weights is not None else policy.with_strategy("streaming")
         run.strategy = chosen.strategy if chosen.proactive == "budget" else None
-        t_p, t_t = _timings(profile, transfer_ratio)
+        t_p, t_t = _timings(profile, stall_ratio)
         blocks = num_blocks if weights is None else weights.shape[1]
+        if policy.drop_remote and run.local_mask is None:
+            run.local_mask = _proactive_tokens(model, weights, blocks, t_p, t_t, chosen.strategy)
         with InprocPipeline(
             model,
             chosen,
@@ -382,12 +395,38 @@ def evaluate(
     return EvalReport({run.label: run})
 
 
-def _timings(profile, transfer_ratio: float | None) -> tuple[float, float]:
-    """T_p and T_t per token: the profile's, or T_t = transfer_ratio x T_p (an explicit ratio wins)."""
+def _proactive_tokens(model, importance, num_blocks: int, t_p: float, t_t: float, strategy: str):
+    """n -> bool [L, n]: the prompt tokens of each layer a proactive-only decode node holds (its proactive set).
+
+    The run's own planner settings; with a profile, those of the first length (recall is an estimate).
+    """
+    from smartgen.engine.layout import block_bounds
+    from smartgen.engine.planning import Planner
+    from smartgen.runtime.models import model_info
+
+    layers = model_info(model).num_layers
+    planner = Planner(layers, num_blocks, importance, t_p, t_t)
+
+    def local(n: int) -> torch.Tensor:
+        plan = planner.plan(n, "budget", strategy)
+        bounds = block_bounds(n, num_blocks)
+        mask = torch.zeros(layers, n, dtype=torch.bool)
+        for layer in range(layers):
+            for block in plan.proactive_blocks(layer).tolist():
+                mask[layer, bounds[block] : bounds[block + 1]] = True
+        return mask
+
+    return local
+
+
+def _timings(profile, stall_ratio: float | None) -> tuple[float, float]:
+    """T_p and T_t per token: T_t = stall_ratio x T_p, or the profile's own pair when stall_ratio is None."""
+    if stall_ratio is not None and stall_ratio <= 0:
+        raise ValueError(f"the stall ratio must be positive, got {stall_ratio:g}")
     t_p = PREFILL_SECONDS_PER_TOKEN if profile is None else profile.prefill_seconds_per_token
-    if profile is not None and transfer_ratio is None:
+    if profile is not None and stall_ratio is None:
         return t_p, profile.transfer_seconds_per_token
-    return t_p, t_p * (transfer_ratio or DEFAULT_TRANSFER_RATIO)
+    return t_p, t_p * (stall_ratio or DEFAULT_STALL_RATIO)
 
 
 def evaluate_conditions(
@@ -399,18 +438,26 @@ def evaluate_conditions(
     profiles: StoreProfiles | None = None,
     on_progress: ProgressFn | None = None,
     hata_weights: dict[int, torch.Tensor] | None = None,
+    recall_prompts: int = 0,
     **kwargs: Any,
 ) -> EvalReport:
     """`evaluate` for each condition in turn (what `smartgen eval` runs); progress counts over all of them.
 
     HATA runs with `hata_weights`, else with weights trained once on calibration-variant prompts.
+    `recall_prompts` > 0: then the first that many prompts of each cell are traced densely and every
+    selecting condition's recall of the exact top-k (same budget) is added to its run (`SchemeRun.recall`).
     """
     report = EvalReport()
+    selecting: dict[str, tuple[str, dict[str, Any], float]] = {}
     skew: dict[int, torch.Tensor] | None = None
     total = len(samples) * len(conditions)
     for n, cond in enumerate(conditions):
         params: dict[str, Any] = {"budget": cond.budget, **dict(cond.options)}
-        if cond.selector == "infinigen" and cond.scheme in ("smartgen", "proactive-only"):
+        if (
+            cond.selector == "infinigen"
+            and cond.scheme in ("smartgen", "proactive-only")
+            and params.get("skewing", True)
+        ):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew
         if cond.selector == "hata" and cond.scheme in ("smartgen", "proactive-only"):
@@ -439,7 +486,54 @@ def evaluate_conditions(
                 **kwargs,
             )
         )
+        if cond.scheme in ("smartgen", "proactive-only"):
+            selecting[cond.label] = (cond.selector, params, cond.budget)
+        elif cond.scheme == "streamingllm":
+            selecting[cond.label] = ("streaming", {"budget": cond.budget, "sinks": STREAMING_SINKS}, cond.budget)
+    if recall_prompts > 0 and selecting:
+        add_oracle_recall(model, tokenizer, samples, report, selecting, recall_prompts, on_progress)
     return report
+
+
+def recall_samples(samples: Sequence[Sample], per_cell: int) -> list[Sample]:
+    """The first `per_cell` samples of each (task, length) cell whose answer is a needle in the prompt."""
+    taken: dict[tuple[str, int], int] = defaultdict(int)
+    chosen = []
+    for sample in samples:
+        cell = (sample.task, sample.length)
+        if sample.needle_spans and taken[cell] < per_cell:
+            taken[cell] += 1
+            chosen.append(sample)
+    return chosen
+
+
+def add_oracle_recall(
+    model,
+    tokenizer,
+    samples: Sequence[Sample],
+    report: EvalReport,
+    selecting: dict[str, tuple[str, dict[str, Any], float]],
+    per_cell: int,
+    on_progress: ProgressFn | None = None,
+) -> None:
+    """Sets `recall` on each labelled run: its selector (with what proactive-only holds) against the exact top-k."""
+    from smartgen.apps.selector_recall import oracle_recall, recall_summary, retrieval_heads
+    from smartgen.runtime.models import model_info
+    from smartgen.selectors import make_selector
+
+    info = model_info(model)
+    traced = recall_samples(samples, per_cell)
+    if not traced:
+        return
+    selectors = {
+        label: (make_selector(name, info, **params), budget, report.runs[label].local_mask)
+        for label, (name, params, budget) in selecting.items()
+    }
+    progress = (lambda done, total: on_progress(done, total, "oracle recall")) if on_progress else None
+    stats = oracle_recall(model, tokenizer, traced, selectors, progress)
+    heads = retrieval_heads(next(iter(stats.values())))  # full attention's needle mass: the same in every run
+    for label, run_stats in stats.items():
+        report.runs[label].recall = recall_summary(run_stats, heads) | {"prompts": len(traced)}
 
 
 def _batches(samples: Sequence[Sample], members: list[int], size: int) -> list[list[int]]:

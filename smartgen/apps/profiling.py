@@ -43,6 +43,7 @@ __all__ = [
     "CalibrationError",
     "CalibrationSet",
     "load_calibration",
+    "tokenize_calibration",
     "parse_ranges",
     "LinkSpec",
     "SelectionCounter",
@@ -202,7 +203,8 @@ def _json_params(params: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"selector parameters must be JSON values: {exc}") from None
 
 
-def _tokenize(tokenizer: Any, calibration: CalibrationSet) -> list[list[int]]:
+def tokenize_calibration(tokenizer: Any, calibration: CalibrationSet) -> list[list[int]]:
+    """The calibration prompts as token ids (text prompts through `tokenizer`, with special tokens)."""
     if not calibration.prompts or isinstance(calibration.prompts[0], tuple):
         return [list(p) for p in calibration.prompts if isinstance(p, tuple)]  # all of them: a set is one kind
     if tokenizer is None:
@@ -306,12 +308,14 @@ def profile(
     limit: int | None = None,
     model_name: str | None = None,
     on_progress: ProgressFn | None = None,
+    weights_id: int | None = None,
 ) -> list[Profile]:
     """One Profile per length range that at least one prompt falls in (at most `limit` prompts per range).
 
-    `selector` is a name (quest, infinigen, topk) or a Selector instance (tests); text prompts are
+    `selector` is a name (quest, infinigen, topk, hata) or a Selector instance (tests); text prompts are
     tokenized with `tokenizer`, token-id prompts are used as they are. `on_progress(done, total)`
-    is called after each prompt.
+    is called after each prompt. HATA's `selector_params["weights"]` are recorded by `weights_id`
+    (their row in the store's hash_weights) as "store:<id>".
     """
     if decode_tokens < 1:
         raise ValueError("decode_tokens must be >= 1")
@@ -320,9 +324,11 @@ def profile(
     if selector == "dense" or getattr(selector, "name", None) == "dense":
         raise ValueError("the dense selector picks every token: profile a sparse one (quest, infinigen, topk)")
     calibration = prompts if isinstance(prompts, CalibrationSet) else _inline_set(prompts)
-    chosen = _assign(_tokenize(tokenizer, calibration), length_ranges, limit)
+    chosen = _assign(tokenize_calibration(tokenizer, calibration), length_ranges, limit)
     params = dict(selector_params or {})
-    stored_params = _json_params({k: v for k, v in params.items() if k != "skew"})
+    stored_params = _json_params({k: v for k, v in params.items() if k not in ("skew", "weights")})
+    if selector == "hata":  # learned tensors are named, never stored in the parameters
+        stored_params["weights"] = f"store:{weights_id}" if weights_id is not None else "given"
     if selector == "infinigen":
         stored_params["skew"] = "given" if "skew" in params else "calibration[0]"
         if "skew" not in params:

@@ -11,24 +11,41 @@ and prompts:
 - head_recall [L, Hq]: the same against each query head's own top-k (the row is its KV head's);
 - mass [L, Hq]: the query head's attention probability (over the prompt) on the selected tokens;
   oracle_mass the same on its own top-k: 1 - mass is what the selection takes from that head;
+- top1_hit [L, Hq]: whether the head's single most attended prompt token is in its row (a retrieval head
+  that puts ~all its weight on the next needle token loses the answer when it is not);
 - needle_hit [L, Hq]: share of the answer needle's tokens in the head's row (prompts with a needle);
 - needle_mass [L, Hq]: full attention's probability on the needle: the retrieval heads are the
   heads with the largest (see `retrieval_heads`);
 - size [L, H]: row length / k (InfiniGen's threshold can pick fewer than the budget).
-Layers below `first_layer` (2: dense in SmartGen) are not scored.
+Layers below `first_layer` (2: dense in SmartGen) are not scored. `local` [L, n] restricts the
+selector's rows to the tokens a decode node holds (proactive-only drops the rest).
+
+`trace_sample` traces one eval-suite prompt with its dense greedy answer; `oracle_recall` runs several
+selectors over shared traces and `recall_summary` turns stats into the figures `smartgen eval` reports.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
 
 from smartgen.selectors.base import PrefillLayer, Selector, StepQuery, budget_tokens
 
-__all__ = ["DecodeTrace", "RecallStats", "trace_decode", "selector_recall", "retrieval_heads", "FIRST_SCORED_LAYER"]
+__all__ = [
+    "DecodeTrace",
+    "RecallStats",
+    "trace_decode",
+    "trace_sample",
+    "selector_recall",
+    "oracle_recall",
+    "recall_summary",
+    "retrieval_heads",
+    "FIRST_SCORED_LAYER",
+]
 
 FIRST_SCORED_LAYER = 2
 
@@ -106,7 +123,7 @@ class RecallStats:
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     KV_FIELDS = ("kv_recall", "size")
-    Q_FIELDS = ("head_recall", "mass", "oracle_mass", "needle_hit", "needle_mass")
+    Q_FIELDS = ("head_recall", "mass", "oracle_mass", "top1_hit", "needle_hit", "needle_mass")
 
     def __post_init__(self) -> None:
         for name in self.KV_FIELDS + self.Q_FIELDS:
@@ -155,9 +172,16 @@ def _probs(trace: DecodeTrace, layer: int, position: int) -> torch.Tensor:
 
 @torch.no_grad()
 def selector_recall(
-    selector: Selector, budget: float, trace: DecodeTrace, stats: RecallStats | None = None
+    selector: Selector,
+    budget: float,
+    trace: DecodeTrace,
+    stats: RecallStats | None = None,
+    local: torch.Tensor | None = None,
 ) -> RecallStats:
-    """Scores `selector` against the exact top-k at `budget` on every decode step of `trace`, adding to `stats`."""
+    """Scores `selector` against the exact top-k at `budget` on every decode step of `trace`, adding to `stats`.
+
+    `local` bool [L, n]: the prompt tokens held on the decode node per layer; the rest of a row is dropped.
+    """
     info = selector.info
     stats = stats or RecallStats(info.num_layers, info.num_q_heads, info.num_kv_heads)
     n, heads, group = trace.prompt_length, info.num_kv_heads, info.group_size
@@ -179,6 +203,8 @@ def selector_recall(
             for h in range(heads):
                 row = index[h]
                 chosen[h, row[row >= 0]] = True
+            if local is not None:
+                chosen &= local[layer, :n]
             probs = _probs(trace, layer, position)  # [Hq, n]
             kv_top = probs.view(heads, group, n).amax(dim=1).topk(k, dim=-1).indices  # [H, k]
             stats.add("kv_recall", layer, chosen.gather(1, kv_top).sum(-1) / k)
@@ -188,7 +214,78 @@ def selector_recall(
             stats.add("head_recall", layer, per_head.gather(1, q_top).sum(-1) / k)
             stats.add("mass", layer, (probs * per_head).sum(-1))
             stats.add("oracle_mass", layer, probs.gather(1, q_top).sum(-1))
+            stats.add("top1_hit", layer, per_head.gather(1, probs.argmax(-1, keepdim=True)).squeeze(1).double())
             if needle is not None:
                 stats.add("needle_hit", layer, (per_head & needle).sum(-1) / needle.sum())
                 stats.add("needle_mass", layer, probs[:, needle].sum(-1))
     return stats
+
+
+@torch.no_grad()
+def trace_sample(model: PreTrainedModel, tokenizer, sample) -> DecodeTrace:
+    """An eval-suite `Sample` answered densely (greedy), then traced with its answer needle's tokens marked."""
+    enc = tokenizer(sample.prompt, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    spans = getattr(sample, "needle_spans", [])
+    needle = torch.tensor(
+        [b > a and any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]], dtype=torch.bool
+    )
+    generate = cast(Callable[..., torch.Tensor], model.generate)
+    out = generate(
+        torch.tensor([ids], device=model.device),
+        max_new_tokens=sample.max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return trace_decode(model, ids, out[0, len(ids) :].cpu(), needle)
+
+
+LocalMask = Callable[[int], torch.Tensor]  # prompt length n -> bool [L, n]: the tokens a decode node holds
+
+
+def oracle_recall(
+    model: PreTrainedModel,
+    tokenizer,
+    samples: Sequence,
+    selectors: Mapping[str, tuple[Selector, float, LocalMask | None]],
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict[str, RecallStats]:
+    """Each labelled (selector, budget, local mask) against the exact top-k over the samples, each traced once."""
+    stats: dict[str, RecallStats] = {}
+    for i, sample in enumerate(samples):
+        trace = trace_sample(model, tokenizer, sample)
+        for label, (selector, budget, local) in selectors.items():
+            mask = local(trace.prompt_length) if local is not None else None
+            stats[label] = selector_recall(selector, budget, trace, stats.get(label), mask)
+        if on_progress is not None:
+            on_progress(i + 1, len(samples))
+    return stats
+
+
+def recall_summary(stats: RecallStats, heads: list[tuple[int, int]]) -> dict[str, Any]:
+    """What a report shows of one selector's stats: means over sparse layers and heads, the retrieval heads'
+    figures (`heads`: (layer, query head) pairs) and the [layer x head] tables (None where not scored)."""
+
+    def table(name: str) -> list[list[float | None]]:
+        values = stats.mean(name)
+        return [[round(float(v), 4) if v == v else None for v in row] for row in values.tolist()]
+
+    def over(name: str) -> float | None:
+        return round(stats.overall(name, heads), 4) if heads else None
+
+    return {
+        "recall": round(stats.overall("kv_recall"), 4),
+        "mass": round(stats.overall("mass"), 4),
+        "oracle_mass": round(stats.overall("oracle_mass"), 4),
+        "size": round(stats.overall("size"), 4),
+        "retrieval_heads": [list(h) for h in heads],
+        "retrieval_recall": over("head_recall"),
+        "retrieval_mass": over("mass"),
+        "retrieval_oracle_mass": over("oracle_mass"),
+        "retrieval_top1": over("top1_hit"),
+        "retrieval_needle_hit": over("needle_hit"),
+        "kv_recall_per_head": table("kv_recall"),
+        "head_recall_per_head": table("head_recall"),
+        "top1_hit_per_head": table("top1_hit"),
+    }

@@ -49,6 +49,7 @@ class NodeSettings:
         return PrefixCache(self.prefix_cache_bytes, self.prefix_block_tokens)
 
     tls: TlsFiles | None = None  # TLS on the TCP connections between the nodes (None: plain TCP)
+    db: Path | None = None  # the profile store (HATA's hash weights); None: $SMARTGEN_DB or the default
 
     def selector_params(self) -> dict:
         return {} if self.selector == "dense" else {"budget": self.budget}
@@ -57,8 +58,31 @@ class NodeSettings:
 def _load(settings: NodeSettings):
     model = load_model(settings.model, DTYPES[settings.dtype], settings.device)
     layout = kv_layout(model, num_blocks=settings.blocks)
-    selector = make_selector(settings.selector, model_info(model), **settings.selector_params())
+    params = settings.selector_params()
+    if settings.selector == "hata":
+        params["weights"] = _hash_weights(settings.db, model)
+    selector = make_selector(settings.selector, model_info(model), **params)
     return model, layout, selector
+
+
+def _hash_weights(db: Path | None, model) -> dict:
+    """The model's newest HATA hash weights from the profile store; a ValueError says how to make them."""
+    from smartgen.selectors.hata import weights_from_bytes
+    from smartgen.store import ProfileStore, StoreError
+
+    how = "run `smartgen profile --selector hata` for this model first"
+    path = Path(db) if db is not None else default_db_path()
+    if not path.exists():
+        raise ValueError(f"the hata selector needs hash weights and there is no profile database at {path}: {how}")
+    try:
+        with ProfileStore(db, create=False) as store:
+            record = store.hash_weights(model_fingerprint(model))
+    except StoreError as exc:
+        raise ValueError(str(exc)) from None
+    if record is None:
+        raise ValueError(f"no HATA hash weights for this model in {path}: {how}")
+    log.info("HATA hash weights #%s from %s", record.id, path)
+    return weights_from_bytes(record.weights)
 
 
 def _profile_lookup(db: Path | None, model, settings: NodeSettings, layout):

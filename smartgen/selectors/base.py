@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelInfo", "PrefillLayer", "StepQuery", "Selector", "budget_tokens", "pad_rows"]
+__all__ = [
+    "ModelInfo",
+    "PrefillLayer",
+    "StepQuery",
+    "Selector",
+    "budget_tokens",
+    "pad_rows",
+    "group_max_probability",
+    "check_gqa",
+]
 
 LayerMetadata = dict[str, torch.Tensor]
 
@@ -64,6 +73,23 @@ def budget_tokens(budget: float, length: int) -> int:
         raise ValueError(f"selection budget must be positive, got {budget}")
     count = round(budget * length) if budget <= 1 else int(budget)
     return max(1, min(length, count))
+
+
+def group_max_probability(logits: torch.Tensor) -> torch.Tensor:
+    """GQA rule "max": per query head a softmax over the prompt, then the max over the KV head's G query heads.
+
+    logits [H, G, n] (each head's estimate of its attention logits, scaled) -> [H, n] float32. The exact
+    top-k's rule (topk.kv_head_scores): a token one head needs sharply outranks tokens that several diffuse
+    heads share, and heads whose logits live on larger scales do not drown the others.
+    """
+    return logits.float().softmax(dim=-1).amax(dim=1)
+
+
+def check_gqa(name: str, gqa: str, choices: tuple[str, ...]) -> str:
+    """`gqa` if it is one of `choices`, else a one-line ValueError."""
+    if gqa not in choices:
+        raise ValueError(f"{name}: gqa must be one of {', '.join(choices)}, got {gqa!r}")
+    return gqa
 
 
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -21,14 +21,14 @@ Following snu-comparch/InfiniGen (REFERENCE.md §1), for RoPE models:
 Choices of ours:
 - GQA (InfiniGen handles only MHA), as the HATA port does: one A per KV head from its G
   query heads' queries stacked; columns by Σ|QA| over the G heads; the G heads' softmaxed
-  partial scores summed per KV head before top-k, so the row is shared by the group.
+  partial scores summed per KV head before top-k (`gqa="max"`: maxed), so the row is shared by the group.
 - A is computed from the eigenvectors of QᵀQ in float64 rather than an SVD of Q: the same
   right singular vectors, always a square d×d matrix even when the warm-up prompt has fewer
   than d rows, and cheap for long prompts. The column order of A does not affect
   selection (columns are then picked by Σ|QA|); the σ_q·σ_k order is kept for fidelity.
 - Columns are chosen from the queries only (the speedup code), not the simulation's union
   with the keys' top columns, so d' is fixed per head.
-- skew=None means no skewing (A = I), InfiniGen's ablation; pass `compute_skewing`'s result.
+- skew=None (or skewing=False) means no skewing (A = I), InfiniGen's ablation; pass `compute_skewing`'s result.
 - If a step has no hidden state but carries this layer's query, that query is used instead
   (selection without lookahead, for tests and comparisons).
 - Prompt tokens only: generated tokens are local on the decode node, so the partial K is
@@ -43,7 +43,16 @@ from typing import cast
 
 import torch
 
-from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
+from smartgen.selectors.base import (
+    LayerMetadata,
+    ModelInfo,
+    PrefillLayer,
+    Selector,
+    StepQuery,
+    budget_tokens,
+    check_gqa,
+    pad_rows,
+)
 
 __all__ = ["InfiniGenSelector", "compute_skewing", "rope_from_model", "decoder_layers"]
 
@@ -128,9 +137,14 @@ class InfiniGenSelector(Selector):
         alpha: float = 4.0,
         skew: Mapping[int, torch.Tensor] | None = None,
         speculate: bool = True,
+        skewing: bool = True,
+        gqa: str = "sum",
     ) -> None:
-        """`speculate=False` selects with the layer's own query instead of layer l-1's input (no prefetch overlap)."""
+        """`speculate=False` selects with the layer's own query instead of layer l-1's input (no prefetch overlap);
+        `skewing=False` ignores `skew` (A = I: the columns are the raw q/k dimensions, InfiniGen's ablation);
+        `gqa`: the G heads' softmaxed partial scores are summed ("sum", the HATA port's rule) or maxed ("max")."""
         super().__init__(info)
+        self.gqa = check_gqa("infinigen", gqa, ("sum", "max"))
         self.lookahead = speculate
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if not 0 < partial_ratio <= 1:
@@ -138,7 +152,7 @@ class InfiniGenSelector(Selector):
         self.budget = budget
         self.alpha = alpha
         self.num_columns = max(1, int(info.head_dim * partial_ratio))
-        self.skew = dict(skew) if skew is not None else {}
+        self.skew = dict(skew) if skew is not None and skewing else {}
         self._rope = info.rope
         if self._rope is None and info.model is not None:
             self._rope = rope_from_model(info.model)
@@ -219,7 +233,8 @@ class InfiniGenSelector(Selector):
             # InfiniGen's k: the mean above-threshold count over the query heads — per request,
             # so a request's selection never depends on what else is in its batch
             k = max(1, int(counts[b].float().mean().item()))
-            summed = scores[b].softmax(dim=-1).sum(dim=1)  # [H, n]
+            probs = scores[b].softmax(dim=-1)  # [H, G, n]
+            summed = probs.amax(dim=1) if self.gqa == "max" else probs.sum(dim=1)  # [H, n]
             top = summed.topk(min(k, budget_tokens(self.budget, n)), dim=-1).indices
             rows.append(top.sort(dim=-1).values)  # ascending positions, as the other selectors
         return pad_rows(rows)  # [B·H, k]

@@ -11,8 +11,11 @@ Following mit-han-lab/Quest (see REFERENCE.md §2):
 
 Choices of ours:
 - GQA: Quest's simulation repeats KV so each query head selects on its own; our index has
-  one row per KV head, so a page's score for a KV head is the max of its G query heads'
-  bounds: a page that any head may need is kept, as the bound itself is a max.
+  one row per KV head, so a page's score for a KV head is the max over its G query heads: a page
+  that any head may need is kept. By default (`gqa="max"`) each head's bounds (scaled by d^-0.5)
+  are softmaxed over the pages first, so heads with larger queries do not outrank the others by
+  scale alone (on the sample model: 75% -> 89% of the full cache's accuracy at 10%);
+  `gqa="bound"` maxes the raw bounds.
 - Min/max are exact element picks, so they are computed in float32 and stored in the
   keys' dtype without loss: half the bytes to ship for fp16/bf16 caches.
 - The bound is scored unscaled (no d^-0.5): a positive scale does not change the order.
@@ -28,7 +31,17 @@ from __future__ import annotations
 
 import torch
 
-from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
+from smartgen.selectors.base import (
+    LayerMetadata,
+    ModelInfo,
+    PrefillLayer,
+    Selector,
+    StepQuery,
+    budget_tokens,
+    check_gqa,
+    group_max_probability,
+    pad_rows,
+)
 
 __all__ = ["QuestSelector", "page_bounds", "page_upper_bounds"]
 
@@ -63,8 +76,11 @@ class QuestSelector(Selector):
 
     name = "quest"
 
-    def __init__(self, info: ModelInfo, budget: float = 0.1, page_size: int = 16) -> None:
+    def __init__(self, info: ModelInfo, budget: float = 0.1, page_size: int = 16, gqa: str = "max") -> None:
+        """`gqa`: a page's score for a KV head is the max over its G query heads of their softmax over the pages
+        of bound·d^-0.5 ("max", the exact top-k's rule), or of their raw bounds ("bound")."""
         super().__init__(info)
+        self.gqa = check_gqa("quest", gqa, ("bound", "max"))
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
@@ -99,7 +115,11 @@ class QuestSelector(Selector):
                 continue
             # score every page but the last, which is taken anyway
             bounds = page_upper_bounds(step.query[b], page_max[:, :-1], page_min[:, :-1])  # [Hq, P-1]
-            bounds = bounds.view(heads, -1, num_pages - 1).amax(dim=1)  # [H, P-1]
+            grouped = bounds.view(heads, -1, num_pages - 1)  # [H, G, P-1]
+            if self.gqa == "max":
+                bounds = group_max_probability(grouped * self.info.head_dim**-0.5)  # [H, P-1]
+            else:
+                bounds = grouped.amax(dim=1)  # [H, P-1]
             top = bounds.topk(budget - 1, dim=-1).indices.sort(dim=-1).values  # [H, budget-1]
             last = torch.full((heads, 1), num_pages - 1, dtype=top.dtype, device=device)
             pages = torch.cat((top, last), dim=-1)  # [H, budget], ascending
