@@ -477,10 +477,10 @@ class PrefillEngine:
             WriteOp("packed", "quant", 0, geometry.quant_offset(layer, request.slot), packed.numel()),
             WriteOp(ONES_SOURCE, "quant_ready", 0, geometry.ready_offset(layer, request.slot), 1),
         ]
+        self.counters.add("full", packed.numel())  # before posting: a status read after the request ends counts it
         completion = request.link.push.post_writes(
             request.request_id, {"packed": packed, ONES_SOURCE: request.ones}, ops, tag="proactive"
         )
-        self.counters.add("full", packed.numel())
         posted = time.monotonic()
 
         def landed(applied: bool) -> None:
