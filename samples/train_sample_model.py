@@ -3,7 +3,7 @@
     python samples/train_sample_model.py --minutes 50            # the committed model (about 50 min, 2 cores)
     python samples/train_sample_model.py --minutes 1 --out /tmp/m # smoke run
 
-Recipe (see /work/shared/SAMPLE-MODEL.md for why):
+Recipe (samples/sample-model/MODEL_CARD.md says why):
 1. Tokenizer: smartgen.apps.evalsuite.tokenizer.train_tokenizer (vocab 1024, digits one per token).
 2. Model: LlamaForCausalLM, 6 layers, hidden 256 (MLP 512), 8 query / 2 KV heads of dim 32, RoPE (theta
    1e12), RMSNorm, tied embeddings, started from hand-made circuits (sample_circuits.py): a frozen
