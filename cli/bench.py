@@ -140,7 +140,12 @@ def bench(
         typer.Option(min=0.0001, help="Load mode: mean-TBT objective in seconds.", rich_help_panel=PANEL_LOAD),
     ] = 0.2,
     lane: Annotated[
-        str, typer.Option(help="Transport: tcp, mooncake, nixl or rdma (see serve --help).", rich_help_panel=PANEL_RUN)
+        str,
+        typer.Option(
+            help="Transport between the nodes: tcp, mooncake, nixl or rdma (two processes), or inproc: one "
+            "`serve --role both` process, the in-process lane paced the same way (see serve --help).",
+            rich_help_panel=PANEL_RUN,
+        ),
     ] = "tcp",
     reps: Annotated[
         int | None,
@@ -225,12 +230,10 @@ def bench(
         )
     except ValueError as exc:
         fail(str(exc))
-    from smartgen.lanes.backends import LANES, unavailable
+    from smartgen.lanes.backends import lane_problem
 
-    if lane not in LANES:
-        fail(f"--lane must be one of {', '.join(LANES)}, got {lane!r}")
-    if missing := unavailable(lane):
-        fail(f"--lane {lane} cannot run here: {missing}")
+    if problem := lane_problem(lane):
+        fail(problem)
     out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -43,7 +43,11 @@ def demo(
         float, typer.Option(min=0.5, help="Pace the link so a full KV transfer takes this many times the prefill.")
     ] = 5.0,
     lane: Annotated[
-        str, typer.Option(help="Transport between the two nodes: tcp, mooncake, nixl or rdma (see `serve --help`).")
+        str,
+        typer.Option(
+            help="Transport between the two nodes: tcp, mooncake, nixl or rdma (two processes), or inproc (one "
+            "`serve --role both` process, the in-process lane paced the same way; see `serve --help`)."
+        ),
     ] = "tcp",
     monitor: Annotated[
         bool,
@@ -59,10 +63,13 @@ def demo(
     from rich.table import Table
 
     from smartgen.apps.demo import DemoConfig, run_demo
+    from smartgen.lanes.backends import lane_problem
     from smartgen.store import StoreError
 
     if not (model / "config.json").exists():
         fail(f"no model at {model} (the sample model lives in samples/sample-model)")
+    if problem := lane_problem(lane):
+        fail(problem)
     console = Console()
     config = DemoConfig(
         model=model,

@@ -1,4 +1,4 @@
-"""`smartgen serve --role prefill|decode`: the long-running nodes of a disaggregated deployment."""
+"""`smartgen serve --role prefill|decode|both`: the long-running nodes of a disaggregated deployment."""
 
 from __future__ import annotations
 
@@ -28,13 +28,16 @@ log = logging.getLogger("smartgen.serve")
 class Role(str, enum.Enum):
     prefill = "prefill"
     decode = "decode"
+    both = "both"
 
 
 def serve(
     role: Annotated[
         Role,
         typer.Option(
-            help="Which node to run: prefill (runs prefill, pushes KV) or decode (the entry point: HTTP API, decoding)."
+            help="Which node to run: prefill (runs prefill, pushes KV), decode (the entry point: HTTP API, decoding), "
+            "or both in one process over the in-process lane (`--lane inproc`; one model loaded, no node-to-node "
+            "sockets, no secret needed): --http and --status as for the two roles, --link-gbps paces both directions."
         ),
     ],
     model: Annotated[
@@ -166,23 +169,27 @@ def serve(
     lane: Annotated[
         str,
         typer.Option(
-            help="Transport for KV and messages, the same on both nodes: tcp, mooncake (smartgen[mooncake]), "
-            "nixl (smartgen[nixl]) or rdma (smartgen[rdma]; needs an RDMA device). See docs/lanes.md.",
+            help="Transport for KV and messages, the same on both nodes: tcp, mooncake (smartgen\\[mooncake]), "
+            "nixl (smartgen\\[nixl]) or rdma (smartgen\\[rdma]; needs an RDMA device); or inproc, the in-process "
+            "lane of --role both (and only of it). See docs/lanes.md. Default: tcp; inproc with --role both.",
             rich_help_panel=PANEL_NET,
+            show_default=False,
         ),
-    ] = "tcp",
+    ] = "",
     ready_file: Annotated[
         Path | None,
         typer.Option(
-            help='Once listening, write the bound addresses here as JSON ({"listen"|"http": "HOST:PORT", ...}); '
-            "with port 0 the system picks free ports and this file says which.",
+            help='Once listening, write the bound addresses here as JSON ({"listen"|"http": "HOST:PORT", ...}; '
+            '--role both: {"role": "both", "http": ..., "status": ...}); with port 0 the system picks free ports and '
+            "this file says which.",
             rich_help_panel=PANEL_NET,
         ),
     ] = None,
     record: Annotated[
         Path | None,
         typer.Option(
-            help="Append this node's /status to FILE once a second (JSON lines) for `smartgen monitor --replay FILE`.",
+            help="Append this node's /status to FILE once a second (JSON lines) for `smartgen monitor --replay FILE` "
+            "(--role both: the decode half's).",
             rich_help_panel=PANEL_NET,
         ),
     ] = None,
@@ -190,7 +197,7 @@ def serve(
         str,
         typer.Option(
             envvar="SMARTGEN_SECRET",
-            help="Shared secret both nodes must hold (or $SMARTGEN_SECRET); required unless --insecure.",
+            help="Shared secret both nodes must hold (or $SMARTGEN_SECRET); required unless --insecure or --role both.",
             rich_help_panel=PANEL_NET,
         ),
     ] = "",
@@ -350,7 +357,7 @@ def serve(
         ),
     ] = 0.0,
 ) -> None:
-    """Run a prefill node or a decode node until Ctrl-C (or SIGTERM)."""
+    """Run a prefill node, a decode node, or both in one process (--role both), until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.tcp_link import parse_address
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
@@ -376,19 +383,28 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)}")
     if on_prefill_failure not in ON_PREFILL_FAILURE:
         fail(f"--on-prefill-failure must be one of {', '.join(ON_PREFILL_FAILURE)}, got {on_prefill_failure!r}")
-    if not secret and not insecure:
+    from smartgen.lanes.backends import INPROC
+
+    lane = lane or (INPROC if role == Role.both else "tcp")
+    if (role == Role.both) != (lane == INPROC):
+        fail(
+            f"--lane {lane} cannot join the nodes of --role both: it runs over the in-process lane (--lane inproc)"
+            if role == Role.both
+            else f"--lane inproc joins a prefill and a decode node in one process: use it with --role both, "
+            f"not --role {role.value}"
+        )
+    if role == Role.both and (tls_cert or tls_key or tls_ca):
+        fail("--tls-cert, --tls-key and --tls-ca secure node-to-node sockets; --role both has none")
+    if not secret and not insecure and role != Role.both:  # colocated nodes have no socket between them to guard
         fail("no shared secret: set $SMARTGEN_SECRET (or --secret) to the same value on both nodes, or pass --insecure")
     if record is not None and not record.parent.is_dir():
         fail(f"cannot write --record {record}: folder {record.parent} does not exist")
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
-    from smartgen.lanes.backends import LANES, unavailable
+    from smartgen.lanes.backends import lane_problem
 
-    if lane not in LANES:
-        fail(f"--lane must be one of {', '.join(LANES)}, got {lane!r}")
-    missing = unavailable(lane)
-    if missing:
-        fail(f"--lane {lane} cannot run here: {missing}")
+    if problem := lane_problem(lane):
+        fail(problem)
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
     from smartgen.lanes.tls import TlsFiles
 
@@ -420,36 +436,46 @@ def serve(
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     model_name = model.name
     try:
+        prefill_limits = PrefillLimits(
+            lease,
+            handshake_timeout_s=handshake_timeout,
+            confirm_timeout_s=confirm_timeout,
+            write_timeout_s=write_timeout,
+            flush_timeout_s=flush_timeout,
+            max_queue=max_queue,
+            max_store_bytes=store_cap,
+        )
+        limits = DecodeLimits(
+            lease,
+            first_token_timeout,
+            fetch_timeout,
+            on_prefill_failure,
+            max_body_bytes,
+            fetch_stall_s=fetch_stall_ms / 1e3 or None,
+            handshake_timeout_s=handshake_timeout,
+            confirm_timeout_s=confirm_timeout,
+            write_timeout_s=write_timeout,
+            queue_timeout_s=queue_timeout,
+        )
+        status_address = parse_address(status) if status else None
         if role == Role.prefill:
             host, port = parse_address(listen)
-            prefill_limits = PrefillLimits(
-                lease,
-                handshake_timeout_s=handshake_timeout,
-                confirm_timeout_s=confirm_timeout,
-                write_timeout_s=write_timeout,
-                flush_timeout_s=flush_timeout,
-                max_queue=max_queue,
-                max_store_bytes=store_cap,
-            )
             node, profile_note = build_prefill_node(
                 settings, host, port, db, fallback_strategy, model_name, prefill_limits
             )
-            _run_prefill(node, profile_note, link_gbps, parse_address(status) if status else None, ready_file, record)
+            _run_prefill(node, profile_note, link_gbps, status_address, ready_file, record)
+        elif role == Role.both:
+            from smartgen.roles.colocated import DecodeSettings, build_colocated_node
+
+            host, port = parse_address(http)
+            decode = DecodeSettings(
+                scheme, speculative_ratio, max_batch, max_tokens, max_waiting, emulate_layer_ms, limits
+            )
+            both, profile_note = build_colocated_node(settings, fallback_strategy, model_name, prefill_limits, decode)
+            _run_both(both, profile_note, link_gbps, status_address, host, port, scheme, ready_file, record, limits)
         else:
             addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
             host, port = parse_address(http)
-            limits = DecodeLimits(
-                lease,
-                first_token_timeout,
-                fetch_timeout,
-                on_prefill_failure,
-                max_body_bytes,
-                fetch_stall_s=fetch_stall_ms / 1e3 or None,
-                handshake_timeout_s=handshake_timeout,
-                confirm_timeout_s=confirm_timeout,
-                write_timeout_s=write_timeout,
-                queue_timeout_s=queue_timeout,
-            )
             decode_node = build_decode_node(
                 settings,
                 addresses,
@@ -507,6 +533,44 @@ def _run_prefill(
     node.stop()
 
 
+def _run_both(
+    node,
+    profile_note: str,
+    link_gbps: float,
+    status: tuple[str, int] | None,
+    host: str,
+    port: int,
+    scheme: str,
+    ready_file: Path | None,
+    record: Path | None,
+    limits,
+) -> None:
+    """The prefill half (and its status endpoint) around the decode half's HTTP server."""
+    from smartgen.roles.status import StatusServer
+
+    node.prefill.start()
+    status_server = None
+    try:
+        if status is not None:
+            status_server = StatusServer(*status, node.prefill.snapshot, node.prefill.monitoring.exposition)
+        rate = f"{link_gbps:g} Gbit/s each way" if link_gbps else "unpaced"
+        where = " (status on {}:{})".format(*status_server.address) if status_server is not None else ""
+        typer.echo(
+            f"prefill node in this process{where}: in-process lane, link {rate}, profiles: {profile_note}", err=True
+        )
+        ready = {"role": "both", "lane": "inproc"}
+        if status_server is not None:
+            ready["status"] = "{}:{}".format(*status_server.address)
+        _run_decode(
+            node.decode, host, port, "in this process", scheme, ready_file, record, limits.max_body_bytes, ready
+        )
+    finally:
+        if status_server is not None:
+            status_server.close()
+        node.prefill.stop()
+        typer.echo("prefill node stopped", err=True)
+
+
 def _run_decode(
     node,
     host: str,
@@ -516,7 +580,9 @@ def _run_decode(
     ready_file: Path | None,
     record: Path | None,
     max_body_bytes: int,
+    ready: dict[str, str] | None = None,
 ) -> None:
+    """Serves the HTTP API until SIGINT/SIGTERM; `ready`: more entries for the ready file (a colocated node's)."""
     import socket
 
     import uvicorn
@@ -546,10 +612,14 @@ def _run_decode(
                 err=True,
             )
             if ready_file is not None:
-                write_ready_file(ready_file, {"role": "decode", "http": f"{host}:{port}"})
+                write_ready_file(ready_file, {"role": "decode", **(ready or {}), "http": f"{host}:{port}"})
 
     threading.Thread(target=announce, name="announce", daemon=True).start()
     recorder = StatusRecorder(record, "decode", node.scheduler.status) if record is not None else None
+    # uvicorn re-raises the signal that stopped it once it has put back the handlers it found; under the default
+    # SIGTERM handler the process would die there, before the nodes below stop and free what they hold
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

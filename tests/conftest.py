@@ -58,6 +58,23 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)
 
 
+def pipeline_text(model_dir: Path, ids: list[int], max_tokens: int) -> str:
+    """What the in-process pipeline generates for `ids` (greedy, SmartGen, Quest 10%, M = 16): the text a served
+    request with the nodes' test flags must equal."""
+    from transformers import AutoTokenizer
+
+    from smartgen.engine.policy import get_policy
+    from smartgen.runtime.models import load_model
+    from smartgen.runtime.pipeline import InprocPipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with InprocPipeline(
+        load_model(model_dir), get_policy("smartgen", strategy="streaming"), "quest", {"budget": 0.1}, num_blocks=16
+    ) as pipeline:
+        [local] = pipeline.generate([ids], max_tokens)
+    return tokenizer.decode(local.tokens, skip_special_tokens=True)
+
+
 def get_json(url: str, timeout: float = 5) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())

@@ -167,3 +167,30 @@ def test_a_prefix_hit_sweep_hits_exactly_the_asked_share_on_both_nodes(tmp_path:
     for args, message in [(["--prefix-hit", "100"], "in [0, 100)"), (["--prefix-cache", "gpu"], "--prefix-cache")]:
         bad = subprocess.run([sys.executable, "-m", "smartgen", "bench", *args], capture_output=True, text=True)
         assert bad.returncode != 0 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_a_bench_on_the_inproc_lane_runs_one_process_and_pays_the_link(tmp_path: Path) -> None:
+    """`--lane inproc`: one `serve --role both` process; the prefill half's counters still reach the results, and
+    full transfer's KV takes at least its wire time at the paced rate (the pacer charges the in-process lane)."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "smartgen", "bench", "--quick", "--lane", "inproc", "--lengths", "512"]
+    command += ["--output-tokens", "6", "--blocks", "64", "--schemes", "full,smartgen", "--strategies", "", "--out"]
+    done = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "inproc lane (one process)" in " ".join(done.stdout.split())
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["lane"] == "inproc"
+    with (out / "summary.csv").open() as handle:
+        assert {row["lane"] for row in csv.DictReader(handle)} == {"inproc"}
+    rate = data["points"][0]["regime"]["link_gbps"] * 1e9 / 8
+    for group in data["groups"]:
+        assert group["link_bytes"] > 0 and group["posting_s"] > 0
+        for request in group["requests"]:
+            assert request["error"] is None
+        if group["scheme"] == "full":
+            [request] = group["requests"]
+            assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * request["prompt_tokens"]
+            # a lower bound only (5% slack: a busy pacer may run its clock slightly in the past): the last block
+            # cannot land before the KV's wire time
+            assert request["ttst"] >= 0.95 * group["path_bytes"]["full"] / rate

@@ -169,13 +169,15 @@ def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
         decode.close()
 
 
-def test_message_payloads_pay_the_pacer_too(lane_kind):
-    """A fetch reply's KV crosses the same link as a push: it must take its wire time."""
+@pytest.mark.parametrize("direction", ["prefill->decode", "decode->prefill"])
+def test_message_payloads_pay_the_pacer_too(lane_kind, direction):
+    """A fetch reply's KV crosses the same link as a push: it must take its wire time, either way."""
     prefill, decode = loopback_link(lane_kind, gbps=0.08)  # 10 MB/s
+    sender, receiver = (prefill, decode) if direction == "prefill->decode" else (decode, prefill)
     try:
         started = time.monotonic()
-        prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(50_000)}))  # 200 kB
-        reply = decode.control.recv(timeout=10)
+        sender.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(50_000)}))  # 200 kB
+        reply = receiver.control.recv(timeout=10)
         assert reply is not None and reply.payload["k"].sum() == 50_000
         assert time.monotonic() - started >= 0.019
     finally:

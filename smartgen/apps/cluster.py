@@ -1,5 +1,8 @@
 """A local deployment for the demo and the benchmark: prefill node(s) and a decode node as real processes on 127.0.0.1.
 
+With `lane="inproc"` it is one process instead, `serve --role both`: a prefill node and a decode
+node joined by the in-process paced lane, with the same HTTP API and prefill status endpoint.
+
 Every node binds port 0 and says where it listens in a ready file, so runs never race for
 ports; each node's log goes to a file in the run folder (a pipe nobody reads would fill up
 and freeze the node), and its last lines explain a node that exits early.
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smartgen.lanes.backends import INPROC
 from smartgen.roles.processes import die_with_parent, read_ready_file, stop_processes
 
 __all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json"]
@@ -57,7 +61,8 @@ class LocalCluster:
     prefill_status: list[str] = field(default_factory=list)  # each prefill node's status HOST:PORT
     prefill_listen: list[str] = field(default_factory=list)  # each prefill node's HOST:PORT for decode nodes
     run_dir: Path | None = None
-    nodes: dict[str, subprocess.Popen] = field(default_factory=dict)  # "prefill0", ..., "decode" -> the live process
+    # "prefill0", ..., "decode" (or "both" for an in-process cluster) -> the live process
+    nodes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _processes: list[subprocess.Popen] = field(default_factory=list)  # every process started (restarts too)
     _logs: list[Any] = field(default_factory=list)
 
@@ -119,7 +124,17 @@ class LocalCluster:
             lines = log_path.read_text(errors="replace").strip().splitlines()
             raise RuntimeError(f"the {name} node exited early: {lines[-1] if lines else 'no output'}") from None
 
+    @property
+    def colocated(self) -> bool:
+        """One `serve --role both` process (the in-process lane) rather than one per node."""
+        return self.spec.lane == INPROC
+
     def _start(self) -> None:
+        if self.colocated:
+            if self.spec.prefill_nodes != 1:
+                raise ValueError("--lane inproc runs one prefill node beside the decode node, in one process")
+            self.start_both()
+            return
         for i in range(self.spec.prefill_nodes):
             self.start_prefill(i)
         self.start_decode()
@@ -136,15 +151,35 @@ class LocalCluster:
             self.prefill_listen.append(ready["listen"])
             self.prefill_status.append(ready["status"])
 
+    def _decode_args(self) -> list[str]:
+        spec = self.spec
+        args = ["--http", self.http or "127.0.0.1:0"]
+        args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
+        return args + ["--speculative-ratio", str(spec.speculative_ratio)]
+
     def start_decode(self) -> None:
         """Starts the decode node (again on its old HTTP address after a fault)."""
-        spec = self.spec
-        args = ["--role", "decode", "--prefill", ",".join(self.prefill_listen), "--http", self.http or "127.0.0.1:0"]
-        args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
-        args += ["--speculative-ratio", str(spec.speculative_ratio)]
-        args += ["--prefix-cache-bytes", spec.decode_cache, *spec.decode_extra]
+        args = ["--role", "decode", "--prefill", ",".join(self.prefill_listen), *self._decode_args()]
+        args += ["--prefix-cache-bytes", self.spec.decode_cache, *self.spec.decode_extra]
         _, ready = self._launch("decode", args)
         self.http = ready["http"]
+
+    def start_both(self) -> None:
+        """Starts the one colocated process: the prefill node's flags and the decode node's, on the in-process lane."""
+        spec = self.spec
+        if spec.prefill_cache != spec.decode_cache:  # `serve --prefix-cache-bytes` sizes both halves' caches
+            raise ValueError("with --lane inproc the prefill and decode prefix caches are the same size: cache on both")
+        args = ["--role", "both", "--status", self.prefill_status[0] if self.prefill_status else "127.0.0.1:0"]
+        args += [
+            *self._decode_args(),
+            "--prefix-cache-bytes",
+            spec.decode_cache,
+            *spec.prefill_extra,
+            *spec.decode_extra,
+        ]
+        _, ready = self._launch("both", args)
+        self.http = ready["http"]
+        self.prefill_status = [ready["status"]]
 
     def log(self, name: str) -> str:
         """What node `name` ("prefill0", "decode") logged so far."""

@@ -115,7 +115,8 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         db=config.db,
     )
     with LocalCluster(spec) as cluster:
-        say(f"prefill node and decode node up, OpenAI API on {cluster.url}/v1")
+        where = "in one process (inproc lane)" if cluster.colocated else f"over the {config.lane} lane"
+        say(f"prefill node and decode node up {where}, OpenAI API on {cluster.url}/v1")
         if config.on_nodes is not None:
             config.on_nodes(cluster.url, [f"http://{address}" for address in cluster.prefill_status])
         results = []

@@ -10,7 +10,7 @@ from smartgen.lanes.link import LinkEnd, inproc_link
 from smartgen.lanes.onesided import OneSidedTimeouts
 from smartgen.lanes.tcp_link import LaneFactory, loopback_tcp_link
 
-__all__ = ["LANES", "lane_factory", "unavailable", "loopback_link"]
+__all__ = ["LANES", "INPROC", "lane_factory", "unavailable", "lane_problem", "loopback_link"]
 
 # name -> "module:factory"; every factory wraps an authenticated socket (see tcp_link.LaneFactory)
 LANES = {
@@ -19,6 +19,9 @@ LANES = {
     "nixl": "smartgen.lanes.nixl:nixl_lane",
     "rdma": "smartgen.lanes.rdma.lane:rdma_lane",
 }
+
+# the lane of a colocated node (`serve --role both`): in-process, paced like the socket lanes; no factory
+INPROC = "inproc"
 
 
 def lane_factory(name: str, timeouts: OneSidedTimeouts | None = None) -> LaneFactory:
@@ -56,6 +59,14 @@ def unavailable(name: str) -> str | None:
     except (MissingExtra, RuntimeError, OSError) as exc:
         return str(exc)
     return None
+
+
+def lane_problem(name: str) -> str | None:
+    """What is wrong with `--lane name` for the nodes of `serve`, `bench` or `demo` (one line), or None."""
+    if name != INPROC and name not in LANES:
+        return f"--lane must be one of {', '.join(LANES)} or {INPROC} (both nodes in one process), got {name!r}"
+    missing = unavailable(name)
+    return f"--lane {name} cannot run here: {missing}" if missing else None
 
 
 def loopback_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> tuple[LinkEnd, LinkEnd]:

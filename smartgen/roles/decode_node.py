@@ -23,7 +23,7 @@ from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.monitoring import decode_monitoring
-from smartgen.roles.peers import PrefillPeers
+from smartgen.roles.peers import Connect, PrefillPeers
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector
@@ -55,7 +55,10 @@ class DecodeNode:
         limits: DecodeLimits | None = None,
         prefix_cache: PrefixCache | None = None,
         tls: TlsFiles | None = None,
+        connect: Connect | None = None,
     ) -> None:
+        """`connect(host, port)` makes the link to a prefill node; None: the TCP lane `lane` with the handshake.
+        `serve --role both` passes one that joins a prefill node in this process over an in-process link."""
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
         limits = limits or DecodeLimits()
@@ -76,23 +79,8 @@ class DecodeNode:
             "pool": {"slots": max_batch, "max_tokens": max_tokens},
             "node": uuid.uuid4().hex[:8],
         }
-        factory = lane_factory(lane, limits.one_sided)
-        tls_context = None if tls is None else tls.client_context()
-        lease = Lease(limits.lease_s)
-
-        def connect(host: str, port: int) -> LinkEnd:
-            return tcp_connect(
-                host,
-                port,
-                secret,
-                hello,
-                gbps=link_gbps,
-                delay_s=delay_s,
-                timeout=limits.handshake_timeout_s,
-                lane_factory=factory,
-                lease=lease,
-                tls=tls_context,
-            )
+        if connect is None:
+            connect = _tcp_connect(hello, secret, link_gbps, delay_s, lane, limits, tls)
 
         self.peers = PrefillPeers(self.engine, prefill_addresses, connect)
         try:
@@ -129,3 +117,34 @@ class DecodeNode:
         self.monitoring.close()
         self.runner.close()
         self.engine.close()
+
+
+def _tcp_connect(
+    hello: dict[str, Any],
+    secret: str,
+    link_gbps: float | None,
+    delay_s: float,
+    lane: str,
+    limits: DecodeLimits,
+    tls: TlsFiles | None,
+) -> Connect:
+    """Connects over `lane` (TCP sockets underneath) with the authenticated handshake."""
+    factory = lane_factory(lane, limits.one_sided)
+    tls_context = None if tls is None else tls.client_context()
+    lease = Lease(limits.lease_s)
+
+    def connect(host: str, port: int) -> LinkEnd:
+        return tcp_connect(
+            host,
+            port,
+            secret,
+            hello,
+            gbps=link_gbps,
+            delay_s=delay_s,
+            timeout=limits.handshake_timeout_s,
+            lane_factory=factory,
+            lease=lease,
+            tls=tls_context,
+        )
+
+    return connect

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from smartgen.engine.policy import get_policy
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
@@ -15,6 +16,7 @@ from smartgen.lanes.rate import transfer_seconds
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits, PrefillLimits
+from smartgen.roles.peers import Connect
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
@@ -55,8 +57,10 @@ class NodeSettings:
         return {} if self.selector == "dense" else {"budget": self.budget}
 
 
-def _load(settings: NodeSettings):
-    model = load_model(settings.model, DTYPES[settings.dtype], settings.device)
+def _load(settings: NodeSettings, model: PreTrainedModel | None = None):
+    """The model (loaded unless given: a colocated node shares one), its KV layout, and a selector of its own."""
+    if model is None:
+        model = load_model(settings.model, DTYPES[settings.dtype], settings.device)
     layout = kv_layout(model, num_blocks=settings.blocks)
     params = settings.selector_params()
     if settings.selector == "hata":
@@ -130,8 +134,12 @@ def build_prefill_node(
     fallback_strategy: str,
     model_name: str,
     limits: PrefillLimits | None = None,
+    model: PreTrainedModel | None = None,
+    listen: bool = True,
 ) -> tuple[PrefillNode, str]:
-    model, layout, selector = _load(settings)
+    """`model`: an already loaded one to share; `listen=False`: no TCP listener (a colocated node attaches its
+    decode half itself)."""
+    model, layout, selector = _load(settings, model)
     lookup, profile_note = _profile_lookup(db, model, settings, layout)
     planner = NodePlanner(layout, lookup, fallback_strategy, settings.link_gbps)
     node = PrefillNode(
@@ -149,6 +157,7 @@ def build_prefill_node(
         prefix_cache=settings.prefix_cache(),
         limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
         tls=settings.tls,
+        listen=listen,
     )
     return node, profile_note
 
@@ -164,10 +173,13 @@ def build_decode_node(
     max_waiting: int,
     emulate_layer_ms: float = 0.0,
     limits: DecodeLimits | None = None,
+    model: PreTrainedModel | None = None,
+    connect: Connect | None = None,
 ) -> DecodeNode:
+    """`model`: an already loaded one to share; `connect`: how to reach the prefill nodes (None: `settings.lane`)."""
     from transformers import AutoTokenizer
 
-    model, layout, selector = _load(settings)
+    model, layout, selector = _load(settings, model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(settings.model, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -193,4 +205,5 @@ def build_decode_node(
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
         prefix_cache=settings.prefix_cache(),
         tls=settings.tls,
+        connect=connect,
     )

@@ -2,7 +2,8 @@
 
 A request's life on a prefill node:
 1. A decode node connects (two TCP connections: push, control) and is authenticated:
-   protocol version, shared secret, model fingerprint, KV layout.
+   protocol version, shared secret, model fingerprint, KV layout. (A colocated decode node,
+   `serve --role both`, is attached directly over an in-process link instead.)
 2. OPEN arrives with the prompt ids and the decode node's pool slot; it is queued (bounded:
    a full queue answers ERROR) and its transfer plan is made from the matching profile, or
    the fallback strategy when none exists.
@@ -29,6 +30,7 @@ from smartgen.engine.pool import PoolGeometry
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
+from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.tcp_link import TcpListener
@@ -64,7 +66,10 @@ class PrefillNode:
         prefix_cache: PrefixCache | None = None,
         limits: PrefillLimits | None = None,
         tls: TlsFiles | None = None,
+        listen: bool = True,
     ) -> None:
+        """`listen=False`: no TCP listener; decode nodes in this process come in through `attach` (`serve --role
+        both`)."""
         limits = limits or PrefillLimits()
         self.model = model
         self.layout = layout
@@ -80,24 +85,27 @@ class PrefillNode:
         self.runner = PrefillRunner(model, selector)
         self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
-        self.listener = TcpListener(
-            host,
-            port,
-            secret,
-            self.identity,
-            Pacer(link_gbps, delay_s),
-            lane_factory=lane_factory(lane, limits.one_sided),
-            lease=Lease(limits.lease_s),
-            handshake_timeout_s=limits.handshake_timeout_s,
-            tls=None if tls is None else tls.server_context(),
+        self.listener = (
+            TcpListener(
+                host,
+                port,
+                secret,
+                self.identity,
+                Pacer(link_gbps, delay_s),
+                lane_factory=lane_factory(lane, limits.one_sided),
+                lease=Lease(limits.lease_s),
+                handshake_timeout_s=limits.handshake_timeout_s,
+                tls=None if tls is None else tls.server_context(),
+            )
+            if listen
+            else None
         )
-        self.address = self.listener.address
+        self.address = self.listener.address if self.listener is not None else None
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True),
-            threading.Thread(target=self._work_loop, name="prefill-work", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._work_loop, name="prefill-work", daemon=True)]
+        if self.listener is not None:
+            self._threads.append(threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True))
 
     def start(self) -> None:
         for thread in self._threads:
@@ -127,12 +135,20 @@ class PrefillNode:
         """Stops accepting and prefilling; connected decode nodes see their links close."""
         self._stop.set()
         self.monitoring.close()
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
         self.engine.close()
         for thread in self._threads:
-            thread.join(timeout=5)
+            if thread.ident is not None:  # a node stopped before it started (a colocated decode half failed)
+                thread.join(timeout=5)
+
+    def attach(self, link: LinkEnd, geometry: PoolGeometry, node: str = "?") -> None:
+        """Serves one decode node (named `node` in the log) over `link`; `geometry` is its KV pool's."""
+        log.info("decode node %s connected (%d slots of %d tokens)", node, geometry.num_slots, geometry.max_tokens)
+        self.engine.attach(link, geometry)
 
     def _accept_loop(self) -> None:
+        assert self.listener is not None
         while not self._stop.is_set():
             accepted = self.listener.accept(timeout=0.2)
             if accepted is None:
@@ -145,13 +161,7 @@ class PrefillNode:
                 log.warning("decode node sent no pool geometry; closing its link")
                 link.close()
                 continue
-            log.info(
-                "decode node %s connected (%d slots of %d tokens)",
-                hello.get("node", "?"),
-                geometry.num_slots,
-                geometry.max_tokens,
-            )
-            self.engine.attach(link, geometry)
+            self.attach(link, geometry, hello.get("node", "?"))
 
     @property
     def num_prefilled(self) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from smartgen.engine.policy import get_policy
 
-__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES"]
+__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "lane_words"]
 
 DEFAULT_SCHEMES = (
     "full",
@@ -25,6 +25,11 @@ DEFAULT_SCHEMES = (
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming")
 PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
+
+
+def lane_words(lane: str) -> str:
+    """Which lane ran, and so how many processes: the in-process lane is one `serve --role both`."""
+    return "inproc lane (one process)" if lane == "inproc" else f"{lane} lane (separate processes)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,10 @@ class BenchConfig:
             raise ValueError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_SIDES)}")
         if self.prefix_hit and self.load_rate is not None:
             raise ValueError("--prefix-hit runs in rounds; it does not combine with --load-rate")
+        if self.lane == "inproc" and max(self.prefill_nodes) > 1:
+            raise ValueError("--lane inproc runs one prefill node beside the decode node: --prefill-nodes must be 1")
+        if self.lane == "inproc" and self.prefix_hit and self.prefix_cache != "both":
+            raise ValueError("--lane inproc sizes both nodes' prefix caches alike: use --prefix-cache both")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
         self.load_spec()  # its own checks

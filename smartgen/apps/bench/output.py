@@ -15,6 +15,7 @@ __all__ = ["write_outputs", "CSV_COLUMNS"]
 
 CSV_COLUMNS = (
     "point",
+    "lane",
     "batch",
     "length",
     "link_gbps",
@@ -60,6 +61,7 @@ def _row(result: BenchResult, s: Summary) -> dict[str, Any]:
     paths = s.bytes_per_request
     return {
         "point": s.point,
+        "lane": result.config.lane,
         "batch": point.batch,
         "length": point.length,
         "link_gbps": regime.link_gbps,

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smartgen.apps.bench.config import BenchConfig, Point
+from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json
 
@@ -145,7 +145,7 @@ def run_bench(
         first = points[indices[0]]
         regime = _regime(config, first, pilot, layout.kv_bytes(1), layout.num_layers)
         say(
-            f"nodes: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
+            f"nodes over the {lane_words(config.lane)}: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
             f"{regime.reference_length} tokens), decode-side ratio {regime.decode_ratio:.3f}"
             + (f" (+{regime.emulate_layer_ms:.2f} ms emulated per layer)" if regime.emulate_layer_ms else "")
         )

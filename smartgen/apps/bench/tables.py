@@ -6,6 +6,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from smartgen.apps.bench.config import lane_words
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
@@ -32,7 +33,7 @@ def regime_line(result: BenchResult, point: int) -> str:
     prefill = r.prefill_s.get(p.length)
     step = r.step_s.get(p.length)
     return (
-        f"{p.label(result.config.link_mode)}: link {r.link_gbps * 1e3:.1f} Mbit/s, stall ratio {r.stall_ratio:.2f} "
+        f"{p.label(result.config.link_mode)}: {lane_words(result.config.lane)}, link {r.link_gbps * 1e3:.1f} Mbit/s, stall ratio {r.stall_ratio:.2f} "
         f"(full transfer / prefill), decode-side ratio {r.decode_ratio:.3f} (link bytes per all-local step / "
         f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
         + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
