@@ -169,6 +169,29 @@ def serve(
             rich_help_panel=PANEL_NET,
         ),
     ] = "tcp",
+    rdma_device: Annotated[
+        str | None,
+        typer.Option(
+            help="--lane rdma: the RDMA device (mlx5_0, rxe0...; `smartgen info` lists them). Default: the one "
+            "device with one active port; several is an error that lists them.",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
+    rdma_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="--lane rdma: the device's port (default: its one active port).", rich_help_panel=PANEL_NET
+        ),
+    ] = None,
+    gid_index: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="--lane rdma: the GID index (default: on RoCE the RoCE v2 GID with an IPv4 address, on InfiniBand "
+            "the first GID; `smartgen info` shows which it would pick).",
+            rich_help_panel=PANEL_NET,
+        ),
+    ] = None,
     ready_file: Annotated[
         Path | None,
         typer.Option(
@@ -381,12 +404,23 @@ def serve(
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
     from smartgen.lanes.backends import LANES, unavailable
+    from smartgen.lanes.rdma.select import RdmaOptions
 
     if lane not in LANES:
         fail(f"--lane must be one of {', '.join(LANES)}, got {lane!r}")
+    rdma = RdmaOptions(rdma_device, rdma_port, gid_index)
+    if rdma != RdmaOptions() and lane != "rdma":
+        fail(f"--rdma-device, --rdma-port and --gid-index apply to --lane rdma only, not --lane {lane}")
     missing = unavailable(lane)
     if missing:
         fail(f"--lane {lane} cannot run here: {missing}")
+    if lane == "rdma":  # a wrong or ambiguous device, port or GID is a one-line error now, not at the first link
+        from smartgen.lanes.rdma.device import check_choice
+
+        try:
+            check_choice(rdma)
+        except RuntimeError as exc:
+            fail(f"--lane rdma: {exc}")
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
     from smartgen.lanes.tls import TlsFiles
 
@@ -409,6 +443,7 @@ def serve(
         link_gbps or None,
         delay_ms,
         lane,
+        rdma if lane == "rdma" else None,
         lease,
         tls=tls,
         prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),

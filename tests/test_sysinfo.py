@@ -153,3 +153,24 @@ def test_triton_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_samples_the_demo_and_profile_default_to_exist():
     assert (sysinfo.SAMPLES_DIR / "calibration.jsonl").is_file()
     assert (sysinfo.SAMPLES_DIR / "sample-model" / "config.json").is_file()
+
+
+def test_the_rdma_choice_is_checked_against_what_the_verbs_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smartgen.lanes.rdma.device import check_choice
+    from smartgen.lanes.rdma.select import RdmaOptions
+
+    roce = [("fe80:0000:0000:0000:0202:c9ff:fe00:0001", 0), ("0000:0000:0000:0000:0000:ffff:0a00:0001", 1)]
+    contexts = {"mlx5_0": {1: (4, 2, 5, roce)}, "mlx5_1": {1: (4, 1, 4, [("fe80::2", 0)])}}
+    devices = [types.SimpleNamespace(name="mlx5_0"), types.SimpleNamespace(name="mlx5_1")]
+    _fake_pyverbs(monkeypatch, lambda: devices, contexts)
+    with pytest.raises(RuntimeError, match="several active RDMA ports .*--rdma-device"):
+        check_choice(RdmaOptions())
+    choice, gid = check_choice(RdmaOptions(device="mlx5_0"))
+    assert (choice.device, choice.port, gid) == ("mlx5_0", 1, 1)
+    assert check_choice(RdmaOptions(device="mlx5_0", gid_index=0))[1] == 0
+    with pytest.raises(RuntimeError, match="GID index 5 is empty"):
+        check_choice(RdmaOptions(device="mlx5_0", gid_index=5))
+    with pytest.raises(RuntimeError, match="no RDMA device 'mlx9'"):
+        check_choice(RdmaOptions(device="mlx9"))
+    with pytest.raises(RuntimeError, match="has no port 2"):
+        check_choice(RdmaOptions(device="mlx5_1", port=2))

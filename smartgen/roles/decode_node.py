@@ -18,6 +18,7 @@ from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
@@ -51,6 +52,7 @@ class DecodeNode:
         delay_s: float = 0.0,
         max_waiting: int = 64,
         lane: str = "tcp",
+        rdma: RdmaOptions | None = None,
         emulate_layer_s: float = 0.0,
         limits: DecodeLimits | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -76,7 +78,7 @@ class DecodeNode:
             "pool": {"slots": max_batch, "max_tokens": max_tokens},
             "node": uuid.uuid4().hex[:8],
         }
-        factory = lane_factory(lane, limits.one_sided)
+        factory = lane_factory(lane, limits.one_sided, rdma)
         tls_context = None if tls is None else tls.client_context()
         lease = Lease(limits.lease_s)
 

@@ -9,6 +9,7 @@ __all__ = [
     "PortInfo",
     "GidInfo",
     "Choice",
+    "RdmaOptions",
     "choose_port",
     "choose_gid",
     "negotiate_mtu",
@@ -38,6 +39,15 @@ class GidInfo:
     index: int
     gid: str  # "fe80:0000:..." as pyverbs prints it
     gid_type: int
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaOptions:
+    """The device, port and GID index asked for (`serve --rdma-device --rdma-port --gid-index`); None: chosen here."""
+
+    device: str | None = None
+    port: int | None = None
+    gid_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
