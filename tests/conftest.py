@@ -127,8 +127,12 @@ class Nodes:
         self._model_dir, self._secret, self._extra = model_dir, secret, extra
         self.decode: subprocess.Popen | None = None
         self.prefills: dict[str, tuple[subprocess.Popen, str, str]] = {}  # name -> (process, listen, status)
-        for index in range(num_prefills):
-            self.start_prefill("127.0.0.1:0", "prefill" if index == 0 else f"prefill{index + 1}")
+        try:
+            for index in range(num_prefills):
+                self.start_prefill("127.0.0.1:0", "prefill" if index == 0 else f"prefill{index + 1}")
+        except BaseException:  # the test never gets the object to stop: stop the nodes already up
+            self.stop()
+            raise
         addresses = ",".join(listen for _, listen, _ in self.prefills.values())
         self.decode = subprocess.Popen(
             [*self._launch, "--role", "decode", "--model", str(decode_model or model_dir)]
@@ -159,7 +163,11 @@ class Nodes:
             self.logs = {}
         lines = self.logs.setdefault(name, [])
         threading.Thread(target=_drain, args=(process, lines), daemon=True).start()
-        ready = self._ready(f"{name}.json", process)
+        try:
+            ready = self._ready(f"{name}.json", process)
+        except BaseException:  # not ready in time (or exited): it must not outlive the test
+            stop_processes([process])
+            raise
         self.prefills[name] = (process, ready["listen"], ready["status"])
         if name == "prefill":
             self.prefill = process
