@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-slow lint format demo bench lanes pyverbs-debian clean FORCE
+.PHONY: venv test test-lanes test-slow lint format demo bench lanes pyverbs-debian clean FORCE
 
 venv: $(STAMP)
 
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml Makefile $(VENV)/.torch-spec | $(PY)
 # pytest exits 5 when it collects nothing; make fails on that like on any non-zero status.
 test: venv
 	$(PY) -m pytest -q
+
+# The lanes beyond TCP: the lane contract, then the serving, engine and fault tests (marker `lanes`) over every lane
+# this machine can run; a lane whose package or device is missing skips with what is missing (-rs lists them).
+test-lanes: lanes
+	$(PY) -m pytest -q -rs tests/test_lanes.py tests/test_tcp_lane.py tests/test_lane_backends.py tests/test_rdma_plan.py \
+		tests/test_onesided_slots.py
+	$(PY) -m pytest -q -rs -m lanes
+	$(PY) -m pytest -q -rs tests/test_serve.py -k lane
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
@@ -55,13 +63,20 @@ lanes: venv
 	$(PY) -m pip install -e '.[mooncake,nixl]'
 
 # Debian's pyverbs (built for Debian's python3, matching its rdma-core) made visible to .venv; only when
-# .venv's Python has the same minor version as /usr/bin/python3 (3.11 on Debian 12). See docs/lanes.md.
+# .venv's Python has the same minor version as /usr/bin/python3 (3.11 on Debian 12). A dist-info beside it tells
+# pip that pyverbs is installed, so `pip install -e '.[rdma]'` keeps it instead of building PyPI's. See docs/lanes.md.
+PYVERBS_DIR := $(VENV)/debian-pyverbs
 pyverbs-debian: venv
-	apt-get install -y python3-pyverbs
+	dpkg -s python3-pyverbs >/dev/null 2>&1 || apt-get install -y python3-pyverbs
 	@test "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" = "$$(/usr/bin/python3 -c 'import sys; print(sys.version_info[:2])')" \
 		|| (echo "pyverbs-debian: .venv's Python differs from /usr/bin/python3; rebuild .venv with PYTHON=/usr/bin/python3" && false)
-	mkdir -p $(VENV)/debian-pyverbs && ln -sfn /usr/lib/python3/dist-packages/pyverbs $(VENV)/debian-pyverbs/pyverbs
-	echo "$(abspath $(VENV))/debian-pyverbs" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/debian-pyverbs.pth
+	mkdir -p $(PYVERBS_DIR) && ln -sfn /usr/lib/python3/dist-packages/pyverbs $(PYVERBS_DIR)/pyverbs
+	version=$$(dpkg-query -W -f='$${Version}' python3-pyverbs | sed 's/-.*//') && rm -rf $(PYVERBS_DIR)/pyverbs-*.dist-info \
+		&& mkdir $(PYVERBS_DIR)/pyverbs-$$version.dist-info && echo debian > $(PYVERBS_DIR)/pyverbs-$$version.dist-info/INSTALLER \
+		&& printf 'Metadata-Version: 2.1\nName: pyverbs\nVersion: %s\nSummary: python3-pyverbs from Debian\n' $$version \
+			> $(PYVERBS_DIR)/pyverbs-$$version.dist-info/METADATA
+	echo "$(abspath $(PYVERBS_DIR))" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/debian-pyverbs.pth
+	$(PY) -c 'import pyverbs.device, smartgen.lanes.backends as b; print("pyverbs imports from .venv; rdma lane:", b.unavailable("rdma") or "ready")'
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -17,7 +17,8 @@ def info(
         bool, typer.Option("--json", help="Print the report as JSON (machine-readable) instead of a table.")
     ] = False,
 ) -> None:
-    """Show package versions, CUDA and RDMA devices, Triton mode and the profile database path."""
+    """Show package versions, CUDA devices, RDMA devices (ports, link layers, GIDs), Triton mode and the profile database
+    path."""
     report = collect_info()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -36,8 +37,13 @@ def _table(report: dict[str, Any]) -> Table:
     for dev in report["cuda"]["devices"]:
         table.add_row(f"  cuda:{dev['index']}", f"{dev['name']} ({dev['memory_bytes'] / 2**30:.1f} GiB)")
     table.add_row("RDMA", report["rdma"]["status"])
-    for name in report["rdma"]["devices"]:
-        table.add_row("  device", name)
+    for port in report["rdma"]["ports"]:
+        table.add_row(
+            f"  {port['device']}:{port['port']}",
+            f"{port['state']}, {port['link_layer']}, MTU {port['active_mtu']}; the lane's GID: {port['gid_choice_reason']}",
+        )
+        for gid in port["gids"]:
+            table.add_row(f"    GID {gid['index']}", f"{gid['gid']} ({gid['type']})")
     table.add_row("Triton", report["triton"])
     table.add_section()
     table.add_row("Profile DB", report["db_path"])

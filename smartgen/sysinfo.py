@@ -73,27 +73,35 @@ def _cuda() -> dict[str, Any]:
 
 
 def _rdma() -> dict[str, Any]:
-    """RDMA devices via pyverbs: {"status": str, "devices": [name]}."""
+    """RDMA devices via pyverbs: {"status": str, "devices": [name], "ports": [{device, port, state, link_layer,
+    active_mtu, gids: [{index, gid, type}]}]}, states and types in words; the status says why when there is none."""
+    from smartgen.lanes.extras import MissingExtra
+
     try:
-        import pyverbs.device as verbs_device
-    except ImportError:
-        return {"status": "pyverbs not installed", "devices": []}
-    except Exception as exc:
-        return {"status": f"pyverbs not importable ({exc})", "devices": []}
-    try:
-        # get_device_list() raises (rather than returning []) when no RDMA device is present.
-        found = verbs_device.get_device_list()
-        names = [_device_name(dev) for dev in found]
-    except Exception as exc:
-        return {"status": f"no RDMA device ({exc})", "devices": []}
-    if not names:
-        return {"status": "no RDMA device (empty device list)", "devices": []}
-    return {"status": f"{len(names)} device(s)", "devices": names}
+        from smartgen.lanes.rdma.device import describe
+
+        ports = describe()
+    except MissingExtra as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("pyverbs"):
+            return {"status": "pyverbs not installed (the rdma extra; see docs/lanes.md)", "devices": [], "ports": []}
+        return {"status": f"pyverbs not importable ({cause or exc})", "devices": [], "ports": []}
+    except Exception as exc:  # RuntimeError("no RDMA device: ...") raised from what the verbs said
+        said = str(exc.__cause__ or exc)
+        return {"status": f"no RDMA device ({said}){_no_kernel_support()}", "devices": [], "ports": []}
+    if not ports:
+        return {"status": f"no RDMA device (the verbs list none){_no_kernel_support()}", "devices": [], "ports": []}
+    from smartgen.lanes.rdma.select import describe_port
+
+    devices = sorted({row["device"] for row in ports})
+    return {"status": f"{len(devices)} device(s)", "devices": devices, "ports": [describe_port(row) for row in ports]}
 
 
-def _device_name(dev: Any) -> str:
-    name = getattr(dev, "name", dev)
-    return name.decode() if isinstance(name, bytes) else str(name)
+def _no_kernel_support() -> str:
+    """Why the verbs list nothing, where the kernel says: an empty RDMA class in sysfs means no RDMA support loaded."""
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        return ""
+    return "; /sys/class/infiniband is empty: the kernel has no RDMA NIC driver or Soft-RoCE (rdma_rxe) link loaded"
 
 
 def _triton_mode() -> str:
@@ -122,7 +130,7 @@ def collect_info() -> dict[str, Any]:
     """Gathers the report `smartgen info` prints.
 
     Returns {"versions": {name: version}, "cuda": {"status", "devices"},
-    "rdma": {"status", "devices"}, "triton": str, "db_path": str}.
+    "rdma": {"status", "devices", "ports"}, "triton": str, "db_path": str}.
     """
     try:
         db_path = str(default_db_path())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conftest import wait_until
 from tiny_models import IdTokenizer, tiny_config
 
 from smartgen.engine.policy import get_policy
@@ -42,7 +43,9 @@ def prefill_node(parts: Parts, *, start: bool = True, **options: Any) -> Prefill
 
 
 def decode_node(parts: Parts, prefills: list[PrefillNode], scheme: str = "partial", **options: Any) -> DecodeNode:
-    """A started decode node (4 slots of 256 tokens) on `prefills`; `options` go to DecodeNode (limits=...)."""
+    """A started decode node (4 slots of 256 tokens) on `prefills`, linked to every one of them (a test that spreads
+    requests over them must not race a slow link set-up: a one-sided lane's engine takes seconds on a loaded machine);
+    `options` go to DecodeNode (limits=...)."""
     model, layout, info = parts
     node = DecodeNode(
         model,
@@ -55,4 +58,5 @@ def decode_node(parts: Parts, prefills: list[PrefillNode], scheme: str = "partia
         **{"max_batch": 4, "max_tokens": 256, **options},
     )
     node.start()
+    wait_until(lambda: len(node.engine.links) == len(prefills), 60, "the decode node to link to every prefill node")
     return node

@@ -154,3 +154,21 @@ def test_byte_sizes_parse_one_way_and_a_bad_one_names_the_option():
         result = runner.invoke(app, [*args, "--max-store-bytes", bad], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and "--max-store-bytes" in result.stderr, (bad, result.output)
         assert "Traceback" not in result.output + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--rdma-device", "mlx5_0"], "apply to --lane rdma only, not --lane tcp"),
+        (["--lane", "nixl", "--gid-index", "3"], "apply to --lane rdma only, not --lane nixl"),
+        (["--lane", "rdma", "--rdma-port", "0"], "greater than or equal to 1"),
+    ],
+)
+def test_serve_takes_rdma_choices_for_the_rdma_lane_only(args, says):
+    result = runner.invoke(
+        app,
+        ["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure", *args],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code != 0 and says in result.stderr, result.output + result.stderr
+    assert "Traceback" not in result.output + result.stderr

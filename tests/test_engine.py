@@ -1,9 +1,11 @@
-"""The three paths and the baselines end to end over the in-process lane, on a synthetic cache and trace."""
+"""The three paths and the baselines end to end on a synthetic cache and trace, over the in-process lane; every
+policy's bit-exact run also over every lane this machine has."""
 
 import time
 
 import pytest
 import torch
+from conftest import LANE_KINDS, lane_available, lane_params
 
 import smartgen.engine.decode as decode_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
@@ -60,10 +62,11 @@ def remote_read_guard(monkeypatch):
     return violations
 
 
+@pytest.mark.parametrize("lane", lane_params(*LANE_KINDS))
 @pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if not p.quantize_bits])  # lossy: test_quant_transfer
-def test_every_policy_assembles_the_true_kv(name, importance, remote_read_guard):
+def test_every_policy_assembles_the_true_kv(name, lane, importance, remote_read_guard):
     policy = POLICIES[name]
-    result = simulate(config(), policy, importance)
+    result = simulate(config(transport=lane_available(lane)), policy, importance)
     assert result.mismatches == 0, "assembled KV must equal the selected ground truth bit for bit"
     assert remote_read_guard == [], "an entry was read from the pool while its mask said remote"
     assert result.max_fetch_count <= 1, "an entry was fetched twice"

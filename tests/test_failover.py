@@ -1,5 +1,6 @@
-"""Two prefill nodes, one decode node, one process, real TCP: a lost or stalled prefill node fails only the
-requests that need it (or re-prefills them elsewhere), and the others finish."""
+"""Two prefill nodes, one decode node, one process, real sockets: a lost or stalled prefill node fails only the
+requests that need it (or re-prefills them elsewhere), and the others finish; over every lane this machine has (the
+lanes beyond TCP with `make test-lanes`)."""
 
 import json
 import threading
@@ -8,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import Nodes, get_json, wait_until
+from conftest import SOCKET_LANES, Nodes, get_json, lane_available, lane_params, wait_until
 from inproc_nodes import decode_node, prefill_node, tiny_parts
 from tiny_models import save_tiny_model
 
@@ -23,8 +24,13 @@ def parts():
     return tiny_parts()
 
 
-def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
-    node = prefill_node(parts, start=False)
+@pytest.fixture(params=lane_params(*SOCKET_LANES))
+def lane(request) -> str:
+    return lane_available(request.param)
+
+
+def _prefill_node(parts, lane: str, *, prefills: bool = True) -> PrefillNode:
+    node = prefill_node(parts, start=False, lane=lane)
     if not prefills:  # accepts requests but never prefills them: they stay "prefilling" until it goes away
 
         def nothing_to_prefill(timeout: float | None = None) -> None:
@@ -35,8 +41,8 @@ def _prefill_node(parts, *, prefills: bool = True) -> PrefillNode:
     return node
 
 
-def _decode_node(parts, prefills: list[PrefillNode], limits: DecodeLimits) -> DecodeNode:
-    return decode_node(parts, prefills, limits=limits)
+def _decode_node(parts, lane: str, prefills: list[PrefillNode], limits: DecodeLimits) -> DecodeNode:
+    return decode_node(parts, prefills, limits=limits, lane=lane)
 
 
 def _finish(handle, timeout: float = 60) -> FinishEvent:
@@ -50,9 +56,9 @@ def _prompt(seed: int, n: int = 120) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_finish(parts, policy):
-    stuck, healthy = _prefill_node(parts, prefills=False), _prefill_node(parts)
-    decode = _decode_node(parts, [stuck, healthy], DecodeLimits(on_prefill_failure=policy))
+def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_finish(parts, policy, lane):
+    stuck, healthy = _prefill_node(parts, lane, prefills=False), _prefill_node(parts, lane)
+    decode = _decode_node(parts, lane, [stuck, healthy], DecodeLimits(on_prefill_failure=policy))
     try:
         params = GenerationParams(max_tokens=8, ignore_eos=True)
         handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (1, 2)]  # least loaded: one each
@@ -78,12 +84,12 @@ def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_fin
         stuck.stop()
 
 
-def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(parts):
+def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(parts, lane):
     """Under full transfer decoding waits for every block; a prefill node that sends the first token but never the
     KV does not hold the request forever: it fails with the reason once --first-token-timeout has passed."""
-    silent = _prefill_node(parts)
+    silent = _prefill_node(parts, lane)
     silent.engine._push = lambda request, layer_blocks, tag: 0  # type: ignore[method-assign]
-    decode = _decode_node(parts, [silent], DecodeLimits(first_token_timeout_s=2))
+    decode = _decode_node(parts, lane, [silent], DecodeLimits(first_token_timeout_s=2))
     try:
         finish = _finish(decode.scheduler.submit(_prompt(9), GenerationParams(max_tokens=4, scheme="full")))
         assert finish.reason == "error" and "its KV did not arrive within 2 s" in (finish.error or ""), finish
@@ -94,11 +100,13 @@ def test_full_transfer_whose_kv_never_lands_fails_at_the_first_token_timeout(par
         silent.stop()
 
 
-def test_a_request_that_waits_too_long_for_a_pool_slot_gets_overloaded(parts):
+def test_a_request_that_waits_too_long_for_a_pool_slot_gets_overloaded(parts, lane):
     """--queue-timeout: with the only pool slot held (its prefill node never prefills), the next request waits in the
     queue, then fails as overloaded (503 over HTTP) with the reason; it never touched a prefill node."""
-    stuck = _prefill_node(parts, prefills=False)
-    decode = decode_node(parts, [stuck], max_batch=1, limits=DecodeLimits(queue_timeout_s=1, first_token_timeout_s=60))
+    stuck = _prefill_node(parts, lane, prefills=False)
+    decode = decode_node(
+        parts, [stuck], lane=lane, max_batch=1, limits=DecodeLimits(queue_timeout_s=1, first_token_timeout_s=60)
+    )
     try:
         holder = decode.scheduler.submit(_prompt(11), GenerationParams(max_tokens=4))
         wait_until(lambda: decode.engine.pool.num_free == 0, 10, "the slot to be taken")
@@ -111,8 +119,8 @@ def test_a_request_that_waits_too_long_for_a_pool_slot_gets_overloaded(parts):
         stuck.stop()
 
 
-def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
-    stalled, healthy = _prefill_node(parts), _prefill_node(parts)
+def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts, lane):
+    stalled, healthy = _prefill_node(parts, lane), _prefill_node(parts, lane)
     release = False
 
     def never_answer(link, message):  # alive (heartbeats flow) but never answers a fetch
@@ -120,7 +128,7 @@ def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
             time.sleep(0.05)
 
     stalled.engine._serve_fetch = never_answer  # type: ignore[method-assign]
-    decode = _decode_node(parts, [stalled, healthy], DecodeLimits(fetch_timeout_s=1.5))
+    decode = _decode_node(parts, lane, [stalled, healthy], DecodeLimits(fetch_timeout_s=1.5))
     try:
         params = GenerationParams(max_tokens=24, ignore_eos=True)
         started = time.monotonic()
@@ -140,11 +148,11 @@ def test_a_stalled_fetch_fails_only_its_request_within_the_fetch_timeout(parts):
         stalled.stop()
 
 
-def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts):
+def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts, lane):
     """A prefill node that stops answering fetches: after --fetch-stall-ms its request leaves the batch (its step
     is taken back), the other request decodes to its end meanwhile; once the fetch is answered the parked request
     comes back and finishes with exactly the tokens it would have had without the stall."""
-    stalled, healthy = _prefill_node(parts), _prefill_node(parts)
+    stalled, healthy = _prefill_node(parts, lane), _prefill_node(parts, lane)
     gate = threading.Event()
     real_serve = stalled.engine._serve_fetch
 
@@ -153,7 +161,7 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts):
         real_serve(link, message)
 
     stalled.engine._serve_fetch = held_back  # type: ignore[method-assign]
-    decode = _decode_node(parts, [stalled, healthy], DecodeLimits(fetch_timeout_s=60, fetch_stall_s=0.2))
+    decode = _decode_node(parts, lane, [stalled, healthy], DecodeLimits(fetch_timeout_s=60, fetch_stall_s=0.2))
     try:
         params = GenerationParams(max_tokens=24, ignore_eos=True)
         handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (5, 6)]  # least loaded: one each
@@ -193,7 +201,9 @@ def _holder(pair: Nodes) -> str:
     return holders[0]
 
 
-def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_an_undisturbed_run(model_dir, tmp_path):
+def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_an_undisturbed_run(
+    model_dir, tmp_path, lane
+):
     """Real processes: two prefill nodes, kill -9 the one serving a request that is decoding. With
     `--on-prefill-failure recompute` the request is opened on the other node (the blocks already local stay
     local: that node pushes none of them), waits parked until it is prefilled, and ends with exactly the
@@ -202,6 +212,7 @@ def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_
         model_dir,
         tmp_path,
         num_prefills=2,
+        lane=lane,
         # no prefix cache: the reference run's prompt would be held whole and the request need no prefill node
         decode_extra=("--on-prefill-failure", "recompute", "--budget", "0.5", "--prefix-cache-bytes", "0"),
     )
@@ -254,13 +265,13 @@ def _paths(pair: Nodes, name: str) -> dict[str, int]:
     return get_json(f"http://{pair.prefills[name][2]}/status")["paths"]["bytes"]
 
 
-def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_goes_on(parts):
+def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_goes_on(parts, lane):
     """Recompute, seen from inside: request A decodes on prefill node X (which holds its fetches back, so A waits
     parked at its first step), B on Y. X goes away; A is opened again on Y, whose prefill of it is held back here.
     Meanwhile A stays parked (not failed) and B decodes to its end; once Y has prefilled A, A ends with the tokens
     of an undisturbed run."""
-    x, y = _prefill_node(parts), _prefill_node(parts)
-    decode = _decode_node(parts, [x, y], DecodeLimits(on_prefill_failure="recompute", fetch_stall_s=0.2))
+    x, y = _prefill_node(parts, lane), _prefill_node(parts, lane)
+    decode = _decode_node(parts, lane, [x, y], DecodeLimits(on_prefill_failure="recompute", fetch_stall_s=0.2))
     gate = threading.Event()
     try:
         params = GenerationParams(max_tokens=32, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Faults with real processes: a prefill node killed, restarted or frozen; a decode node frozen or killed.
+"""Faults with real processes: a prefill node killed, restarted or frozen; a decode node frozen or killed; over every
+lane this machine has (the lanes beyond TCP with `make test-lanes`).
 
 Detection and recovery times are printed (run with -s to see them) and checked only against
 generous bounds (the lease is 3 s; this is a shared 2-core machine).
@@ -10,11 +11,16 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import Nodes, get_json, wait_until
+from conftest import SOCKET_LANES, Nodes, get_json, lane_available, lane_params, wait_until
 from tiny_models import save_tiny_model
 
 DETECT_BOUND_S = 10.0  # lease 3 s, plus a loaded machine
 RECONNECT_BOUND_S = 10.0  # backoff reaches 1 s; the target is 5 s
+
+
+@pytest.fixture(params=lane_params(*SOCKET_LANES))
+def lane(request) -> str:
+    return lane_available(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +64,8 @@ def _timed(condition, bound: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def test_a_killed_prefill_node_is_dropped_at_once_and_reconnected_after_restart(model_dir, tmp_path):
-    pair = Nodes(model_dir, tmp_path)
+def test_a_killed_prefill_node_is_dropped_at_once_and_reconnected_after_restart(model_dir, tmp_path, lane):
+    pair = Nodes(model_dir, tmp_path, lane=lane)
     try:
         pair.wait_ready()
         assert _complete(pair, 1)["usage"]["completion_tokens"] == 4
@@ -92,8 +98,8 @@ def test_a_killed_prefill_node_is_dropped_at_once_and_reconnected_after_restart(
         pair.stop()
 
 
-def test_a_frozen_prefill_node_is_declared_dead_within_the_lease(model_dir, tmp_path):
-    pair = Nodes(model_dir, tmp_path)
+def test_a_frozen_prefill_node_is_declared_dead_within_the_lease(model_dir, tmp_path, lane):
+    pair = Nodes(model_dir, tmp_path, lane=lane)
     frozen = False
     try:
         pair.wait_ready()
@@ -125,8 +131,8 @@ def test_a_frozen_prefill_node_is_declared_dead_within_the_lease(model_dir, tmp_
         pair.stop()
 
 
-def test_a_frozen_or_killed_decode_node_has_its_requests_freed_by_the_prefill_node(model_dir, tmp_path):
-    pair = Nodes(model_dir, tmp_path)
+def test_a_frozen_or_killed_decode_node_has_its_requests_freed_by_the_prefill_node(model_dir, tmp_path, lane):
+    pair = Nodes(model_dir, tmp_path, lane=lane)
     frozen = False
     try:
         pair.wait_ready()

@@ -82,3 +82,11 @@ def test_a_bad_descriptor_fails_its_batch_not_the_lane(socket_lane_kind, bad):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_rdma_choices_go_to_the_rdma_lane_only():
+    from smartgen.lanes.rdma.select import RdmaOptions
+
+    assert lane_factory("tcp", rdma=RdmaOptions()) is lane_factory("tcp")  # nothing asked: fine anywhere
+    with pytest.raises(ValueError, match="--lane rdma only, not mooncake"):
+        lane_factory("mooncake", rdma=RdmaOptions(device="mlx5_0"))

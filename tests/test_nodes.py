@@ -1,10 +1,12 @@
-"""Prefill and decode nodes in one process over real TCP: several prefill nodes, concurrent requests, batching."""
+"""Prefill and decode nodes in one process over real sockets: several prefill nodes, concurrent requests, batching;
+over every lane this machine has (the lanes beyond TCP with `make test-lanes`)."""
 
 import threading
 import time
 
 import pytest
 import torch
+from conftest import SOCKET_LANES, lane_available, lane_params
 from inproc_nodes import decode_node, prefill_node, tiny_parts
 from tiny_models import IdTokenizer
 
@@ -12,11 +14,12 @@ from smartgen.engine.policy import get_policy
 from smartgen.roles.service import FinishEvent, GenerationParams, ServiceError
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture(scope="module", params=lane_params(*SOCKET_LANES))
+def cluster(request):
+    lane = lane_available(request.param)
     parts = tiny_parts()
-    prefills = [prefill_node(parts) for _ in range(2)]
-    decode = decode_node(parts, prefills, scheme="smartgen", max_waiting=16)
+    prefills = [prefill_node(parts, lane=lane) for _ in range(2)]
+    decode = decode_node(parts, prefills, scheme="smartgen", max_waiting=16, lane=lane)
     yield prefills, decode
     decode.stop()
     for node in prefills:

@@ -29,3 +29,11 @@ def test_shells_install_inside_the_smartgen_namespace():
     assert all(name.startswith("smartgen") for name in tool["packages"])
     assert tool["package-dir"] == {"smartgen.cli": "cli", "smartgen.tui": "tui", "smartgen.store": "store"}
     assert _pyproject()["project"]["scripts"] == {"smartgen": "smartgen.cli.app:main"}
+
+
+def test_every_lane_beyond_tcp_installs_as_an_extra_of_its_name():
+    from smartgen.lanes.backends import LANES
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert set(LANES) - {"tcp"} <= set(extras), "pip install 'smartgen[<lane>]' must exist for every optional lane"
+    assert all(extras[name] for name in set(LANES) - {"tcp"})

@@ -5,11 +5,6 @@ import time
 import pytest
 import torch
 
-import smartgen.lanes.tcp_link as tcp_link
-from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
-from smartgen.apps.synthetic import SyntheticTrace
-from smartgen.engine.layout import KVLayout
-from smartgen.engine.policy import POLICIES
 from smartgen.lanes import Message, MessageKind, WriteOp
 from smartgen.lanes.backends import lane_factory, loopback_link
 from smartgen.lanes.tcp_link import TcpListener, loopback_tcp_link, parse_address, tcp_connect
@@ -122,21 +117,3 @@ def test_parse_address():
     assert parse_address(":9") == ("127.0.0.1", 9)
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("nope")
-
-
-@pytest.mark.parametrize("name", ["full", "partial", "smartgen"])
-def test_the_engine_over_tcp_assembles_the_true_kv(socket_lane_kind, name, monkeypatch):
-    # simulate() builds its "tcp" link with loopback_tcp_link; the same link with another lane factory
-    factory = lane_factory(socket_lane_kind)
-    monkeypatch.setattr(
-        tcp_link, "loopback_tcp_link", lambda *args, **kwargs: loopback_tcp_link(*args, **kwargs, lane_factory=factory)
-    )
-    layout = KVLayout(4, 2, 8, torch.float32, num_blocks=16)
-    config = SimulationConfig(
-        layout, lengths=(100, 37), steps=5, select_ratio=0.2, gbps=0.2, prefill_seconds_per_token=2e-5, transport="tcp"
-    )
-    importance = calibrate(config, SyntheticTrace(4, 2, ratio=0.2))
-    result = simulate(config, POLICIES[name], importance)
-    assert result.mismatches == 0 and result.max_fetch_count <= 1 and result.prefill_requests_left == 0
-    if name != "partial":
-        assert result.all_local and result.pool_equals_prefill

@@ -25,7 +25,7 @@ from smartgen.engine.layout import KVLayout
 from smartgen.engine.planning import ImportanceAccumulator, Planner
 from smartgen.engine.policy import Policy
 from smartgen.engine.prefill import PrefillEngine
-from smartgen.lanes.link import inproc_link
+from smartgen.lanes.backends import loopback_link
 from smartgen.lanes.rate import gbps_for, transfer_seconds
 from smartgen.runtime.decode import DecodeBatch
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Finished
@@ -51,7 +51,9 @@ class SimulationConfig:
     calibration_prompts: int = 4
     calibration_steps: int = 4
     drain_speculation: bool = True  # after the last step, stay idle until speculation is done
-    transport: str = "inproc"  # "inproc" (queues and threads) or "tcp" (real sockets over 127.0.0.1)
+    transport: str = (
+        "inproc"  # a lane by name: "inproc" (queues and threads), or tcp, mooncake, nixl, rdma over 127.0.0.1
+    )
 
 
 @dataclass(slots=True)
@@ -180,14 +182,7 @@ def simulate(
     if config.verify:
         decode.pool.k.fill_(float("nan"))  # a read of anything not yet landed shows up as a mismatch
         decode.pool.v.fill_(float("nan"))
-    if config.transport == "tcp":
-        from smartgen.lanes.tcp_link import loopback_tcp_link
-
-        prefill_end, decode_end = loopback_tcp_link(config.gbps, config.delay_s)
-    elif config.transport == "inproc":
-        prefill_end, decode_end = inproc_link(config.gbps, config.delay_s)
-    else:
-        raise ValueError(f"unknown transport {config.transport!r}; choose inproc or tcp")
+    prefill_end, decode_end = loopback_link(config.transport, config.gbps, config.delay_s)
     prefill.attach(prefill_end, decode.pool.geometry)
     decode.attach(decode_end)
 

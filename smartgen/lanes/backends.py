@@ -8,6 +8,7 @@ import importlib
 from smartgen.lanes.extras import MissingExtra
 from smartgen.lanes.link import LinkEnd, inproc_link
 from smartgen.lanes.onesided import OneSidedTimeouts
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import LaneFactory, loopback_tcp_link
 
 __all__ = ["LANES", "INPROC", "lane_factory", "unavailable", "lane_problem", "loopback_link"]
@@ -24,14 +25,19 @@ LANES = {
 INPROC = "inproc"
 
 
-def lane_factory(name: str, timeouts: OneSidedTimeouts | None = None) -> LaneFactory:
+def lane_factory(name: str, timeouts: OneSidedTimeouts | None = None, rdma: RdmaOptions | None = None) -> LaneFactory:
     """The factory for a lane by name; MissingExtra (naming the extra) when its package is not installed.
 
-    `timeouts`: how long a one-sided lane waits on its peer (None: the defaults; the TCP lane has no such waits)."""
+    `timeouts`: how long a one-sided lane waits on its peer (None: the defaults; the TCP lane has no such waits).
+    `rdma`: the RDMA device, port and GID index asked for (the rdma lane only; None: chosen automatically)."""
     if name not in LANES:
         raise ValueError(f"unknown lane {name!r}; choose one of {', '.join(LANES)}")
+    if rdma is not None and rdma != RdmaOptions() and name != "rdma":
+        raise ValueError(f"--rdma-device, --rdma-port and --gid-index apply to --lane rdma only, not {name}")
     module, attr = LANES[name].split(":")
     factory = getattr(importlib.import_module(module), attr)
+    if name == "rdma" and rdma is not None:
+        factory = importlib.import_module(module).rdma_lane_for(rdma)
     if timeouts is None or name == "tcp":
         return factory
     return functools.partial(factory, timeouts=timeouts)

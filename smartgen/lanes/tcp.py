@@ -25,14 +25,15 @@ from smartgen.lanes.framing import bytes_view, message_frame, recv_message
 from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
+from smartgen.lanes.vectored import recv_into_views, send_views
 from smartgen.lanes.wire import (
     ConnectionClosed,
     FrameType,
     hang_up,
+    header_bytes,
     recv_header,
     recv_into_exact,
     send_frame,
-    send_header,
 )
 
 __all__ = ["TcpLane"]
@@ -126,19 +127,20 @@ class TcpLane(QueuedLane):
             completion.set(False)
 
     # -- threads ----------------------------------------------------------------------
-    def _paced_send(self, parts: list[memoryview]) -> None:
-        """Sends payload parts a chunk at a time, booking the pacer before each chunk."""
-        size = self._pacer.chunk_bytes()
-        for part in parts:
-            for start in range(0, part.nbytes, size):
-                chunk = part[start : start + size]
-                if self.bulk:
-                    self._pacer.wait_no_urgent(timeout=1.0)
-                due = self._pacer.reserve(chunk.nbytes)
-                remaining = due - time.monotonic()
-                if remaining > 0:
-                    self._closed.wait(remaining)
-                self._sock.sendall(chunk)
+    def _paced_send(self, head: bytes, parts: list[memoryview]) -> None:
+        """Sends a frame's header and payload parts a chunk at a time, booking the pacer before each chunk; the parts
+        of a chunk (scattered blocks) go out in one system call, the header with the first chunk."""
+        for chunk in _chunks(parts, self._pacer.chunk_bytes()):
+            if self.bulk:
+                self._pacer.wait_no_urgent(timeout=1.0)
+            due = self._pacer.reserve(sum(view.nbytes for view in chunk))
+            remaining = due - time.monotonic()
+            if remaining > 0:
+                self._closed.wait(remaining)
+            send_views(self._sock, [head, *chunk] if head else chunk)
+            head = b""
+        if head:  # no payload
+            self._sock.sendall(head)
 
     def _transmit_loop(self) -> None:
         try:
@@ -153,9 +155,9 @@ class TcpLane(QueuedLane):
                     parts = [views[op.src][op.src_offset : op.src_offset + op.length] for op in item.ops]
                     meta = {"seq": item.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in item.ops], **stamp}
                     # The send lock covers the whole frame: ACKs from the receive thread share the socket.
+                    head = header_bytes(FrameType.WRITE, item.request_id, meta, item.num_bytes)
                     with self._send_lock:
-                        send_header(self._sock, FrameType.WRITE, item.request_id, meta, item.num_bytes)
-                        self._paced_send(parts)
+                        self._paced_send(head, parts)
                 elif isinstance(item, Message):
                     self._send_message(item, stamp)
                 self.counters.add_busy(time.monotonic() - started)
@@ -166,9 +168,9 @@ class TcpLane(QueuedLane):
         meta, parts = message_frame(message)
         urgent = not self.bulk
         try:
+            head = header_bytes(FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
             with self._send_lock:
-                send_header(self._sock, FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
-                self._paced_send(parts)  # a fetch reply's KV pays the link like a push does
+                self._paced_send(head, parts)  # a fetch reply's KV pays the link like a push does
         finally:
             if urgent:
                 self._pacer.urgent_booked()
@@ -209,17 +211,22 @@ class TcpLane(QueuedLane):
         ops = check_write_ops(frame.meta, frame.payload_length)
         with self._apply_lock:
             applied = frame.request_id in self._accepted
+            rows: list[memoryview] = []  # host destinations not yet read: filled by one call when the run ends
             for dst, offset, length in ops:
                 region = self._target(frame.request_id, dst, offset, length)
+                if region is not None and region.device.type == "cpu":
+                    rows.append(bytes_view(region)[offset : offset + length])
+                    continue
+                recv_into_views(self._sock, rows)
+                rows = []
                 if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
                     applied = False
                     drain(self._sock, length)
-                elif region.device.type == "cpu":
-                    recv_into_exact(self._sock, bytes_view(region)[offset : offset + length])
                 else:  # device memory: land through a host buffer
                     staging = bytearray(length)
                     recv_into_exact(self._sock, memoryview(staging))
                     region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
+            recv_into_views(self._sock, rows)
         with self._send_lock:
             send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": applied})
 
@@ -241,3 +248,24 @@ class TcpLane(QueuedLane):
             # a dead, silent or misbehaving peer is worth a warning; an orderly goodbye is not
             log.log(logging.WARNING if protocol else logging.INFO, "%s: closing: %s", self.name, reason)
             self.close()
+
+
+def _chunks(parts: list[memoryview], size: int) -> list[list[memoryview]]:
+    """The parts cut into chunks of at most `size` bytes each, in order (a big part spans chunks, small ones share)."""
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    room = size
+    for part in parts:
+        while part.nbytes > room:  # the part fills this chunk; its rest goes on
+            current.append(part[:room])
+            chunks.append(current)
+            part, current, room = part[room:], [], size
+        if part.nbytes:
+            current.append(part)
+            room -= part.nbytes
+        if room == 0:
+            chunks.append(current)
+            current, room = [], size
+    if current:
+        chunks.append(current)
+    return chunks

@@ -28,6 +28,7 @@ __all__ = [
     "recv_exact",
     "recv_into_exact",
     "send_header",
+    "header_bytes",
     "send_frame",
     "recv_header",
     "hang_up",
@@ -99,10 +100,15 @@ def send_header(
     sock: socket.socket, frame_type: FrameType, request_id: str, meta: dict[str, Any] | None, payload_length: int
 ) -> None:
     """Sends a frame's header, request id and meta; `payload_length` bytes must follow."""
+    sock.sendall(header_bytes(frame_type, request_id, meta, payload_length))
+
+
+def header_bytes(frame_type: FrameType, request_id: str, meta: dict[str, Any] | None, payload_length: int) -> bytes:
+    """A frame's header, request id and meta, as sent before its `payload_length` payload bytes."""
     rid = request_id.encode()
     meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(frame_type), len(rid), len(meta_bytes), payload_length)
-    sock.sendall(header + rid + meta_bytes)
+    return header + rid + meta_bytes
 
 
 def send_frame(

@@ -18,6 +18,7 @@ from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
@@ -51,6 +52,7 @@ class DecodeNode:
         delay_s: float = 0.0,
         max_waiting: int = 64,
         lane: str = "tcp",
+        rdma: RdmaOptions | None = None,
         emulate_layer_s: float = 0.0,
         limits: DecodeLimits | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -80,7 +82,7 @@ class DecodeNode:
             "node": uuid.uuid4().hex[:8],
         }
         if connect is None:
-            connect = _tcp_connect(hello, secret, link_gbps, delay_s, lane, limits, tls)
+            connect = _tcp_connect(hello, secret, link_gbps, delay_s, lane, limits, tls, rdma)
 
         self.peers = PrefillPeers(self.engine, prefill_addresses, connect)
         try:
@@ -127,9 +129,10 @@ def _tcp_connect(
     lane: str,
     limits: DecodeLimits,
     tls: TlsFiles | None,
+    rdma: RdmaOptions | None = None,
 ) -> Connect:
     """Connects over `lane` (TCP sockets underneath) with the authenticated handshake."""
-    factory = lane_factory(lane, limits.one_sided)
+    factory = lane_factory(lane, limits.one_sided, rdma)
     tls_context = None if tls is None else tls.client_context()
     lease = Lease(limits.lease_s)
 

@@ -13,6 +13,7 @@ from smartgen.engine.policy import get_policy
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.limits import DecodeLimits, PrefillLimits
@@ -43,6 +44,7 @@ class NodeSettings:
     link_gbps: float | None = None
     delay_ms: float = 0.0
     lane: str = "tcp"  # a name in smartgen.lanes.backends
+    rdma: RdmaOptions | None = None  # --lane rdma: the device, port and GID index asked for (None: chosen here)
     lease_s: float = DEFAULT_LEASE_S  # a peer silent this long is declared dead (heartbeats every lease / 4)
     prefix_cache_bytes: int = 0  # this node's prefix cache (prefill: skips prefill; decode: skips transfer); 0 = off
     prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
@@ -154,6 +156,7 @@ def build_prefill_node(
         link_gbps=settings.link_gbps,
         delay_s=settings.delay_ms / 1e3,
         lane=settings.lane,
+        rdma=settings.rdma,
         prefix_cache=settings.prefix_cache(),
         limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
         tls=settings.tls,
@@ -201,6 +204,7 @@ def build_decode_node(
         delay_s=settings.delay_ms / 1e3,
         max_waiting=max_waiting,
         lane=settings.lane,
+        rdma=settings.rdma,
         emulate_layer_s=emulate_layer_ms / 1e3,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
         prefix_cache=settings.prefix_cache(),

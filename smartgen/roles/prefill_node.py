@@ -33,6 +33,7 @@ from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
@@ -63,6 +64,7 @@ class PrefillNode:
         link_gbps: float | None = None,
         delay_s: float = 0.0,
         lane: str = "tcp",
+        rdma: RdmaOptions | None = None,
         prefix_cache: PrefixCache | None = None,
         limits: PrefillLimits | None = None,
         tls: TlsFiles | None = None,
@@ -92,7 +94,7 @@ class PrefillNode:
                 secret,
                 self.identity,
                 Pacer(link_gbps, delay_s),
-                lane_factory=lane_factory(lane, limits.one_sided),
+                lane_factory=lane_factory(lane, limits.one_sided, rdma),
                 lease=Lease(limits.lease_s),
                 handshake_timeout_s=limits.handshake_timeout_s,
                 tls=None if tls is None else tls.server_context(),

@@ -6,9 +6,9 @@ from types import ModuleType
 from typing import Any
 
 from smartgen.lanes.extras import require
-from smartgen.lanes.rdma.select import GidInfo, PortInfo
+from smartgen.lanes.rdma.select import Choice, GidInfo, PortInfo, RdmaOptions, choose_gid, choose_port
 
-__all__ = ["pyverbs", "probe", "list_ports", "list_gids", "describe"]
+__all__ = ["pyverbs", "probe", "list_ports", "list_gids", "describe", "check_choice"]
 
 PYVERBS_HINT = "pyverbs, see docs/lanes.md: Debian's python3-pyverbs or the PyPI sdist with Cython<3.1"
 
@@ -73,3 +73,12 @@ def describe() -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def check_choice(options: RdmaOptions) -> tuple[Choice, int]:
+    """The port and GID index the lane will use for these options; RuntimeError saying what is wrong or ambiguous."""
+    ports = list_ports()
+    choice = choose_port(ports, options.device, options.port)
+    link_layer = next(p.link_layer for p in ports if (p.device, p.port) == (choice.device, choice.port))
+    with pyverbs().Context(name=choice.device) as ctx:
+        return choice, choose_gid(list_gids(ctx, choice.port), link_layer, options.gid_index)

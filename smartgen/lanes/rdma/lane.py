@@ -11,18 +11,19 @@ SEND/RECV with per-row scatter lists that a verbs-native fetch path will use.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from smartgen.lanes.onesided import one_sided_factory
+from smartgen.lanes.onesided import OneSidedLane, one_sided_factory
 from smartgen.lanes.rdma.handshake import QpInfo
 from smartgen.lanes.rdma.plan import SendQueue, plan_writes
+from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.rdma.verbs import VerbsEndpoint
 from smartgen.lanes.transport import Segment, Transport, TransportError
 
-__all__ = ["RdmaTransport", "rdma_lane"]
+__all__ = ["RdmaTransport", "rdma_lane", "rdma_lane_for"]
 
 
 class RdmaTransport(Transport):
@@ -79,5 +80,14 @@ class RdmaTransport(Transport):
         self.endpoint.close()
 
 
-# a lane factory for TcpListener/tcp_connect: verbs WRITEs, the authenticated socket as the side channel
-rdma_lane = one_sided_factory(lambda sock, timeouts: RdmaTransport(write_timeout_s=timeouts.write_s))
+def rdma_lane_for(options: RdmaOptions) -> Callable[..., OneSidedLane]:
+    """A lane factory for TcpListener/tcp_connect on the asked device, port and GID index: verbs WRITEs, the
+    authenticated socket as the side channel."""
+    return one_sided_factory(
+        lambda sock, timeouts: RdmaTransport(
+            options.device, options.port, options.gid_index, write_timeout_s=timeouts.write_s
+        )
+    )
+
+
+rdma_lane = rdma_lane_for(RdmaOptions())  # everything chosen automatically

@@ -5,12 +5,24 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-__all__ = ["PortInfo", "GidInfo", "Choice", "choose_port", "choose_gid", "negotiate_mtu", "MTU_BYTES"]
+__all__ = [
+    "PortInfo",
+    "GidInfo",
+    "Choice",
+    "RdmaOptions",
+    "choose_port",
+    "choose_gid",
+    "negotiate_mtu",
+    "describe_port",
+    "MTU_BYTES",
+]
 
 PORT_ACTIVE = 4  # IBV_PORT_ACTIVE
 LINK_INFINIBAND, LINK_ETHERNET = 1, 2  # IBV_LINK_LAYER_*
 GID_ROCE_V1, GID_ROCE_V2 = 0, 1  # IBV_GID_TYPE_ROCE_V1 / _V2 (IB ports report 0 too)
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # IBV_MTU_* enum -> bytes
+PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}  # IBV_PORT_*
+LINK_LAYERS = {0: "InfiniBand", LINK_INFINIBAND: "InfiniBand", LINK_ETHERNET: "Ethernet"}  # 0: unspecified = IB
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +39,15 @@ class GidInfo:
     index: int
     gid: str  # "fe80:0000:..." as pyverbs prints it
     gid_type: int
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaOptions:
+    """The device, port and GID index asked for (`serve --rdma-device --rdma-port --gid-index`); None: chosen here."""
+
+    device: str | None = None
+    port: int | None = None
+    gid_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +116,33 @@ def negotiate_mtu(local: int, remote: int) -> int:
     if local not in MTU_BYTES or remote not in MTU_BYTES:
         raise ValueError(f"bad MTU enum {local} or {remote}")
     return min(local, remote)
+
+
+def describe_port(row: dict) -> dict:
+    """One port as `smartgen info` shows it: states, link layer, MTU and GID types in words, and the GID index the
+    lane would pick by itself (None, with `gid_choice` saying why, when it would ask for --gid-index)."""
+    link_layer = int(row["link_layer"])
+    ethernet = link_layer == LINK_ETHERNET
+    gids = [GidInfo(g["index"], g["gid"], g["type"]) for g in row["gids"]]
+    try:
+        chosen: int | None = choose_gid(gids, link_layer)
+        why = f"index {chosen}"
+    except RuntimeError as exc:
+        chosen, why = None, str(exc)
+    return {
+        "device": row["device"],
+        "port": row["port"],
+        "state": PORT_STATES.get(int(row["state"]), str(row["state"])),
+        "link_layer": LINK_LAYERS.get(link_layer, str(link_layer)),
+        "active_mtu": MTU_BYTES.get(int(row["active_mtu"]), 0),
+        "gids": [
+            {
+                "index": g.index,
+                "gid": g.gid,
+                "type": ("RoCE v2" if g.gid_type == GID_ROCE_V2 else "RoCE v1") if ethernet else "IB",
+            }
+            for g in gids
+        ],
+        "gid_choice": chosen,
+        "gid_choice_reason": why,
+    }
