@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,7 @@ import typer
 
 from .errors import fail
 from .lists import names, numbers
+from .rdma_options import device_option, gid_option, port_option, rdma_flags
 from .store_options import DbOption
 
 PANEL_WORK = "Workload"
@@ -147,6 +149,9 @@ def bench(
             rich_help_panel=PANEL_RUN,
         ),
     ] = "tcp",
+    rdma_device: Annotated[str | None, device_option(PANEL_RUN)] = None,
+    rdma_port: Annotated[int | None, port_option(PANEL_RUN)] = None,
+    gid_index: Annotated[int | None, gid_option(PANEL_RUN)] = None,
     reps: Annotated[
         int | None,
         typer.Option(
@@ -234,6 +239,7 @@ def bench(
 
     if problem := lane_problem(lane):
         fail(problem)
+    config = replace(config, lane_flags=rdma_flags(lane, rdma_device, rdma_port, gid_index))
     out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

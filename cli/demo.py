@@ -14,6 +14,7 @@ from smartgen.sysinfo import SAMPLES_DIR
 
 from .errors import fail
 from .lists import names
+from .rdma_options import device_option, gid_option, port_option, rdma_flags
 
 DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
 
@@ -49,6 +50,9 @@ def demo(
             "`serve --role both` process, the in-process lane paced the same way; see `serve --help`)."
         ),
     ] = "tcp",
+    rdma_device: Annotated[str | None, device_option("Options")] = None,
+    rdma_port: Annotated[int | None, port_option("Options")] = None,
+    gid_index: Annotated[int | None, gid_option("Options")] = None,
     monitor: Annotated[
         bool,
         typer.Option(
@@ -70,6 +74,7 @@ def demo(
         fail(f"no model at {model} (the sample model lives in samples/sample-model)")
     if problem := lane_problem(lane):
         fail(problem)
+    lane_flags = rdma_flags(lane, rdma_device, rdma_port, gid_index)
     console = Console()
     config = DemoConfig(
         model=model,
@@ -83,6 +88,7 @@ def demo(
         budget=budget,
         transfer_ratio=transfer_ratio,
         lane=lane,
+        lane_flags=lane_flags,
     )
     say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
     try:

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .rdma_options import check_rdma, device_option, gid_option, port_option
 from .sizes import half_of_memory, parse_size
 
 PANEL_MODEL = "Model and selection"
@@ -176,29 +177,9 @@ def serve(
             show_default=False,
         ),
     ] = "",
-    rdma_device: Annotated[
-        str | None,
-        typer.Option(
-            help="--lane rdma: the RDMA device (mlx5_0, rxe0...; `smartgen info` lists them). Default: the one "
-            "device with one active port; several is an error that lists them.",
-            rich_help_panel=PANEL_NET,
-        ),
-    ] = None,
-    rdma_port: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="--lane rdma: the device's port (default: its one active port).", rich_help_panel=PANEL_NET
-        ),
-    ] = None,
-    gid_index: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="--lane rdma: the GID index (default: on RoCE the RoCE v2 GID with an IPv4 address, on InfiniBand "
-            "the first GID; `smartgen info` shows which it would pick).",
-            rich_help_panel=PANEL_NET,
-        ),
-    ] = None,
+    rdma_device: Annotated[str | None, device_option(PANEL_NET)] = None,
+    rdma_port: Annotated[int | None, port_option(PANEL_NET)] = None,
+    gid_index: Annotated[int | None, gid_option(PANEL_NET)] = None,
     ready_file: Annotated[
         Path | None,
         typer.Option(
@@ -428,18 +409,7 @@ def serve(
 
     if problem := lane_problem(lane):
         fail(problem)
-    from smartgen.lanes.rdma.select import RdmaOptions
-
-    rdma = RdmaOptions(rdma_device, rdma_port, gid_index)
-    if rdma != RdmaOptions() and lane != "rdma":
-        fail(f"--rdma-device, --rdma-port and --gid-index apply to --lane rdma only, not --lane {lane}")
-    if lane == "rdma":  # a wrong or ambiguous device, port or GID is a one-line error now, not at the first link
-        from smartgen.lanes.rdma.device import check_choice
-
-        try:
-            check_choice(rdma)
-        except RuntimeError as exc:
-            fail(f"--lane rdma: {exc}")
+    rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
     from smartgen.lanes.tls import TlsFiles
 

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,11 +165,26 @@ def test_byte_sizes_parse_one_way_and_a_bad_one_names_the_option():
         (["--lane", "rdma", "--rdma-port", "0"], "greater than or equal to 1"),
     ],
 )
-def test_serve_takes_rdma_choices_for_the_rdma_lane_only(args, says):
-    result = runner.invoke(
-        app,
-        ["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure", *args],
-        env={"COLUMNS": "200"},
-    )
+@pytest.mark.parametrize(
+    "command",
+    [["serve", "--role", "prefill", "--model", "samples/sample-model", "--insecure"], ["bench"], ["demo"]],
+)
+def test_serve_bench_and_demo_take_rdma_choices_for_the_rdma_lane_only(command, args, says):
+    result = runner.invoke(app, [*command, *args], env={"COLUMNS": "200"})
     assert result.exit_code != 0 and says in result.stderr, result.output + result.stderr
     assert "Traceback" not in result.output + result.stderr
+
+
+def test_the_nodes_a_bench_or_demo_starts_get_its_rdma_choice():
+    from smartgen.apps.cluster import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(Path("m"), lane="rdma", lane_flags=("--rdma-device", "rxe0", "--gid-index", "1"))
+    flags = LocalCluster(spec)._common()
+    assert flags[flags.index("--lane") : flags.index("--lane") + 6] == [
+        "--lane",
+        "rdma",
+        "--rdma-device",
+        "rxe0",
+        "--gid-index",
+        "1",
+    ]

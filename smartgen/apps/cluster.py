@@ -36,6 +36,7 @@ class ClusterSpec:
     model: Path
     link_gbps: float | None = None  # None: unpaced
     lane: str = "tcp"
+    lane_flags: tuple[str, ...] = ()  # `serve` flags for the lane (--rdma-device, --rdma-port, --gid-index)
     blocks: int = 1024
     selector: str = "quest"
     budget: float = 0.2
@@ -95,7 +96,7 @@ class LocalCluster:
 
     def _common(self) -> list[str]:
         spec = self.spec
-        flags = ["--model", str(spec.model), "--blocks", str(spec.blocks), "--lane", spec.lane]
+        flags = ["--model", str(spec.model), "--blocks", str(spec.blocks), "--lane", spec.lane, *spec.lane_flags]
         flags += ["--selector", spec.selector, "--budget", str(spec.budget)]
         if spec.link_gbps is not None:
             flags += ["--link-gbps", f"{spec.link_gbps:.9f}"]

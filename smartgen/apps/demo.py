@@ -34,6 +34,7 @@ class DemoConfig:
     blocks: int = 1024
     transfer_ratio: float = 5.0
     lane: str = "tcp"
+    lane_flags: tuple[str, ...] = ()  # `serve` flags for the lane (--rdma-device ...), given to both nodes
     profile_prompts: int = 8
     seed: int = 0
     # monitoring (`demo --monitor`): told the nodes' status URLs once both are up (decode, [prefill]); and
@@ -108,6 +109,7 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> tuple[li
         model=config.model,
         link_gbps=gbps,
         lane=config.lane,
+        lane_flags=config.lane_flags,
         blocks=config.blocks,
         selector=config.selector,
         budget=config.budget,

@@ -67,6 +67,7 @@ class BenchConfig:
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     selector: str = "quest"
     lane: str = "tcp"
+    lane_flags: tuple[str, ...] = ()  # `serve` flags for the lane (--rdma-device ...), given to every node
     batch: tuple[int, ...] = (1,)
     lengths: tuple[int, ...] = (2048,)
     stall_ratio: tuple[float, ...] = (PAPER_STALL_RATIO,)

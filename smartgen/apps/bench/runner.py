@@ -240,6 +240,7 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
+        lane_flags=config.lane_flags,
         blocks=config.blocks[0],
         selector=config.selector,
         budget=config.budget[0],
@@ -294,6 +295,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         model=model_path,
         link_gbps=regime.link_gbps,
         lane=config.lane,
+        lane_flags=config.lane_flags,
         blocks=point.blocks,
         selector=config.selector,
         budget=point.budget,
