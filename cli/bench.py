@@ -235,11 +235,11 @@ def bench(
         )
     except ValueError as exc:
         fail(str(exc))
+    config = replace(config, lane_flags=rdma_flags(lane, rdma_device, rdma_port, gid_index))
     from smartgen.lanes.backends import lane_problem
 
     if problem := lane_problem(lane):
         fail(problem)
-    config = replace(config, lane_flags=rdma_flags(lane, rdma_device, rdma_port, gid_index))
     out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -72,9 +72,9 @@ def demo(
 
     if not (model / "config.json").exists():
         fail(f"no model at {model} (the sample model lives in samples/sample-model)")
+    lane_flags = rdma_flags(lane, rdma_device, rdma_port, gid_index)  # before: a misplaced option is named first
     if problem := lane_problem(lane):
         fail(problem)
-    lane_flags = rdma_flags(lane, rdma_device, rdma_port, gid_index)
     console = Console()
     config = DemoConfig(
         model=model,

@@ -37,7 +37,8 @@ def gid_option(panel: str) -> Any:
 
 def check_rdma(lane: str, device: str | None, port: int | None, gid_index: int | None) -> Any:
     """The RDMA choice for `--lane`, checked before any model loads: the options with another lane, or a device, port
-    or GID the verbs do not list (or that is ambiguous), end the command with a one-line error. Returns the
+    or GID the verbs do not list (or that is ambiguous), end the command with a one-line error. Call it before the
+    lane's own availability check, so that a misplaced option is named even where that lane cannot run. Returns the
     `RdmaOptions` (imported here: the rdma lane's modules load only when asked for)."""
     from smartgen.lanes.rdma.select import RdmaOptions
 
@@ -45,7 +46,11 @@ def check_rdma(lane: str, device: str | None, port: int | None, gid_index: int |
     if options != RdmaOptions() and lane != "rdma":
         fail(f"--rdma-device, --rdma-port and --gid-index apply to --lane rdma only, not --lane {lane}")
     if lane == "rdma":
+        from smartgen.lanes.backends import lane_problem
         from smartgen.lanes.rdma.device import check_choice
+
+        if problem := lane_problem(lane):  # no pyverbs or no device: say that, not a device-choice error
+            fail(problem)
 
         try:
             check_choice(options)

@@ -405,11 +405,11 @@ def serve(
         fail(f"cannot write --record {record}: folder {record.parent} does not exist")
     if ready_file is not None and not ready_file.parent.is_dir():
         fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
+    rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
     from smartgen.lanes.backends import lane_problem
 
     if problem := lane_problem(lane):
         fail(problem)
-    rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
     from smartgen.lanes.tls import TlsFiles
 
