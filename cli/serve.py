@@ -33,12 +33,14 @@ class Role(str, enum.Enum):
 
 
 def serve(
+    ctx: typer.Context,
     role: Annotated[
         Role,
         typer.Option(
             help="Which node to run: prefill (runs prefill, pushes KV), decode (the entry point: HTTP API, decoding), "
             "or both in one process over the in-process lane (`--lane inproc`; one model loaded, no node-to-node "
-            "sockets, no secret needed): --http and --status as for the two roles, --link-gbps paces both directions."
+            "sockets, no secret needed): --http and --status as for the two roles, --link-gbps paces both directions; "
+            "--listen and --prefill are refused."
         ),
     ],
     model: Annotated[
@@ -397,6 +399,13 @@ def serve(
             else f"--lane inproc joins a prefill and a decode node in one process: use it with --role both, "
             f"not --role {role.value}"
         )
+    if role == Role.both:
+        given = [f"--{name}" for name in ("listen", "prefill") if _given(ctx, name)]
+        if given:  # silently ignoring them would leave a user waiting for a connection that never comes
+            fail(
+                f"{' and '.join(given)} {'connect' if len(given) > 1 else 'connects'} separate nodes; --role both runs "
+                "both halves in one process over the in-process lane (leave it out, or run --role prefill and --role decode)"
+            )
     if role == Role.both and (tls_cert or tls_key or tls_ca):
         fail("--tls-cert, --tls-key and --tls-ca secure node-to-node sockets; --role both has none")
     if not secret and not insecure and role != Role.both:  # colocated nodes have no socket between them to guard
@@ -499,6 +508,12 @@ def serve(
         fail(str(exc))
     except OSError as exc:
         fail(f"network error: {exc}")
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user set option `name` (on the command line or through its environment variable)."""
+    source = ctx.get_parameter_source(name)  # typer's own click enum: compared by name, not by click's class
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def _run_prefill(

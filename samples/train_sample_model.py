@@ -75,6 +75,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--phase-steps", type=str, default=None, help="comma-separated steps per phase (replaces the clock)")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument(
+        "--mix",
+        type=str,
+        default=None,
+        help="override task weights of the mix, e.g. niah_multikey=0.35,kv_retrieval=0.08 (others keep MIX's)",
+    )
+    p.add_argument(
+        "--save-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the saved weights (bfloat16 halves the checkpoint; the runtime loads it as fp32)",
+    )
     return p.parse_args(argv)
 
 
@@ -104,8 +116,9 @@ def build_model(tokenizer, args):
 class Batcher:
     """Training sequences: (ids, weights, task); weight 1 on answer tokens, 0.3 elsewhere, 0 on unlearnable ones."""
 
-    def __init__(self, tokenizer, seed: int):
+    def __init__(self, tokenizer, seed: int, mix: dict[str, float] | None = None):
         self.tok = tokenizer
+        self.mix = dict(mix or MIX)
         self.rng = random.Random(seed)
         self.counter = seed * 10_000_000
         self.content_ids = list(range(3, len(tokenizer)))
@@ -145,7 +158,7 @@ class Batcher:
     def draw(self, length: int, mix: bool):
         if not mix:
             return self.copy(length)
-        kind = self.rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        kind = self.rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
         if kind == "copy":
             return self.copy(length)
         if kind == "text":
@@ -216,10 +229,26 @@ def lr_at(args, step: int, progress: float) -> float:
     return args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save(model, tokenizer, out: Path, log: dict) -> None:
+def parse_mix(text: str | None) -> dict[str, float]:
+    """MIX with the overrides of --mix applied."""
+    mix = dict(MIX)
+    for item in filter(None, (text or "").split(",")):
+        name, _, weight = item.partition("=")
+        if name not in MIX:
+            raise SystemExit(f"--mix: unknown task {name!r}; known: {', '.join(MIX)}")
+        mix[name] = float(weight)
+    return mix
+
+
+def save(model, tokenizer, out: Path, log: dict, dtype: str = "float32") -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.config._attn_implementation = "sdpa"
-    model.save_pretrained(out)
+    if dtype == "float32":
+        model.save_pretrained(out)
+    else:
+        state = {k: v.detach().to(getattr(torch, dtype)) for k, v in model.state_dict().items()}
+        model.config.torch_dtype = dtype
+        model.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)
     (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
@@ -246,7 +275,7 @@ def main(argv=None) -> None:
         lr=args.lr,
         betas=(0.9, 0.95),
     )
-    batcher = Batcher(tokenizer, args.seed)
+    batcher = Batcher(tokenizer, args.seed, parse_mix(args.mix))
     tuner = ThreadTuner((args.threads, 1) if args.threads > 1 else (1,))
     fixed_steps = [int(s) for s in args.phase_steps.split(",")] if args.phase_steps else None
     total_steps = sum(fixed_steps) if fixed_steps else None
@@ -315,10 +344,10 @@ def main(argv=None) -> None:
         log["phases"].append(entry)
         log["train_seconds"] = round(time.time() - t0, 1)
         log["total_seconds"] = round(time.time() - t_start, 1)
-        save(model, tokenizer, args.out, log)
+        save(model, tokenizer, args.out, log, args.save_dtype)
         print(f"== phase {name} done: {entry}; saved to {args.out}", flush=True)
     log["positional_head_weight_on_offset"] = sample_circuits.positional_head_check(model)
-    save(model, tokenizer, args.out, log)
+    save(model, tokenizer, args.out, log, args.save_dtype)
     print(f"done in {(time.time() - t_start) / 60:.1f} min; {log['positional_head_weight_on_offset']}", flush=True)
 
 

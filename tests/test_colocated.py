@@ -93,6 +93,8 @@ SERVE = ["serve", "--model", "samples/sample-model", "--insecure"]
         ([*SERVE, "--role", "both", "--lane", "tcp"], "--lane tcp cannot join the nodes of --role both"),
         ([*SERVE, "--role", "prefill", "--lane", "inproc"], "use it with --role both, not --role prefill"),
         ([*SERVE, "--role", "both", "--tls-ca", "ca.pem"], "--role both has none"),
+        ([*SERVE, "--role", "both", "--listen", "127.0.0.1:7200"], "--listen connects separate nodes"),
+        ([*SERVE, "--role", "both", "--prefill", "h:1", "--listen", "h:2"], "--listen and --prefill connect"),
         ([*SERVE, "--role", "decode", "--lane", "pigeon"], "--lane must be one of tcp"),
         (["bench", "--lane", "inproc", "--prefill-nodes", "2"], "--prefill-nodes must be 1"),
         (["bench", "--lane", "pigeon"], "--lane must be one of tcp"),
