@@ -12,7 +12,7 @@ from smartgen.engine.layout import block_bounds, token_blocks
 from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
 
-__all__ = ["block_runs", "token_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
+__all__ = ["block_runs", "token_runs", "bridge_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
 
 ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
 
@@ -39,6 +39,25 @@ def token_runs(want: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2]))
 
 
+def bridge_runs(runs: list[tuple[int, int]], max_gap: int, resendable: torch.Tensor) -> list[tuple[int, int]]:
+    """Merges consecutive runs whose gap is at most `max_gap` tokens, all of them `resendable` (bool [n]).
+
+    Sending a short gap again costs its bytes; sending it as two runs costs three more descriptors (K, V,
+    mask). On a fast link the bytes are the cheaper, and resending is safe where the bytes are the same:
+    tokens this node sent in the same request (not ones the decode node holds from elsewhere).
+    """
+    if max_gap <= 0 or len(runs) < 2:
+        return runs
+    merged = [runs[0]]
+    for start, stop in runs[1:]:
+        prev_start, prev_stop = merged[-1]
+        if start - prev_stop <= max_gap and bool(resendable[prev_stop:start].all()):
+            merged[-1] = (prev_start, stop)
+        else:
+            merged.append((start, stop))
+    return merged
+
+
 def held_blocks(held: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[L, n] bool held tokens -> [L, M_eff] bool: the blocks every token of which is held."""
     blocks = token_blocks(held.shape[1], num_blocks).expand(held.shape[0], -1)
@@ -53,13 +72,17 @@ def block_write_ops(
     slot: int,
     layer_blocks: list[tuple[int, torch.Tensor]],
     unsent: torch.Tensor | None = None,
+    bridge_tokens: int = 0,
+    resendable: torch.Tensor | None = None,
 ) -> tuple[list[WriteOp], int]:
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
     entry turns local before its bytes are in. With `unsent` ([L, n] bool) only its True tokens
     are written: a token the decode node already holds (its prefix cache) or was already sent (a
-    fetch, an earlier push) never crosses the link twice. Returns (ops, KV bytes).
+    fetch, an earlier push) never crosses the link twice, except gaps of at most `bridge_tokens` tokens
+    that `resendable` ([L, n] bool) allows, which are sent again to save descriptors (`bridge_runs`).
+    Returns (ops, KV bytes).
     """
     length = entry.length
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
@@ -74,6 +97,8 @@ def block_write_ops(
             for start, stop in spans:
                 want[start:stop] = True
             spans = token_runs(want & unsent[layer])
+            if bridge_tokens > 0 and resendable is not None:
+                spans = bridge_runs(spans, bridge_tokens, resendable[layer])
         for start_tok, stop_tok in spans:
             if stop_tok <= start_tok:
                 continue

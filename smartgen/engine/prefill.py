@@ -45,6 +45,11 @@ __all__ = ["PrefillEngine", "OpenedRequest", "RequestGone", "Overloaded", "DEFAU
 log = logging.getLogger(__name__)
 
 
+# what one more run of a push costs in descriptors (K, V and mask: 3 x about 9 us each on the TCP lane, the
+# cheapest per descriptor; docs/lanes.md), against which a speculative push weighs resending a short gap
+RUN_COST_S = 27e-6
+
+
 class RequestGone(KeyError):
     """A message for a request this node no longer holds (released, aborted, or never opened)."""
 
@@ -414,7 +419,10 @@ class PrefillEngine:
         return max(1, min(limit, int((cumulative <= budget).sum())))
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
-        ops, kv_bytes = block_write_ops(request.geometry, request.kv, request.slot, layer_blocks, request.unsent)
+        bridge, resendable = self._bridge(request) if tag == "speculative" else (0, None)
+        ops, kv_bytes = block_write_ops(
+            request.geometry, request.kv, request.slot, layer_blocks, request.unsent, bridge, resendable
+        )
         full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
         path = "full" if full else tag
         bounds = block_bounds(request.length, self.layout.num_blocks).tolist()
@@ -448,6 +456,23 @@ class PrefillEngine:
         if tag == "speculative":
             request.spec_in_flight = completion
         return kv_bytes
+
+    def _bridge(self, request: OpenedRequest) -> tuple[int, torch.Tensor | None]:
+        """Longest gap of already-sent tokens a speculative run sends again rather than split around it, and
+        which tokens may be: the bytes of a gap must cost the link less than the three descriptors (K, V, mask)
+        splitting adds (RUN_COST_S), at the rate this request's pushes measured. On a slow link that is no
+        token at all; on a fast one, fetched tokens scattered through a block range stop fragmenting it.
+        Only tokens this node sent in this request are resent: their bytes are the ones the decode node holds."""
+        if request.unsent is None or request.link_rate <= 0:
+            return 0, None
+        tokens = int(request.link_rate * RUN_COST_S / (2 * self.layout.token_bytes))
+        if tokens <= 0:
+            return 0, None
+        resendable = ~request.unsent
+        resendable[:, : request.held_prefix] = False
+        if request.held is not None:
+            resendable &= ~request.held
+        return tokens, resendable
 
     def _push_quantized(self, request: OpenedRequest, layer: int) -> int:
         """Quantized full transfer: the layer packed (`engine.kv_quant`) into the decode node's staging region,
