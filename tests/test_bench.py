@@ -58,6 +58,8 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             ctl = request["ctl"]
             assert len(ctl) == 6 and all(b >= a for a, b in zip(ctl, ctl[1:]))
             assert ctl[0] == pytest.approx(request["ttft"]) and ctl[1] == pytest.approx(request["ttst"])
+            assert 0.0 <= request["first_step_coverage"] <= 1.0
+            assert 0.0 <= request["first_step_wait"] <= request["fetch_wait"] < request["ttst"] + 6 * request["tbt"]
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
             prompt = sum(r["prompt_tokens"] for r in group["requests"])
             assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
@@ -70,6 +72,8 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             )
             assert group["path_bytes"]["full"] == packed
             assert packed < 0.4 * SAMPLE_KV_BYTES_PER_TOKEN * sum(r["prompt_tokens"] for r in group["requests"])
+        if group["scheme"] in ("full", "quant2"):  # the whole cache is local before decoding starts
+            assert all(r["first_step_coverage"] == 1.0 for r in group["requests"])
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
     for summary in data["summaries"]:

@@ -507,8 +507,7 @@ class DecodeEngine:
             if request.deferred:
                 continue  # its step is redone: counted then
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            request.metrics.selected_entries += int(local_stop[rows].sum())
-            request.metrics.remote_entries += int(num_remote[rows].sum())
+            request.metrics.count_selection(int(local_stop[rows].sum()), int(num_remote[rows].sum()))
             selected += int(local_stop[rows].sum())
             remote += int(num_remote[rows].sum())
         self.counters.add_selection(selected, remote)
@@ -523,10 +522,12 @@ class DecodeEngine:
         deadline = time.monotonic() + limit
         mask = self.pool.masks.values[layer]
         for request in requests:
+            waited = time.monotonic()
             while not bool((mask[request.slot, : request.length] == LOCAL).all()):
                 if request.metrics.error or request.deferred or time.monotonic() > deadline:
                     break
                 time.sleep(0.0002)
+            request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
 
     def _rows_where(
         self, requests: list[_Request], device: torch.device, test: Callable[[Policy], bool]
@@ -552,7 +553,7 @@ class DecodeEngine:
         heads = self.layout.num_kv_heads
         for request, start, stop in zip(requests, starts, stops):
             spans.append((self.pool.k[layer, request.slot, start:stop], self.pool.v[layer, request.slot, start:stop]))
-            request.metrics.selected_entries += heads * (stop - start)
+            request.metrics.count_selection(heads * (stop - start), 0)
         self.counters.add_selection(heads * sum(stop - start for start, stop in zip(starts, stops)), 0)
         return spans
 
@@ -605,9 +606,11 @@ class DecodeEngine:
             limit = first + timeout
             if self.stall_timeout is not None:
                 limit = min(limit, sent + self.stall_timeout)
+            waited = time.monotonic()
             try:
                 reply: msg.FetchReply = future.result(timeout=max(0.0, limit - time.monotonic()))
             except TimeoutError:
+                request.metrics.count_fetch_wait(time.monotonic() - waited)
                 if self.stall_timeout is not None and time.monotonic() - first < timeout:
                     request.deferred = True
                     request.deferred_since = first
@@ -625,6 +628,7 @@ class DecodeEngine:
             except RequestFailed as exc:
                 self._fail_request(request.request_id, str(exc))
                 continue
+            request.metrics.count_fetch_wait(time.monotonic() - waited)
             self._land_reply(request, layer, positions, reply, sent)
 
     def _land_reply(

@@ -44,6 +44,36 @@ class RequestMetrics:
     prefill_cached_tokens: int = 0  # leading prompt tokens the prefill node's prefix cache supplied (not computed)
     fully_local_at: float | None = None
     error: str | None = None
+    # the first decode step (token 2): how much of its selection was already local, and how long it waited for
+    # the rest; over all steps, the time spent waiting for fetches (what TTST and TBT pay for the link)
+    first_step_selected: int = 0
+    first_step_remote: int = 0
+    first_step_wait_s: float = 0.0
+    fetch_wait_s: float = 0.0
+
+    @property
+    def in_first_step(self) -> bool:
+        """Whether the step under way is the first decode step (one token, the prefill node's, so far)."""
+        return len(self.token_times) == 1
+
+    def count_selection(self, selected: int, remote: int) -> None:
+        self.selected_entries += selected
+        self.remote_entries += remote
+        if self.in_first_step:
+            self.first_step_selected += selected
+            self.first_step_remote += remote
+
+    def count_fetch_wait(self, seconds: float) -> None:
+        self.fetch_wait_s += seconds
+        if self.in_first_step:
+            self.first_step_wait_s += seconds
+
+    @property
+    def first_step_coverage(self) -> float | None:
+        """Share of the first decode step's selected entries that were local when it ran (None before it ran)."""
+        if not self.first_step_selected:
+            return None
+        return 1.0 - self.first_step_remote / self.first_step_selected
 
     @property
     def ttft(self) -> float | None:
@@ -89,6 +119,9 @@ class RequestMetrics:
             "prefill_cached_tokens": self.prefill_cached_tokens,
             "selected_entries": self.selected_entries,
             "remote_entries": self.remote_entries,
+            "first_step_coverage": self.first_step_coverage,
+            "first_step_wait_s": self.first_step_wait_s,
+            "fetch_wait_s": self.fetch_wait_s,
             "error": self.error,
         }
 

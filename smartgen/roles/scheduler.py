@@ -276,6 +276,10 @@ class DecodeScheduler:
             "scheme": active.request.policy.label,
             "on_demand_ratio": metrics.on_demand_ratio if metrics else None,
             "fetched_tokens": metrics.fetched_tokens if metrics else None,
+            # the first decode step's selection already local, and the time decoding waited for the link
+            "first_step_coverage": metrics.first_step_coverage if metrics else None,
+            "first_step_wait": metrics.first_step_wait_s if metrics else None,
+            "fetch_wait": metrics.fetch_wait_s if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had
             "prompt_tokens_details": {"cached_tokens": metrics.prefill_cached_tokens} if metrics else None,
             "held_tokens": metrics.held_tokens if metrics else None,

@@ -39,6 +39,9 @@ class Summary:
     tbt: dict[str, float | None]
     ctl: list[float]  # mean arrival of token t, seconds from arrival
     on_demand_ratio: float | None
+    first_step_coverage: float | None  # share of the first decode step's selection local when it ran
+    first_step_wait: float | None  # seconds the first decode step waited for the link (layers 0-1, fetches)
+    wait_per_step: float | None  # seconds each later step waited for fetches, on average
     bytes_per_request: dict[str, float]  # per path
     descriptors_per_request: float
     posting_s_per_request: float
@@ -83,6 +86,15 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         tbt=_stats(values("tbt")),
         ctl=ctl,
         on_demand_ratio=_mean(values("on_demand_ratio")),
+        first_step_coverage=_mean(values("first_step_coverage")),
+        first_step_wait=_mean(values("first_step_wait")),
+        wait_per_step=_mean(
+            [
+                (float(r["fetch_wait"]) - float(r.get("first_step_wait") or 0.0)) / (r["completion_tokens"] - 2)
+                for r in ok
+                if r.get("fetch_wait") is not None and (r.get("completion_tokens") or 0) > 2
+            ]
+        ),
         bytes_per_request=paths,
         descriptors_per_request=sum(g.descriptors for g in groups) / num,
         posting_s_per_request=sum(g.posting_s for g in groups) / num,

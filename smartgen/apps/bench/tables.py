@@ -54,8 +54,9 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     """(timings, transfers) of one point; rows in the config's scheme order."""
     rows = [s for s in summaries if s.point == point]
     timings = _table(
-        "timings in ms (means); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible",
-        ["scheme", "TTFT", "TTST", "TBT", "TBT p99", "TTST x", "TBT x", "bound"],
+        "timings in ms (means); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible; "
+        "wait1: the first decode step's wait for the link; wait: each later step's",
+        ["scheme", "TTFT", "TTST", "TBT", "TBT p99", "TTST x", "TBT x", "bound", "wait1", "wait"],
     )
     for s in rows:
         timings.add_row(
@@ -67,11 +68,14 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _x(s.vs_full.get("ttst_speedup")),
             _x(s.vs_full.get("tbt")),
             _ms(s.ttst_bound),
+            _ms(s.first_step_wait),
+            _ms(s.wait_per_step),
         )
     transfers = _table(
         "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector metadata); "
-        "od%: on-demand ratio; desc: descriptors posted; link%: utilisation; acc%: answers right",
-        ["scheme", "push", "fetch", "spec", "meta", "od%", "desc", "link%", "acc%"],
+        "od%: on-demand ratio; cov1%: the first decode step's selection already local; desc: descriptors posted; "
+        "link%: utilisation; acc%: answers right",
+        ["scheme", "push", "fetch", "spec", "meta", "od%", "cov1%", "desc", "link%", "acc%"],
     )
     for s in rows:
         paths = s.bytes_per_request
@@ -83,6 +87,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             f"{paths.get('speculative', 0) / MIB:.1f}",
             f"{paths.get('metadata', 0) / MIB:.2f}",
             _pct(s.on_demand_ratio),
+            _pct(s.first_step_coverage),
             f"{s.descriptors_per_request:.0f}",
             _pct(s.link_utilisation),
             _pct(s.accuracy),
