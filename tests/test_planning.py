@@ -164,3 +164,26 @@ def test_the_node_planner_learns_prefill_time_per_token_from_long_prefills_only(
     assert planner.prefill_seconds_per_token == pytest.approx(2e-4)
     planner.record_prefill(500, 0.2)  # length-weighted: the long prefill counts for more
     assert planner.prefill_seconds_per_token == pytest.approx((0.8 * 0.2 + 0.2) / (0.8 * 1000 + 500))
+
+
+def test_k_r_leaves_out_the_link_time_metadata_takes_ahead_of_the_pushes():
+    L, M = 32, 1024
+    assert proactive_budget(L, M, 1.0, 4.7, 0.0) == proactive_budget(L, M, 1.0, 4.7)
+    window = 31 / 32 * 1.0
+    assert proactive_budget(L, M, 1.0, 4.7, 0.25 * window) == int(L * M * 0.75 * window / 4.7)
+    assert proactive_budget(L, M, 1.0, 4.7, 2.0) == 2 * M  # metadata alone fills the window: layers 0-1
+
+
+def test_the_node_planner_reserves_the_metadata_it_measured():
+    """Selector metadata goes on the control lane ahead of the pushes: its link time is not the proactive set's."""
+    from smartgen.engine.layout import KVLayout
+    from smartgen.roles.planner import NodePlanner
+
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    planner = NodePlanner(layout, None, "streaming", 0.004, prefill_seconds_per_token=1e-3)
+    before = planner.plan(1000, "budget", "streaming").proactive.sum()
+    planner.record_metadata(1000, 1000 * layout.kv_bytes(1) // 8)  # an eighth of the KV's bytes per token
+    after = planner.plan(1000, "budget", "streaming").proactive.sum()
+    t_t = planner.link_seconds_per_token
+    expected = proactive_budget(4, 16, 1e-3 * 1000, t_t * 1000, t_t * 1000 / 8)
+    assert after == expected < before

@@ -67,13 +67,17 @@ class ImportanceAccumulator:
         return (self.sums / safe).float()
 
 
-def proactive_budget(num_layers: int, num_blocks: int, prefill_time: float, transfer_time: float) -> int:
-    """K_r = clip(L·M · ((L-1)/L · T_p) / T_t, 2M, L·M): blocks the link moves while layers 1..L-1 prefill."""
+def proactive_budget(
+    num_layers: int, num_blocks: int, prefill_time: float, transfer_time: float, reserved_time: float = 0.0
+) -> int:
+    """K_r = clip(L·M · ((L-1)/L · T_p - T_m) / T_t, 2M, L·M): blocks the link moves while layers 1..L-1
+    prefill, less `reserved_time` T_m the link spends on what goes ahead of the pushes (selector metadata)."""
     total = num_layers * num_blocks
     floor = DENSE_LAYERS * num_blocks
     if transfer_time <= 0:
         return total
-    raw = total * ((num_layers - 1) / num_layers * max(prefill_time, 0.0)) / transfer_time
+    window = max((num_layers - 1) / num_layers * max(prefill_time, 0.0) - max(reserved_time, 0.0), 0.0)
+    raw = total * window / transfer_time
     return int(min(max(math.floor(raw), floor), total))
 
 
@@ -226,6 +230,8 @@ class Planner:
     prefill_seconds_per_token: float = 0.0
     transfer_seconds_per_token: float = 0.0
     seed: int = 0
+    # link time per prompt token taken by what leaves ahead of the pushes (selector metadata on the control lane)
+    reserved_seconds_per_token: float = 0.0
 
     def budget(self, length: int, mode: str, computed: int | None = None) -> int:
         """K_r for a request: all blocks, just layers 0-1 ("floor"), or the formula ("budget").
@@ -244,6 +250,7 @@ class Planner:
             m_eff,
             self.prefill_seconds_per_token * prefill_tokens,
             self.transfer_seconds_per_token * length,
+            self.reserved_seconds_per_token * length,
         )
 
     def plan(

@@ -333,18 +333,20 @@ class PrefillEngine:
         request.sent[layer, blocks] = True
         return self._push(request, [(layer, blocks)], tag="proactive")
 
-    def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> None:
+    def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> int:
         """One layer's selector metadata, sent the moment the layer is prefilled.
 
         It goes on the control lane, ahead of bulk pushes and before FIRST_TOKEN, so the
-        decode node has it for its first step without it adding to the time to first token.
+        decode node has it for its first step without it adding to the time to first token. Returns the
+        bytes sent (0 when nothing was).
         """
         request = self._get(request_id)
         if request is None or not metadata or request.resumed:
-            return
+            return 0
         message = msg.Metadata(request_id, int(layer), metadata).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
+        return message.payload_bytes
 
     def finish_prefill(
         self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None

@@ -56,6 +56,8 @@ class NodePlanner:
         self._prefill_seconds_per_token = prefill_seconds_per_token or 0.0
         self._measured_seconds = 0.0
         self._measured_tokens = 0.0
+        self._metadata_bytes = 0.0  # selector metadata sent, decayed like the prefill times
+        self._metadata_tokens = 0.0
         self._lock = threading.Lock()
         self._warned = False
         self.last_match: ProfileMatch | None = None
@@ -71,6 +73,24 @@ class NodePlanner:
             self._measured_seconds = PREFILL_DECAY * self._measured_seconds + seconds
             self._measured_tokens = PREFILL_DECAY * self._measured_tokens + length
             self._prefill_seconds_per_token = self._measured_seconds / self._measured_tokens
+
+    def record_metadata(self, length: int, num_bytes: int) -> None:
+        """Selector metadata bytes one request sent for its `length`-token prompt. It goes on the control lane
+        ahead of the pushes, so the link time it takes during prefill is not there for the proactive set: K_r
+        leaves it out (at 16 layers Quest's page bounds take a quarter of what the link moves while a stall-4.7
+        prefill runs, and a K_r blind to them planned pushes that were still on the link at the first step)."""
+        if length <= 0 or num_bytes < 0:
+            return
+        with self._lock:
+            self._metadata_bytes = PREFILL_DECAY * self._metadata_bytes + num_bytes
+            self._metadata_tokens = PREFILL_DECAY * self._metadata_tokens + length
+
+    def _reserved(self, transfer_seconds_per_token: float) -> float:
+        """Link seconds per prompt token the metadata takes, at T_t seconds per token of KV."""
+        with self._lock:
+            per_token = self._metadata_bytes / self._metadata_tokens if self._metadata_tokens else 0.0
+        kv = self.layout.kv_bytes(1)
+        return per_token / kv * transfer_seconds_per_token if kv else 0.0
 
     @property
     def prefill_seconds_per_token(self) -> float:
@@ -101,6 +121,7 @@ class NodePlanner:
                 match.importance,
                 measured or match.prefill_seconds_per_token,
                 match.transfer_seconds_per_token,
+                reserved_seconds_per_token=self._reserved(match.transfer_seconds_per_token),
             )
             return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)
         if strategy == "profile":
@@ -113,5 +134,12 @@ class NodePlanner:
             strategy = self.fallback_strategy
         with self._lock:
             prefill = self._prefill_seconds_per_token
-        planner = Planner(self.layout.num_layers, self.layout.num_blocks, None, prefill, self.link_seconds_per_token)
+        planner = Planner(
+            self.layout.num_layers,
+            self.layout.num_blocks,
+            None,
+            prefill,
+            self.link_seconds_per_token,
+            reserved_seconds_per_token=self._reserved(self.link_seconds_per_token),
+        )
         return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)

@@ -85,7 +85,9 @@ class PrefillNode:
             prefix_cache=prefix_cache,
         )
         self.runner = PrefillRunner(model, selector)
-        self.worker = PrefillWorker(self.engine, self.runner, on_prefilled=planner.record_prefill)
+        self.worker = PrefillWorker(
+            self.engine, self.runner, on_prefilled=planner.record_prefill, on_metadata=planner.record_metadata
+        )
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
         self.listener = (
             TcpListener(

@@ -41,14 +41,19 @@ class PrefillWorker:
         *,
         kv_transform: KVTransform | None = None,
         on_prefilled: Callable[[int, float], None] | None = None,
+        on_metadata: Callable[[int, int], None] | None = None,
         log_failures: bool = True,
     ) -> None:
         """`on_prefilled(length, seconds)` hears each prefill's duration (a planner learning T_p);
+        `on_metadata(length, bytes)` each request's selector metadata bytes (a planner leaving their link time
+        out of K_r);
         `log_failures=False` when the caller re-raises `errors` itself (no second report on stderr)."""
         self.engine = engine
         self.runner = runner
         self.kv_transform = kv_transform
         self.on_prefilled = on_prefilled
+        self.on_metadata = on_metadata
+        self._metadata_bytes = 0  # this request's selector metadata sent so far
         self.log_failures = log_failures
         self.num_prefilled = 0
         self.computed_tokens = 0  # prompt tokens really run through the model (a cached prefix is not)
@@ -70,6 +75,7 @@ class PrefillWorker:
             return False
         started = time.monotonic()
         self._raw = []
+        self._metadata_bytes = 0
         try:
             # a selector that reads every prompt query would see only the computed ones: no cached prefix for it
             prefix = None if self.runner.selector_reads_queries else self.engine.lookup_prefix(request)
@@ -83,6 +89,8 @@ class PrefillWorker:
             self.computed_tokens += computed
             if self.on_prefilled is not None:
                 self.on_prefilled(computed, time.monotonic() - started)
+            if self.on_metadata is not None and not request.resumed:
+                self.on_metadata(request.length, self._metadata_bytes)
             self.engine.finish_prefill(rid, output.first_token)
         except RequestGone:
             return False  # released or aborted while prefilling (the decode node gave up on it)
@@ -116,4 +124,4 @@ class PrefillWorker:
                 self._raw.append((k, v))
             k, v = self.kv_transform(layer, k, v)
         self.engine.prefill_layer(request_id, layer, k, v, token_scores)
-        self.engine.send_metadata(request_id, layer, metadata)
+        self._metadata_bytes += self.engine.send_metadata(request_id, layer, metadata)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from smartgen.sysinfo import SAMPLES_DIR
 
-__all__ = ["resolve_model", "SAMPLE_MODEL"]
+__all__ = ["resolve_model", "SAMPLE_MODEL", "SAMPLE_MODEL_16"]
 
 SAMPLE_MODEL = SAMPLES_DIR / "sample-model"
+SAMPLE_MODEL_16 = SAMPLES_DIR / "sample-model-16"  # 16 layers: layers 0-1 are 1/8 of the KV, as in deep models
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -27,6 +28,8 @@ def resolve_model(spec: str, seed: int = 0) -> tuple[Path, bool]:
     """
     if spec == "sample":
         return SAMPLE_MODEL, True
+    if spec == "sample16":
+        return SAMPLE_MODEL_16, True
     if spec.startswith("random:"):
         try:
             layers = int(spec.partition(":")[2])
@@ -37,7 +40,9 @@ def resolve_model(spec: str, seed: int = 0) -> tuple[Path, bool]:
         return _random_model(layers, seed), False
     folder = Path(spec).expanduser()
     if not (folder / "config.json").exists():
-        raise ValueError(f"--model {spec!r}: no model folder there (no config.json); or use sample or random:LAYERS")
+        raise ValueError(
+            f"--model {spec!r}: no model folder there (no config.json); or use sample, sample16 or random:LAYERS"
+        )
     return folder, True
 
 
