@@ -198,3 +198,15 @@ def test_a_bench_on_the_inproc_lane_runs_one_process_and_pays_the_link(tmp_path:
             # a lower bound only (5% slack: a busy pacer may run its clock slightly in the past): the last block
             # cannot land before the KV's wire time
             assert request["ttst"] >= 0.95 * group["path_bytes"]["full"] / rate
+
+
+def test_the_bundled_models_resolve_by_name() -> None:
+    from smartgen.apps.bench.models import resolve_model
+
+    for name, layers in (("sample", 6), ("sample16", 16)):
+        folder, trained = resolve_model(name)
+        config = json.loads((folder / "config.json").read_text())
+        assert trained and config["num_hidden_layers"] == layers
+        assert (folder / "model.safetensors").stat().st_size <= 25 * 10**6  # what a clone may carry
+    with pytest.raises(ValueError, match="sample, sample16 or random:LAYERS"):
+        resolve_model("no-such-folder")
