@@ -423,10 +423,11 @@ def _table(report: EvalReport, labels: list[str]):
     table = Table(
         title="accuracy (%) per task and length, [95% Wilson interval]", title_justify="left", box=box.SIMPLE_HEAD
     )
-    table.add_column("task", no_wrap=True)
-    table.add_column("length", justify="right", no_wrap=True)
+    # fold, never cut: piped to a file the console is 80 columns, and "smartg…" or "[84-10…" says nothing
+    table.add_column("task", overflow="fold")
+    table.add_column("length", justify="right", overflow="fold")
     for label in labels:
-        table.add_column(_header(label), justify="right", no_wrap=True)
+        table.add_column(_header(label), justify="right", overflow="fold")
     accuracy = {label: report.runs[label].accuracy() for label in labels}
     intervals = {label: report.runs[label].intervals() for label in labels}
     for cell in report.cells():

@@ -226,6 +226,7 @@ def test_cli_eval_prints_the_table_and_writes_json(tiny, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     for text in ("accuracy", "passkey", "vs full-cache", "quant2", "K_r ="):
         assert text in result.output
+    assert "…" not in result.output  # piped (80 columns): cells fold, never get cut
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"full-cache", "proactive-only quest 30%", "streamingllm 30%", "quant2"}
     assert data["cells"] == [f"passkey@{LENGTH}"] and data["settings"]["quant"] == {
