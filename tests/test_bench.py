@@ -74,6 +74,8 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert packed < 0.4 * SAMPLE_KV_BYTES_PER_TOKEN * sum(r["prompt_tokens"] for r in group["requests"])
         if group["scheme"] in ("full", "quant2"):  # the whole cache is local before decoding starts
             assert all(r["first_step_coverage"] == 1.0 for r in group["requests"])
+        if group["scheme"] == "partial":  # layers >= 2 are never pushed: the first step has all of them to fetch
+            assert all(r["first_step_coverage"] == 0.0 for r in group["requests"])
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
     for summary in data["summaries"]:

@@ -477,7 +477,9 @@ class DecodeEngine:
         drop_rows = self._rows_where(requests, index.device, lambda policy: policy.drop_remote)
         # a request this step already gave up on fetches nothing more: its step is redone anyway
         drop_rows |= torch.tensor([r.deferred for r in requests], device=index.device).repeat_interleave(num_heads)
+        dropped = torch.zeros_like(split.num_remote)
         if bool(drop_rows.any()):
+            dropped = torch.where(drop_rows, split.num_remote, dropped)  # selected, never attended: not covered
             split = _drop_remote_rows(split, drop_rows)
         num_rows, k = index.shape
         k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
@@ -507,7 +509,9 @@ class DecodeEngine:
             if request.deferred:
                 continue  # its step is redone: counted then
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            request.metrics.count_selection(int(local_stop[rows].sum()), int(num_remote[rows].sum()))
+            request.metrics.count_selection(
+                int(local_stop[rows].sum()), int(num_remote[rows].sum()), layer, int(dropped[rows].sum())
+            )
             selected += int(local_stop[rows].sum())
             remote += int(num_remote[rows].sum())
         self.counters.add_selection(selected, remote)
@@ -553,7 +557,7 @@ class DecodeEngine:
         heads = self.layout.num_kv_heads
         for request, start, stop in zip(requests, starts, stops):
             spans.append((self.pool.k[layer, request.slot, start:stop], self.pool.v[layer, request.slot, start:stop]))
-            request.metrics.count_selection(heads * (stop - start), 0)
+            request.metrics.count_selection(heads * (stop - start), 0, layer)
         self.counters.add_selection(heads * sum(stop - start for start, stop in zip(starts, stops)), 0)
         return spans
 

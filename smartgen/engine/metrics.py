@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from smartgen.engine.layout import DENSE_LAYERS
+
 __all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
 
 # "full" is what a full-transfer request pushes during prefill (counted apart from SmartGen's proactive set)
@@ -56,12 +58,16 @@ class RequestMetrics:
         """Whether the step under way is the first decode step (one token, the prefill node's, so far)."""
         return len(self.token_times) == 1
 
-    def count_selection(self, selected: int, remote: int) -> None:
+    def count_selection(self, selected: int, remote: int, layer: int, dropped: int = 0) -> None:
+        """`selected` entries attended, `remote` of them fetched; `dropped`: selected but remote and never
+        attended (proactive-only), which count against the first step's coverage only."""
         self.selected_entries += selected
         self.remote_entries += remote
-        if self.in_first_step:
-            self.first_step_selected += selected
-            self.first_step_remote += remote
+        # the first step's coverage is over the selecting layers: layers 0-1 are dense and always awaited whole,
+        # and counted in they made a transfer that covered nothing above them read 59% (16 layers, 10% budget)
+        if self.in_first_step and layer >= DENSE_LAYERS:
+            self.first_step_selected += selected + dropped
+            self.first_step_remote += remote + dropped
 
     def count_fetch_wait(self, seconds: float) -> None:
         self.fetch_wait_s += seconds
@@ -70,7 +76,8 @@ class RequestMetrics:
 
     @property
     def first_step_coverage(self) -> float | None:
-        """Share of the first decode step's selected entries that were local when it ran (None before it ran)."""
+        """Share of the first decode step's selected entries in layers >= 2 that were local when it ran (None
+        before it ran)."""
         if not self.first_step_selected:
             return None
         return 1.0 - self.first_step_remote / self.first_step_selected

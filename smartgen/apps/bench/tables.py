@@ -45,8 +45,9 @@ def _table(title: str, columns: list[str]) -> Table:
         title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
     )
     for i, column in enumerate(columns):
-        # fold: a console narrower than 80 columns folds a cell onto a second line instead of cutting it ("sch…")
-        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+        # fold: a console narrower than 80 columns folds a cell onto a second line instead of cutting it ("sch…");
+        # scheme names stay whole (they are what a reader looks up), the figures fold first
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     return table
 
 
@@ -54,9 +55,9 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     """(timings, transfers) of one point; rows in the config's scheme order."""
     rows = [s for s in summaries if s.point == point]
     timings = _table(
-        "timings in ms (means); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible; "
+        "timings in ms (means; p99: TBT's); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible; "
         "wait1: the first decode step's wait for the link; wait: each later step's",
-        ["scheme", "TTFT", "TTST", "TBT", "TBT p99", "TTST x", "TBT x", "bound", "wait1", "wait"],
+        ["scheme", "TTFT", "TTST", "TBT", "p99", "TTST x", "TBT x", "bound", "wait1", "wait"],
     )
     for s in rows:
         timings.add_row(
@@ -73,8 +74,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         )
     transfers = _table(
         "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector metadata); "
-        "od%: on-demand ratio; cov1%: the first decode step's selection already local; desc: descriptors posted; "
-        "link%: utilisation; acc%: answers right",
+        "od%: on-demand ratio; cov1%: the first decode step's selection (layers >= 2) already local; "
+        "desc: descriptors posted; link%: utilisation; acc%: answers right",
         ["scheme", "push", "fetch", "spec", "meta", "od%", "cov1%", "desc", "link%", "acc%"],
     )
     for s in rows:
