@@ -195,7 +195,7 @@ def serve(
         Path | None,
         typer.Option(
             help="Append this node's /status to FILE once a second (JSON lines) for `smartgen monitor --replay FILE` "
-            "(--role both: the decode half's).",
+            "(--role both: both halves in each frame).",
             rich_help_panel=PANEL_NET,
         ),
     ] = None,
@@ -583,7 +583,16 @@ def _run_both(
         if status_server is not None:
             ready["status"] = "{}:{}".format(*status_server.address)
         _run_decode(
-            node.decode, host, port, "in this process", scheme, ready_file, record, limits.max_body_bytes, ready
+            node.decode,
+            host,
+            port,
+            "in this process",
+            scheme,
+            ready_file,
+            record,
+            limits.max_body_bytes,
+            ready,
+            prefill_snapshot=node.prefill.snapshot,
         )
     finally:
         if status_server is not None:
@@ -602,8 +611,10 @@ def _run_decode(
     record: Path | None,
     max_body_bytes: int,
     ready: dict[str, str] | None = None,
+    prefill_snapshot=None,
 ) -> None:
-    """Serves the HTTP API until SIGINT/SIGTERM; `ready`: more entries for the ready file (a colocated node's)."""
+    """Serves the HTTP API until SIGINT/SIGTERM; `ready`: more entries for the ready file (a colocated node's);
+    `prefill_snapshot`: the colocated prefill half's, recorded beside the decode node's (`--record`)."""
     import socket
 
     import uvicorn
@@ -636,7 +647,11 @@ def _run_decode(
                 write_ready_file(ready_file, {"role": "decode", **(ready or {}), "http": f"{host}:{port}"})
 
     threading.Thread(target=announce, name="announce", daemon=True).start()
-    recorder = StatusRecorder(record, "decode", node.scheduler.status) if record is not None else None
+    recorder = (
+        StatusRecorder(record, "decode", node.scheduler.status, prefill_snapshot=prefill_snapshot)
+        if record is not None
+        else None
+    )
     # uvicorn re-raises the signal that stopped it once it has put back the handlers it found; under the default
     # SIGTERM handler the process would die there, before the nodes below stop and free what they hold
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -33,7 +33,7 @@ def test_one_process_serves_the_in_process_pipeline_tokens_frees_them_and_stops_
     ready_file = tmp_path / "both.json"
     args = [sys.executable, "-m", "smartgen", "serve", "--role", "both", "--model", str(model_dir)]
     args += ["--http", "127.0.0.1:0", "--status", "127.0.0.1:0", "--ready-file", str(ready_file)]
-    args += ["--blocks", "16", "--link-gbps", "1", "--max-tokens", "512"]
+    args += ["--blocks", "16", "--link-gbps", "1", "--max-tokens", "512", "--record", str(tmp_path / "rec.jsonl")]
     env = {**os.environ, "SMARTGEN_DB": str(tmp_path / "none.db")}
     node = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
@@ -60,6 +60,14 @@ def test_one_process_serves_the_in_process_pipeline_tokens_frees_them_and_stops_
         assert status["role"] == "prefill" and status["prefilled"] == 1 and status["decode_nodes"] == 1
         link = status["links"][0]
         assert link["push"]["bytes_sent"] > 0 and link["push"]["busy_seconds"] > 0  # paced: the link took time
+
+        # --record: every frame holds both halves, as the monitor's own recordings do
+        def recorded() -> list[dict] | None:
+            text = (tmp_path / "rec.jsonl").read_text() if (tmp_path / "rec.jsonl").exists() else ""
+            return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()] or None  # whole lines
+
+        frames = wait_until(recorded, 10, "a recorded frame")
+        assert all(f["decode"]["role"] == "decode" and f["prefill"][0]["role"] == "prefill" for f in frames)
         node.send_signal(signal.SIGTERM)
         assert node.wait(60) == 0
         wait_until(lambda: any("prefill node stopped" in line for line in lines), 5, "the prefill half to stop")

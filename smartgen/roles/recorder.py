@@ -37,9 +37,19 @@ def write_frame(file: IO[str], record: dict[str, Any]) -> None:
 class StatusRecorder:
     """Appends `snapshot()` of one node to `path` every `interval_s` seconds, in a thread."""
 
-    def __init__(self, path: Path, role: str, snapshot: Callable[[], dict[str, Any]], interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        role: str,
+        snapshot: Callable[[], dict[str, Any]],
+        interval_s: float = 1.0,
+        prefill_snapshot: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """`prefill_snapshot`: a decode node's prefill half in the same process (`serve --role both`): each frame
+        then holds both halves, as the dashboard's own recordings do."""
         self.path, self.role, self.interval_s = path, role, interval_s
         self._snapshot = snapshot
+        self._prefill_snapshot = prefill_snapshot
         self._file = path.open("w")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status-recorder", daemon=True)
@@ -52,10 +62,11 @@ class StatusRecorder:
     def record(self) -> None:
         try:
             snap = self._snapshot()
+            prefill = [self._prefill_snapshot()] if self._prefill_snapshot is not None else []
         except Exception:  # a snapshot racing shutdown: skip this frame, keep recording
             log.debug("status snapshot failed", exc_info=True)
             return
-        record = frame(snap, []) if self.role == "decode" else frame(None, [snap])
+        record = frame(snap, prefill) if self.role == "decode" else frame(None, [snap])
         write_frame(self._file, record)
 
     def close(self) -> None:
