@@ -27,8 +27,8 @@ def bench(
     model: Annotated[
         str,
         typer.Option(
-            help="sample (the bundled 6-layer model), sample16 (the bundled 16-layer one), random:LAYERS (the sample's shape with LAYERS layers and random weights: "
-            "timing only, e.g. random:32), or a model folder.",
+            help="sample (the bundled 6-layer model), sample16 (the bundled 16-layer one), random:LAYERS (the "
+            "sample's shape with LAYERS layers and random weights: timing only, e.g. random:32), or a model folder.",
             rich_help_panel=PANEL_WORK,
         ),
     ] = "sample",

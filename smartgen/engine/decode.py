@@ -509,11 +509,10 @@ class DecodeEngine:
             if request.deferred:
                 continue  # its step is redone: counted then
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            request.metrics.count_selection(
-                int(local_stop[rows].sum()), int(num_remote[rows].sum()), layer, int(dropped[rows].sum())
-            )
-            selected += int(local_stop[rows].sum())
-            remote += int(num_remote[rows].sum())
+            row_selected, row_remote = int(local_stop[rows].sum()), int(num_remote[rows].sum())
+            request.metrics.count_selection(row_selected, row_remote, layer, int(dropped[rows].sum()))
+            selected += row_selected
+            remote += row_remote
         self.counters.add_selection(selected, remote)
         return Assembled(k_out, v_out, local_stop, split)
 
