@@ -36,7 +36,8 @@ def test_a_bridged_push_writes_the_gap_again_and_fewer_descriptors():
     ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, blocks, unsent, 4, ~unsent)
     masks = [op for op in ops if op.dst == "mask"]
     first = pool.geometry.mask_offset(2, 1, 0)
-    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 60), (80, 20)]
+    heads = layout.num_kv_heads  # one mask byte per token and KV head
+    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 60 * heads), (80 * heads, 20 * heads)]
     assert kv_bytes == 2 * 80 * layout.token_bytes and len(ops) == 3 * 2
     kinds = [op.dst == "mask" for op in ops]
     assert kinds == sorted(kinds)  # data before mask still
@@ -44,8 +45,9 @@ def test_a_bridged_push_writes_the_gap_again_and_fewer_descriptors():
 
 def _opened(engine: PrefillEngine, layout: KVLayout, rate: float, held_prefix: int = 0) -> OpenedRequest:
     entry = PrefillStore(layout).open("r", 64)
-    unsent = torch.ones(layout.num_layers, 64, dtype=torch.bool)
+    unsent = torch.ones(layout.num_layers, 64, layout.num_kv_heads, dtype=torch.bool)  # per (token, KV head)
     unsent[:, 20:30] = False
+    unsent[:, 40, 0] = False  # a fetch brought one head of token 40: it is still to send, so not resendable
     return OpenedRequest(
         "r",
         0,
@@ -71,6 +73,7 @@ def test_the_gap_worth_resending_follows_the_measured_link_rate():
     tokens, resendable = engine._bridge(_opened(engine, layout, token / RUN_COST_S * 8.5))
     assert tokens == 8 and resendable is not None
     assert resendable[:, 20:30].all() and not resendable[:, :20].any() and not resendable[:, 30:].any()
+    assert resendable.shape == (layout.num_layers, 64)
     _, resendable = engine._bridge(_opened(engine, layout, 1e12, held_prefix=25))
     assert resendable is not None and not resendable[:, :25].any() and resendable[:, 25:30].all()
     request = _opened(engine, layout, 1e12)

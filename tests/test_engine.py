@@ -46,7 +46,7 @@ def remote_read_guard(monkeypatch):
         heads = k_pool.shape[2]
         for r in range(index.shape[0]):
             for j in range(int(start[r]), int(stop[r])):
-                if int(mask[int(slots[r // heads]), int(index[r, j])]) != LOCAL:
+                if int(mask[int(slots[r // heads]), int(index[r, j]), r % heads]) != LOCAL:
                     violations.append((layer, r, j))
         real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
 

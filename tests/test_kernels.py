@@ -119,6 +119,48 @@ def test_split_reorder_many_rows_and_wide_k() -> None:
     assert_split_equal(got, split_reorder_reference(index, mask, slots, num_heads))
 
 
+def make_head_mask(num_tokens: int, num_heads: int, gen: torch.Generator, strided: bool = False) -> torch.Tensor:
+    """[S, N, H] int8, one value per token and KV head; strided gives a view with stride 2 along N and H."""
+    width, heads = (2 * num_tokens, 2 * num_heads) if strided else (num_tokens, num_heads)
+    table = torch.randint(PAD, REMOTE + 1, (NUM_SLOTS, width, heads), generator=gen, dtype=torch.int8)
+    table[1, : width // 2, 0] = LOCAL  # a token whose first head arrived (a fetch) and the others did not
+    return table[:, ::2, ::2] if strided else table
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("num_heads", [1, 2, 3])
+def test_split_reorder_per_head_mask_matches_reference(num_heads: int, strided: bool) -> None:
+    gen = torch.Generator().manual_seed(31 + num_heads + 10 * strided)
+    batch, k, num_tokens = 3, 9, 13
+    mask = make_head_mask(num_tokens, num_heads, gen, strided)
+    slots = make_slots(batch, gen)
+    index = make_index(batch * num_heads, k, num_tokens, gen)
+    got = split_reorder_triton(index=index, mask=mask, slots=slots, num_heads=num_heads)
+    assert_split_equal(got, split_reorder_reference(index, mask, slots, num_heads))
+
+
+def test_split_reorder_per_head_status_is_the_rows_own_head() -> None:
+    """Row r reads head r % H: a token local in one head and remote in the other splits two ways."""
+    mask = torch.full((NUM_SLOTS, 4, 2), REMOTE, dtype=torch.int8)
+    mask[2, :, 0] = LOCAL  # slot 2: head 0 holds every token, head 1 none
+    index = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    for split in (
+        split_reorder_triton(index=index, mask=mask, slots=torch.tensor([2]), num_heads=2),
+        split_reorder_reference(index, mask, torch.tensor([2]), 2),
+    ):
+        assert split.num_local.tolist() == [3, 0] and split.num_remote.tolist() == [0, 3]
+
+
+def test_split_reorder_rejects_a_mask_of_other_heads() -> None:
+    with pytest.raises(ValueError, match=r"mask must be \[S, N, H=2\]"):
+        split_reorder_triton(
+            index=torch.zeros(2, 1, dtype=torch.int64),
+            mask=torch.zeros(NUM_SLOTS, 4, 3, dtype=torch.int8),
+            slots=torch.tensor([0]),
+            num_heads=2,
+        )
+
+
 def test_split_reorder_empty_k() -> None:
     index = torch.empty(4, 0, dtype=torch.int64)
     mask = torch.zeros(NUM_SLOTS, 3, dtype=torch.int8)
@@ -300,7 +342,7 @@ def _gather_args(**overrides):
         ({"index": torch.zeros(4, 3, dtype=torch.int32)}, "index must be torch.int64"),
         ({"index": torch.zeros(5, 3, dtype=torch.int64)}, r"index must be \[B\*H, k\]"),
         ({"mask": torch.zeros(NUM_SLOTS, 6, dtype=torch.uint8)}, "mask must be torch.int8"),
-        ({"mask": torch.zeros(6, dtype=torch.int8)}, "mask must be 2-D"),
+        ({"mask": torch.zeros(6, dtype=torch.int8)}, "mask must be 3-D"),
         ({"slots": torch.tensor([0, 1], dtype=torch.int32)}, "slots must be torch.int64"),
         ({"num_heads": 0}, "num_heads must be a positive int"),
         ({"index": [[0, 1, 2]]}, "index must be a torch.Tensor"),

@@ -55,7 +55,8 @@ def test_held_tokens_are_never_pushed_again():
     ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(2, torch.arange(16)), (3, torch.arange(16))], ~held)
     masks = [op for op in ops if op.dst == "mask"]
     first = pool.geometry.mask_offset(2, 1, 0)
-    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 10), (30, 70)]
+    heads = layout.num_kv_heads  # a mask byte per token and KV head
+    assert [(op.dst_offset - first, op.length) for op in masks] == [(0, 10 * heads), (30 * heads, 70 * heads)]
     assert kv_bytes == 2 * 80 * layout.token_bytes
     blocks = held_blocks(held, 16)  # 100 tokens in 16 blocks: blocks 2 and 3 (tokens 12-24) lie inside 10:30
     assert blocks[3].all() and blocks[2].nonzero().flatten().tolist() == [2, 3] and not blocks[:2].any()

@@ -1,5 +1,6 @@
 """No KV byte crosses the link twice where the engine can know better: layers 0-1 are waited for, not fetched, while
-their push is on the way; a speculative push never resends a token an on-demand fetch already brought."""
+their push is on the way; a speculative push never resends a token an on-demand fetch already brought whole; a
+fetch moves only the (token, KV head) entries its step selected."""
 
 import torch
 from tiny_models import tiny_config
@@ -35,12 +36,19 @@ def test_a_speculative_push_never_resends_a_fetched_token():
     with _pipeline("smartgen") as pipeline:
         engine = pipeline.prefill_engine
         geometry = pipeline.decode_engine.pool.geometry
-        fetched: set[tuple[int, int]] = set()
+        heads_of: dict[tuple[int, int], set[int]] = {}
+        fetched: set[tuple[int, int]] = set()  # tokens every KV head of which a fetch brought
         resent: list[tuple[int, int]] = []
         serve_fetch, push = engine._serve_fetch, engine._push
+        num_heads = pipeline.layout.num_kv_heads
 
         def record_fetch(link, message):
-            fetched.update((message.layer, int(p)) for p in message.positions)
+            heads = message.heads if message.heads is not None else torch.ones(len(message.positions), num_heads)
+            for p, row in zip(message.positions.tolist(), heads.bool()):
+                got = heads_of.setdefault((message.layer, p), set())
+                got.update(row.nonzero().flatten().tolist())
+                if len(got) == num_heads:
+                    fetched.add((message.layer, p))
             return serve_fetch(link, message)
 
         def record_push(request, layer_blocks, tag):
@@ -91,3 +99,29 @@ def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices(
     assert engine._slice_blocks(2.5 * block_bytes / 0.001, 0.001, pending, 6) == 2
     assert engine._slice_blocks(1.0, 0.001, pending, 6) == 1  # never nothing: speculation always moves on
     assert engine._slice_blocks(1e15, 0.001, pending, 6) == 6
+
+
+def test_a_fetch_moves_only_the_selected_heads():
+    """Quest picks pages per KV head: a fetch brings each remote (token, head) entry once, not every head of a token
+    any head picked, so its bytes are the remote entries' and never more."""
+    with _pipeline("partial") as pipeline:
+        engine = pipeline.prefill_engine
+        layout = pipeline.layout
+        entries = tokens = 0
+        serve_fetch = engine._serve_fetch
+
+        def record_fetch(link, message):
+            nonlocal entries, tokens
+            assert message.heads is not None and message.heads.shape == (len(message.positions), layout.num_kv_heads)
+            assert bool(message.heads.any(dim=1).all()), "a fetched token must want at least one head"
+            entries += int(message.heads.sum())
+            tokens += len(message.positions)
+            return serve_fetch(link, message)
+
+        engine._serve_fetch = record_fetch
+        pipeline.generate([_prompt()], 12)
+        on_demand = engine.counters.snapshot()["bytes"]["on_demand"]
+    entry_bytes = 2 * layout.head_dim * layout.dtype.itemsize
+    assert entries < tokens * layout.num_kv_heads, "the heads' selections should differ somewhere"
+    assert on_demand >= entries * entry_bytes  # the payload, plus message headers
+    assert on_demand < tokens * layout.num_kv_heads * entry_bytes

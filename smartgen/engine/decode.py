@@ -90,7 +90,7 @@ class _Request:
     link: LinkEnd
     policy: Policy
     metrics: RequestMetrics
-    fetch_counts: torch.Tensor  # [L, n] int32: how often each token was fetched
+    fetch_counts: torch.Tensor  # [L, n, H] int32: how often each (token, KV head) entry was fetched
     first_token: Future = field(default_factory=Future)
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
@@ -264,7 +264,7 @@ class DecodeEngine:
         except RequestFailed:
             return False
         assert request.open_message is not None
-        held = self.pool.masks.values[:, request.slot, : request.length] == LOCAL  # [L, n]
+        held = (self.pool.masks.values[:, request.slot, : request.length] == LOCAL).all(dim=-1)  # [L, n]: all heads
         decoding = request.first_token.done()
         if decoding:
             request.resume, request.resumed_at = Future(), time.monotonic()
@@ -345,7 +345,7 @@ class DecodeEngine:
             RequestMetrics(
                 request_id, length, RequestState.DISPATCHED, created=time.monotonic() if arrival is None else arrival
             ),
-            fetch_counts=torch.zeros(self.layout.num_layers, length, dtype=torch.int32),
+            fetch_counts=torch.zeros(self.layout.num_layers, length, self.layout.num_kv_heads, dtype=torch.int32),
             metadata=[{} for _ in range(self.layout.num_layers)],
             open_message=message,
         )
@@ -526,7 +526,7 @@ class DecodeEngine:
         mask = self.pool.masks.values[layer]
         for request in requests:
             waited = time.monotonic()
-            while not bool((mask[request.slot, : request.length] == LOCAL).all()):
+            while not bool((mask[request.slot, : request.length] == LOCAL).all()):  # every token, every head
                 if request.metrics.error or request.deferred or time.monotonic() > deadline:
                     break
                 time.sleep(0.0002)
@@ -563,25 +563,28 @@ class DecodeEngine:
     def _send_fetches(
         self, layer: int, requests: list[_Request], split: IndexSplit
     ) -> list[tuple[_Request, torch.Tensor, Future, float]]:
-        """FETCH for every request with remote entries: the union of its heads' remote tokens."""
+        """FETCH for every request with remote entries: exactly its remote (token, KV head) entries, as flat ids
+        token * H + head (a head no query of the step selected is not moved)."""
         num_heads = self.layout.num_kv_heads
         fetches = []
         for b, request in enumerate(requests):
             rows = slice(b * num_heads, (b + 1) * num_heads)
             status = split.status[rows]
-            if not bool((status == REMOTE).any()) or request.metrics.error:
+            remote = status == REMOTE
+            if not bool(remote.any()) or request.metrics.error:
                 continue  # a failed request's rows are assembled from what is local; it leaves after the step
             if request.resuming:  # nothing to fetch from until its new prefill node has prefilled: park it
                 request.deferred = True
                 continue
-            positions = split.index[rows][status == REMOTE].unique().cpu()
+            head = torch.arange(num_heads, device=status.device).unsqueeze(1).expand_as(status)
+            entries = (split.index[rows][remote] * num_heads + head[remote]).unique().cpu()  # sorted: token-major
             in_flight = [entry for entry in request.late if entry[0] == layer]
             if in_flight:  # a redone step waits for what an earlier try asked for instead of asking again
                 request.late = [entry for entry in request.late if entry[0] != layer]
-                fetches += [(request, pos, fut, sent) for _, pos, fut, sent in in_flight]
-                asked = torch.cat([pos for _, pos, _, _ in in_flight])
-                positions = positions[~torch.isin(positions, asked)]
-                if not positions.numel():
+                fetches += [(request, asked, fut, sent) for _, asked, fut, sent in in_flight]
+                asked = torch.cat([asked for _, asked, _, _ in in_flight])
+                entries = entries[~torch.isin(entries, asked)]
+                if not entries.numel():
                     continue
             future: Future = Future()
             link = request.link  # once: a lost link may be swapped for another under us (recompute)
@@ -590,8 +593,12 @@ class DecodeEngine:
                 self._fetches[fetch_id] = (future, link)
             if not link.alive:
                 future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
-            link.control.send(msg.Fetch(request.request_id, layer, fetch_id, positions).pack(), tag="fetch_request")
-            fetches.append((request, positions, future, time.monotonic()))
+            positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
+            heads = torch.zeros(positions.numel(), num_heads, dtype=torch.bool)
+            heads[token_of, entries % num_heads] = True
+            fetch = msg.Fetch(request.request_id, layer, fetch_id, positions, heads)
+            link.control.send(fetch.pack(), tag="fetch_request")
+            fetches.append((request, entries, future, time.monotonic()))
         return fetches
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
@@ -601,9 +608,9 @@ class DecodeEngine:
         with a `stall_timeout`, a fetch not back by then defers its request instead: the layer is assembled
         for the rest of the batch, and the fetch lands when it arrives (`_land_late`).
         """
-        for request, positions, future, sent in fetches:
+        for request, entries, future, sent in fetches:
             if request.deferred:
-                request.late.append((layer, positions, future, sent))
+                request.late.append((layer, entries, future, sent))
                 continue
             first = request.deferred_since if request.deferred_since is not None else sent
             limit = first + timeout
@@ -617,7 +624,7 @@ class DecodeEngine:
                 if self.stall_timeout is not None and time.monotonic() - first < timeout:
                     request.deferred = True
                     request.deferred_since = first
-                    request.late.append((layer, positions, future, sent))
+                    request.late.append((layer, entries, future, sent))
                     continue
                 self.counters.add_failure("on_demand")
                 self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
@@ -632,31 +639,31 @@ class DecodeEngine:
                 self._fail_request(request.request_id, str(exc))
                 continue
             request.metrics.count_fetch_wait(time.monotonic() - waited)
-            self._land_reply(request, layer, positions, reply, sent)
+            self._land_reply(request, layer, entries, reply, sent)
 
     def _land_reply(
-        self, request: _Request, layer: int, positions: torch.Tensor, reply: msg.FetchReply, sent: float
+        self, request: _Request, layer: int, entries: torch.Tensor, reply: msg.FetchReply, sent: float
     ) -> None:
-        expected = (positions.numel(), self.layout.num_kv_heads, self.layout.head_dim)
+        expected = (entries.numel(), self.layout.head_dim)
         if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
             self.counters.add_failure("on_demand")
             self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
             return
-        self.pool.write_tokens(layer, request.slot, positions, reply.k, reply.v)
-        request.fetch_counts[layer, positions] += 1
-        request.metrics.fetched_tokens += positions.numel()
+        self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
+        request.fetch_counts[layer].view(-1)[entries] += 1
+        request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
         self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
 
     def _land_late(self, requests: list[_Request]) -> None:
         """Lands the replies of fetches an earlier step gave up waiting for, as far as they have arrived."""
         for request in requests:
             waiting = []
-            for layer, positions, future, sent in request.late:
+            for layer, entries, future, sent in request.late:
                 if not future.done():
-                    waiting.append((layer, positions, future, sent))
+                    waiting.append((layer, entries, future, sent))
                     continue
                 try:
-                    self._land_reply(request, layer, positions, future.result(), sent)
+                    self._land_reply(request, layer, entries, future.result(), sent)
                 except LinkLost as exc:
                     if not self.recompute:  # else asked again of the node it is opened on next
                         self._fail_request(request.request_id, str(exc))

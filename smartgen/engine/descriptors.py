@@ -14,7 +14,7 @@ from smartgen.lanes.base import WriteOp
 
 __all__ = ["block_runs", "token_runs", "bridge_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
 
-ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes
+ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes (one per token and KV head)
 
 
 def block_runs(blocks: torch.Tensor) -> list[tuple[int, int]]:
@@ -78,8 +78,8 @@ def block_write_ops(
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
-    entry turns local before its bytes are in. With `unsent` ([L, n] bool) only its True tokens
-    are written: a token the decode node already holds (its prefix cache) or was already sent (a
+    entry turns local before its bytes are in. With `unsent` ([L, n] bool, or [L, n, H] per KV head, where a
+    token is unsent while any of its heads is) only its True tokens are written, every head of each: a token the decode node already holds (its prefix cache) or was already sent (a
     fetch, an earlier push) never crosses the link twice, except gaps of at most `bridge_tokens` tokens
     that `resendable` ([L, n] bool) allows, which are sent again to save descriptors (`bridge_runs`).
     Returns (ops, KV bytes).
@@ -87,6 +87,7 @@ def block_write_ops(
     length = entry.length
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
     token_bytes = geometry.layout.token_bytes
+    heads = geometry.layout.num_kv_heads  # mask bytes per token
     data: list[WriteOp] = []
     masks: list[WriteOp] = []
     kv_bytes = 0
@@ -96,7 +97,8 @@ def block_write_ops(
             want = torch.zeros(length, dtype=torch.bool)
             for start, stop in spans:
                 want[start:stop] = True
-            spans = token_runs(want & unsent[layer])
+            layer_unsent = unsent[layer] if unsent.dim() == 2 else unsent[layer].any(dim=-1)
+            spans = token_runs(want & layer_unsent)
             if bridge_tokens > 0 and resendable is not None:
                 spans = bridge_runs(spans, bridge_tokens, resendable[layer])
         for start_tok, stop_tok in spans:
@@ -108,7 +110,9 @@ def block_write_ops(
             data.append(WriteOp("k", "k", src, dst, num_bytes))
             data.append(WriteOp("v", "v", src, dst, num_bytes))
             masks.append(
-                WriteOp(ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), stop_tok - start_tok)
+                WriteOp(
+                    ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), (stop_tok - start_tok) * heads
+                )
             )
             kv_bytes += 2 * num_bytes
     return data + masks, kv_bytes

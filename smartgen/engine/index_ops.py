@@ -5,7 +5,8 @@ These PyTorch functions are the CPU path and the reference every Triton kernel i
 KV head r % H), k selected entries per row, S pool slots, N tokens per slot:
 
     index   [R, k]     int64  token positions; -1 (or any position outside [0, N)) = no entry
-    mask    [S, N]     int8   0 = padding, 1 = local, 2 = remote (one layer of the mask table)
+    mask    [S, N, H]  int8   0 = padding, 1 = local, 2 = remote, per token and KV head (one layer of the
+                              mask table); [S, N] when every head shares the token's value
     slots   [B]        int64  pool slot of each batch entry
     pool    [S, N, H, d]      one layer of the decode pool's K or V (token-major)
 """
@@ -27,13 +28,15 @@ __all__ = [
 
 
 def entry_status(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Operator (1): status = mask[slot(b), index] -> [R, k] int8, 0 for out-of-range entries."""
-    num_rows, _ = index.shape
+    """Operator (1): status = mask[slot(b), index, head(r)] -> [R, k] int8, 0 for out-of-range entries."""
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(-1).expand(-1, -1, num_heads)
     num_tokens = mask.shape[1]
     row_slot = slots.repeat_interleave(num_heads)  # [R]
+    row_head = torch.arange(num_heads, device=index.device).repeat(slots.shape[0])  # [R]: row r is head r % H
     valid = (index >= 0) & (index < num_tokens)
     safe = torch.where(valid, index, torch.zeros_like(index))
-    status = mask[row_slot.unsqueeze(1).expand_as(index), safe]
+    status = mask[row_slot.unsqueeze(1).expand_as(index), safe, row_head.unsqueeze(1).expand_as(index)]
     return torch.where(valid, status, torch.zeros_like(status)).to(torch.int8)
 
 

@@ -178,17 +178,22 @@ class FirstToken:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """Decode -> prefill: the K/V of these token positions of one layer, now (an urgent message)."""
+    """Decode -> prefill: the K/V of these token positions of one layer, now (an urgent message); with `heads`,
+    only the KV heads it marks of each token."""
 
     KIND: ClassVar[MessageKind] = MessageKind.FETCH
     request_id: str
     layer: int
     fetch_id: int
     positions: torch.Tensor  # [p] int64
+    heads: torch.Tensor | None = None  # [p, H] bool: the heads wanted of each token (None: all)
 
     def pack(self) -> Message:
         meta = {"layer": self.layer, "fetch_id": self.fetch_id}
-        return Message(self.KIND, self.request_id, meta, {"positions": self.positions})
+        payload = {"positions": self.positions}
+        if self.heads is not None:
+            payload["heads"] = self.heads.to(torch.uint8).contiguous()
+        return Message(self.KIND, self.request_id, meta, payload)
 
     @classmethod
     def unpack(cls, message: Message) -> Fetch:
@@ -196,12 +201,19 @@ class Fetch:
         positions = _tensor(message.payload, "positions", what)
         if positions.dtype != torch.int64 or positions.dim() != 1:
             raise MessageError(f"{what}: positions must be a 1-D int64 tensor")
-        return cls(message.request_id, _field(meta, "layer", int, what), _field(meta, "fetch_id", int, what), positions)
+        heads = message.payload.get("heads")
+        if heads is not None:
+            if heads.dtype not in (torch.uint8, torch.bool) or heads.dim() != 2 or heads.shape[0] != positions.numel():
+                raise MessageError(f"{what}: heads must be a [{positions.numel()}, H] uint8 tensor")
+            heads = heads.bool()
+        layer, fetch_id = _field(meta, "layer", int, what), _field(meta, "fetch_id", int, what)
+        return cls(message.request_id, layer, fetch_id, positions, heads)
 
 
 @dataclass(frozen=True, slots=True)
 class FetchReply:
-    """Prefill -> decode: the fetched K and V, [p, H, d] each, for the fetch with this id."""
+    """Prefill -> decode: the fetched K and V for the fetch with this id: [p, H, d] each, or [E, d] for the E
+    entries a FETCH with `heads` marked (token-major)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.FETCH_REPLY
     request_id: str

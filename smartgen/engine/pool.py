@@ -41,8 +41,9 @@ class PoolGeometry:
         return ((layer * self.num_slots + slot) * self.max_tokens + token) * self.layout.token_bytes
 
     def mask_offset(self, layer: int, slot: int, token: int) -> int:
-        """Byte offset of (layer, slot, token) in the int8 mask region."""
-        return (layer * self.num_slots + slot) * self.max_tokens + token
+        """Byte offset of (layer, slot, token)'s first head in the int8 mask region ([L, S, N, H]: a token's heads
+        are adjacent, so a run of tokens is one run of mask bytes)."""
+        return ((layer * self.num_slots + slot) * self.max_tokens + token) * self.layout.num_kv_heads
 
     @property
     def quant_layer_bytes(self) -> int:
@@ -98,7 +99,7 @@ class DecodePool:
         pin = torch.device(device).type == "cpu" and torch.cuda.is_available()
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
-        self.masks = MaskTable(layout.num_layers, num_slots, max_tokens)
+        self.masks = MaskTable(layout.num_layers, num_slots, max_tokens, layout.num_kv_heads)
         staging = (layout.num_layers, num_slots, self.geometry.quant_layer_bytes)
         self.quant = torch.zeros(staging, dtype=torch.uint8, device=device, pin_memory=pin)
         self.quant_ready = torch.zeros(layout.num_layers, num_slots, dtype=torch.uint8, device=device)
@@ -168,6 +169,13 @@ class DecodePool:
         self.k[layer, slot, positions] = k.to(self.k.device)
         self.v[layer, slot, positions] = v.to(self.v.device)
         self.masks.set_local_tokens(layer, slot, positions)
+
+    def write_entries(self, layer: int, slot: int, entries: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Lands fetched (token, head) entries (flat ids token * H + head; K and V [E, d]), then marks them local."""
+        head_dim = self.layout.head_dim
+        self.k[layer, slot].view(-1, head_dim)[entries] = k.to(self.k.device)
+        self.v[layer, slot].view(-1, head_dim)[entries] = v.to(self.v.device)
+        self.masks.set_local_entries(layer, slot, entries)
 
     def land_quantized(self, slot: int, length: int) -> int:
         """Dequantizes every layer of the slot whose packed bytes are in (flag set) into K and V, then marks

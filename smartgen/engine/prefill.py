@@ -73,7 +73,9 @@ class OpenedRequest:
     ones: torch.Tensor
     prompt: torch.Tensor | None = None  # token ids, when the decode node sent them (serving)
     held_prefix: int = 0  # leading tokens the decode node's prefix cache already holds: never pushed
-    unsent: torch.Tensor | None = None  # [L, n] bool: tokens no push or fetch has sent yet (held ones are sent)
+    # [L, n, H] bool: (token, KV head) entries no push or fetch has sent yet (held ones are sent); a push sends
+    # every head of a token, a fetch only the heads a step selected
+    unsent: torch.Tensor | None = None
     # the link's rate as this request's proactive pushes measured it (bytes/s; 0 until one landed), and when the
     # last idle notice came: a speculative slice is sized to what the link moves between two notices
     link_rate: float = 0.0
@@ -237,12 +239,12 @@ class PrefillEngine:
             link,
             geometry,
             kv,
-            ones=torch.ones(length, dtype=torch.uint8),
+            ones=torch.ones(max(1, length * self.layout.num_kv_heads), dtype=torch.uint8),
             prompt=message.prompt_ids,
             held_prefix=message.held_prefix,
             held=message.held,
             resumed=message.resumed,
-            unsent=_unsent(self.layout.num_layers, length, message.held, message.held_prefix),
+            unsent=_unsent(self.layout.num_layers, length, self.layout.num_kv_heads, message.held, message.held_prefix),
         )
         if message.held is not None:  # opened again elsewhere (recompute): what the decode node has stays there
             request.sent = held_blocks(message.held, self.layout.num_blocks)
@@ -391,7 +393,7 @@ class PrefillEngine:
         if request.unsent is not None:  # blocks on-demand fetches already brought whole are skipped, not resent
             blocks = token_blocks(request.length, self.layout.num_blocks)
             pending = torch.zeros(request.plan.num_layers, request.plan.num_blocks).index_add_(
-                1, blocks, request.unsent.float()
+                1, blocks, request.unsent.any(dim=-1).float()
             )
             keep = pending.flatten()[ahead] > 0
             taken = keep.nonzero().flatten()[
@@ -470,7 +472,7 @@ class PrefillEngine:
         tokens = int(request.link_rate * RUN_COST_S / (2 * self.layout.token_bytes))
         if tokens <= 0:
             return 0, None
-        resendable = ~request.unsent
+        resendable = ~request.unsent.any(dim=-1)  # every head sent
         resendable[:, : request.held_prefix] = False
         if request.held is not None:
             resendable &= ~request.held
@@ -521,7 +523,7 @@ class PrefillEngine:
         request = self._get(message.request_id)
         if request is None:
             raise RequestGone(f"request {message.request_id!r} is not open on this prefill node")
-        layer, positions = message.layer, message.positions
+        layer, positions, heads = message.layer, message.positions, message.heads
         if not 0 <= layer < self.layout.num_layers:
             raise msg.MessageError(f"FETCH: no layer {layer} in a {self.layout.num_layers}-layer model")
         if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < request.length):
@@ -530,9 +532,19 @@ class PrefillEngine:
             )
         if request.kv.layers_ready <= layer:
             raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
-        k, v = request.kv.k[layer, positions].contiguous(), request.kv.v[layer, positions].contiguous()
-        if request.unsent is not None:
-            request.unsent[layer, positions] = False  # a speculative push will not send these again
+        if heads is not None and tuple(heads.shape) != (positions.numel(), self.layout.num_kv_heads):
+            raise msg.MessageError(f"FETCH: heads must be [{positions.numel()}, {self.layout.num_kv_heads}] bool")
+        k, v = request.kv.k[layer, positions], request.kv.v[layer, positions]  # [p, H, d]
+        if heads is None:  # every head of each token
+            k, v = k.contiguous(), v.contiguous()
+            if request.unsent is not None:
+                request.unsent[layer, positions] = False  # a speculative push will not send these again
+        else:  # only the (token, head) entries asked for: [E, d], token-major
+            k, v = k[heads], v[heads]
+            if request.unsent is not None:
+                sent = request.unsent[layer, positions]
+                sent[heads] = False
+                request.unsent[layer, positions] = sent  # a push still sends a token while any head is unsent
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)
@@ -564,10 +576,10 @@ def query_blocks(token_scores: torch.Tensor, length: int, num_blocks: int, count
     return torch.sort(torch.topk(best, min(count, m_eff)).indices).values
 
 
-def _unsent(num_layers: int, length: int, held: torch.Tensor | None, held_prefix: int) -> torch.Tensor:
-    """[L, n] bool: the tokens a new request's decode node lacks (not in its prefix cache, not kept from a lost
-    prefill node): every push and fetch clears what it sends, so nothing is sent twice."""
+def _unsent(num_layers: int, length: int, num_heads: int, held: torch.Tensor | None, held_prefix: int) -> torch.Tensor:
+    """[L, n, H] bool: the entries a new request's decode node lacks (not in its prefix cache, not kept from a
+    lost prefill node): every push and fetch clears what it sends, so nothing is sent twice."""
     unsent = (torch.arange(length) >= held_prefix).repeat(num_layers, 1)
     if held is not None:
         unsent &= ~held
-    return unsent
+    return unsent.unsqueeze(-1).repeat(1, 1, num_heads)

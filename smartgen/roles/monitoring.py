@@ -95,7 +95,7 @@ def decode_monitoring(
             slot = engine.slot_of(request_id)
         except (KeyError, RequestFailed):  # finished or failing while the snapshot is taken
             return []
-        masks = engine.pool.masks.values[:, slot, :length].clone()  # [L, n]: one copy, not one per layer
+        masks = engine.pool.masks.token_states(slot, length)  # [L, n]: one copy, not one per layer
         return [block_map(row) for row in masks]
 
     def prefix() -> dict[str, Any]:

@@ -181,7 +181,7 @@ def last_query_attention(query: torch.Tensor, key: torch.Tensor, scaling: float)
     """Per token, the most any query head of the prompt's last position attends to it: [n] float32.
 
     query [Hq, d] (the last position), key [H, n, d] post-RoPE; GQA: each KV head serves Hq / H query
-    heads. All heads of a token share one mask entry, so a token counts as much as its best head.
+    heads. A push sends every head of a token, so a token counts as much as its best head.
     """
     heads = query.shape[0]
     keys = key.float().repeat_interleave(heads // key.shape[0], dim=0)  # [Hq, n, d]

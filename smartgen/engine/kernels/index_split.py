@@ -9,7 +9,7 @@ import triton.language as tl
 @triton.jit
 def split_reorder_kernel(
     index_ptr,  # [R, k] int64
-    mask_ptr,  # [S, N] int8
+    mask_ptr,  # [S, N, H] int8
     slots_ptr,  # [B] int64
     out_index_ptr,  # [R, k] int64
     out_status_ptr,  # [R, k] int8
@@ -23,6 +23,7 @@ def split_reorder_kernel(
     stride_ik,
     stride_ms,
     stride_mn,
+    stride_mh,
     stride_slot,
     stride_or,
     stride_ok,
@@ -40,7 +41,9 @@ def split_reorder_kernel(
     pos = tl.load(index_ptr + rows[:, None] * stride_ir + cols[None, :] * stride_ik, mask=live, other=-1)
     slot = tl.load(slots_ptr + (rows // num_heads) * stride_slot, mask=row_ok, other=0)  # [BLOCK_R]
     valid = live & (pos >= 0) & (pos < num_tokens)
-    status = tl.load(mask_ptr + slot[:, None] * stride_ms + pos * stride_mn, mask=valid, other=0).to(tl.int32)
+    head = rows % num_heads  # row r is KV head r % H
+    mask_at = mask_ptr + slot[:, None] * stride_ms + pos * stride_mn + head[:, None] * stride_mh
+    status = tl.load(mask_at, mask=valid, other=0).to(tl.int32)
 
     # Stable partition by exclusive prefix sums: entry i's destination is the number of
     # same-lane entries before it plus the sizes of the lanes ahead of its lane. This is

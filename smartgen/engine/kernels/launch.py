@@ -36,12 +36,14 @@ def _check(t: torch.Tensor, name: str, dim: int, dtypes: tuple[torch.dtype, ...]
 def split_reorder_triton(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
     """Triton version of `split_reorder_reference`: status lookup plus stable remote-first reorder.
 
-    index [R, k] int64 (R = B*H; entries outside [0, N) are padding), mask [S, N] int8,
-    slots [B] int64. Returns an IndexSplit of new tensors on index's device.
+    index [R, k] int64 (R = B*H; entries outside [0, N) are padding), mask [S, N, H] int8 (one value per
+    token and KV head; [S, N] when all heads share it), slots [B] int64. Returns an IndexSplit of new tensors on index's device.
     """
     device = _device_of(index, "index")
     _check(index, "index", 2, (torch.int64,), device)
-    _check(mask, "mask", 2, (torch.int8,), device)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        mask = mask.unsqueeze(-1).expand(-1, -1, num_heads)  # stride 0 over heads: no copy
+    _check(mask, "mask", 3, (torch.int8,), device)
     _check(slots, "slots", 1, (torch.int64,), device)
     if not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
@@ -51,6 +53,8 @@ def split_reorder_triton(index: torch.Tensor, mask: torch.Tensor, slots: torch.T
             f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k] for B={slots.shape[0]}, "
             f"H={num_heads}; got {tuple(index.shape)}"
         )
+    if mask.shape[2] != num_heads:
+        raise ValueError(f"mask must be [S, N, H={num_heads}], got {tuple(mask.shape)}")
 
     out_index = torch.empty_like(index, memory_format=torch.contiguous_format)  # [R, k]
     out_status = torch.empty((num_rows, k), dtype=torch.int8, device=device)  # [R, k]
@@ -78,6 +82,7 @@ def split_reorder_triton(index: torch.Tensor, mask: torch.Tensor, slots: torch.T
         index.stride(1),
         mask.stride(0),
         mask.stride(1),
+        mask.stride(2),
         slots.stride(0),
         out_index.stride(0),
         out_index.stride(1),
