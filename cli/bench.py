@@ -36,7 +36,8 @@ def bench(
         str,
         typer.Option(
             help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
-            "partial+profile, partial+profile+parallel, smartgen, proactive-only, quant2 (full transfer of 2-bit "
+            "partial+profile, partial+profile+parallel, smartgen, smartgen+hints (speculation led by what the "
+            "selector ranks just past its budget), proactive-only, quant2 (full transfer of 2-bit "
             "quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),

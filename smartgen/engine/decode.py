@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from smartgen.engine import messages as msg
-from smartgen.engine.index_ops import IndexSplit, gather_kv, split_reorder
+from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, split_reorder
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout
 from smartgen.engine.mask import LOCAL, REMOTE
 from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
@@ -98,6 +98,7 @@ class _Request:
     # fetches a step gave up waiting for (stall_timeout): (layer, positions, future, sent); landed when they arrive
     late: list[tuple[int, torch.Tensor, Future, float]] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
+    hints: list[torch.Tensor] = field(default_factory=list)  # flat ids (layer * length + token) for the next IDLE
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
     resume: Future | None = None
@@ -450,11 +451,34 @@ class DecodeEngine:
             time.sleep(poll)
 
     def begin_layer(self, layer: int, request_ids: list[str]) -> None:
-        """The start of an attention layer: tell prefill nodes the link is idle (speculative policies)."""
+        """The start of an attention layer: tell prefill nodes the link is idle (speculative policies), with the
+        hints gathered since the last notice."""
         for request_id in request_ids:
             request = self._require_any(request_id)
             if request.policy.speculative and not (request.released or request.metrics.error or request.resuming):
-                request.link.control.send(msg.Idle(request_id, layer).pack())
+                hints = torch.cat(request.hints).unique() if request.hints else None
+                request.hints = []
+                request.link.control.send(msg.Idle(request_id, layer, hints).pack())
+
+    def hint_factor(self, request_ids: list[str]) -> float:
+        """The widest hint ratio among these requests' policies (0: none hints)."""
+        return max((self._require_any(rid).policy.hints for rid in request_ids), default=0.0)
+
+    def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
+        """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
+        selector at (1 + hints) x its budget) picks and that are still remote in some head: what the selector is
+        likely to pick next. Only requests whose policy hints."""
+        num_heads = self.layout.num_kv_heads
+        requests = [self._require_any(rid) for rid in request_ids]
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=wide.device)
+        status = entry_status(wide, self.pool.masks.layer(layer).to(wide.device), slots, num_heads)
+        for b, request in enumerate(requests):
+            if not request.policy.hints or request.released or request.metrics.error or request.resuming:
+                continue
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            remote = status[rows] == REMOTE
+            if bool(remote.any()):
+                request.hints.append(wide[rows][remote].unique().cpu() + layer * request.length)
 
     def assemble(
         self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None

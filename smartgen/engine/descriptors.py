@@ -12,7 +12,16 @@ from smartgen.engine.layout import block_bounds, token_blocks
 from smartgen.engine.pool import PoolGeometry, RequestKV
 from smartgen.lanes.base import WriteOp
 
-__all__ = ["block_runs", "token_runs", "bridge_runs", "held_blocks", "block_write_ops", "ONES_SOURCE"]
+__all__ = [
+    "block_runs",
+    "token_runs",
+    "bridge_runs",
+    "held_blocks",
+    "block_wants",
+    "block_write_ops",
+    "token_write_ops",
+    "ONES_SOURCE",
+]
 
 ONES_SOURCE = "ones"  # the sender's source buffer of int8 ones used for mask writes (one per token and KV head)
 
@@ -79,31 +88,55 @@ def block_write_ops(
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
     entry turns local before its bytes are in. With `unsent` ([L, n] bool, or [L, n, H] per KV head, where a
-    token is unsent while any of its heads is) only its True tokens are written, every head of each: a token the decode node already holds (its prefix cache) or was already sent (a
+    token is unsent while any of its heads is) only its True tokens are written, every head of each:
+    a token the decode node already holds (its prefix cache) or was already sent (a
     fetch, an earlier push) never crosses the link twice, except gaps of at most `bridge_tokens` tokens
     that `resendable` ([L, n] bool) allows, which are sent again to save descriptors (`bridge_runs`).
     Returns (ops, KV bytes).
     """
-    length = entry.length
+    return token_write_ops(
+        geometry, entry, slot, block_wants(entry.length, geometry, layer_blocks), unsent, bridge_tokens, resendable
+    )
+
+
+def block_wants(
+    length: int, geometry: PoolGeometry, layer_blocks: list[tuple[int, torch.Tensor]]
+) -> list[tuple[int, torch.Tensor]]:
+    """[(layer, block ids)] -> [(layer, [n] bool)]: the tokens of those blocks."""
     bounds = block_bounds(length, geometry.layout.num_blocks).tolist()
+    wants = []
+    for layer, blocks in layer_blocks:
+        want = torch.zeros(length, dtype=torch.bool)
+        for first, stop in block_runs(blocks):
+            want[bounds[first] : bounds[stop]] = True
+        wants.append((layer, want))
+    return wants
+
+
+def token_write_ops(
+    geometry: PoolGeometry,
+    entry: RequestKV,
+    slot: int,
+    layer_wants: list[tuple[int, torch.Tensor]],
+    unsent: torch.Tensor | None = None,
+    bridge_tokens: int = 0,
+    resendable: torch.Tensor | None = None,
+) -> tuple[list[WriteOp], int]:
+    """`block_write_ops` for any tokens: [(layer, [n] bool wanted)], each maximal run one K, V and mask write."""
     token_bytes = geometry.layout.token_bytes
     heads = geometry.layout.num_kv_heads  # mask bytes per token
     data: list[WriteOp] = []
     masks: list[WriteOp] = []
     kv_bytes = 0
-    for layer, blocks in layer_blocks:
-        spans = [(bounds[first], bounds[stop]) for first, stop in block_runs(blocks)]
+    for layer, want in layer_wants:
         if unsent is not None:
-            want = torch.zeros(length, dtype=torch.bool)
-            for start, stop in spans:
-                want[start:stop] = True
             layer_unsent = unsent[layer] if unsent.dim() == 2 else unsent[layer].any(dim=-1)
             spans = token_runs(want & layer_unsent)
             if bridge_tokens > 0 and resendable is not None:
                 spans = bridge_runs(spans, bridge_tokens, resendable[layer])
+        else:
+            spans = token_runs(want)
         for start_tok, stop_tok in spans:
-            if stop_tok <= start_tok:
-                continue
             num_bytes = (stop_tok - start_tok) * token_bytes
             src = entry.kv_offset(layer, start_tok)
             dst = geometry.kv_offset(layer, slot, start_tok)

@@ -20,6 +20,7 @@ from smartgen.engine.mask import LOCAL, REMOTE
 
 __all__ = [
     "IndexSplit",
+    "entry_status",
     "split_reorder_reference",
     "gather_kv_reference",
     "split_reorder",

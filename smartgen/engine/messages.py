@@ -241,18 +241,25 @@ class FetchReply:
 
 @dataclass(frozen=True, slots=True)
 class Idle:
-    """Decode -> prefill: the link is idle while this layer computes (a chance to push speculatively)."""
+    """Decode -> prefill: the link is idle while this layer computes (a chance to push speculatively); `hints`
+    names the remote tokens the selector ranked just past its budget in the layers since the last notice, to
+    push before the speculative order (flat ids layer * prompt length + token)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.IDLE
     request_id: str
     layer: int
+    hints: torch.Tensor | None = None  # [p] int64
 
     def pack(self) -> Message:
-        return Message(self.KIND, self.request_id, {"layer": self.layer})
+        payload = {} if self.hints is None else {"hints": self.hints.to(torch.int64).contiguous()}
+        return Message(self.KIND, self.request_id, {"layer": self.layer}, payload)
 
     @classmethod
     def unpack(cls, message: Message) -> Idle:
-        return cls(message.request_id, _field(message.meta, "layer", int, "IDLE"))
+        hints = message.payload.get("hints")
+        if hints is not None and (hints.dtype != torch.int64 or hints.dim() != 1):
+            raise MessageError("IDLE: hints must be a 1-D int64 tensor")
+        return cls(message.request_id, _field(message.meta, "layer", int, "IDLE"), hints)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,9 @@ class Policy:
     drop_remote: entries not sent proactively are never fetched and never attended (proactive-only).
     quantize_bits: with "all", each layer crosses the link quantized to this many bits (KIVI/HACK-like,
     `engine.kv_quant.SERVING_QUANT`) and is dequantized on the decode node: lossy; 0 = exact.
+    hints: with speculation, each decode step also ranks (1 + hints) x the selection budget, and the remote
+    tokens past the budget are pushed next, ahead of the speculative order: what the selector is about to
+    pick, on its way before it is picked. 0 = off. Never changes what a step attends to.
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -66,6 +69,7 @@ class Policy:
     wait_for_all: bool = False
     drop_remote: bool = False
     quantize_bits: int = 0
+    hints: float = 0.0
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -76,6 +80,10 @@ class Policy:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
         if not 0 < self.speculative_ratio <= 1:
             raise ValueError(f"speculative ratio must be in (0, 1], got {self.speculative_ratio}")
+        if self.hints < 0 or (self.hints and not self.speculative):
+            raise ValueError(
+                f"hints must be >= 0 and need speculation, got {self.hints} (speculative={self.speculative})"
+            )
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -104,6 +112,7 @@ POLICIES: dict[str, Policy] = {
         Policy("partial+profile", proactive=ProactiveMode.BUDGET, parallel=False, speculative=False),
         Policy("partial+profile+parallel", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False),
         Policy("smartgen", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
+        Policy("smartgen+hints", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from smartgen.engine import messages as msg
-from smartgen.engine.descriptors import ONES_SOURCE, block_runs, block_write_ops, held_blocks
+from smartgen.engine.descriptors import ONES_SOURCE, block_wants, held_blocks, token_write_ops
 from smartgen.engine.kv_quant import SERVING_QUANT, pack_layer
-from smartgen.engine.layout import DENSE_LAYERS, KVLayout, block_bounds, token_blocks
+from smartgen.engine.layout import DENSE_LAYERS, KVLayout, token_blocks
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_slice_size
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
@@ -189,6 +189,8 @@ class PrefillEngine:
             case msg.Idle():
                 request = self._get(message.request_id)
                 if request is not None:
+                    if message.hints is not None:
+                        self.push_hinted(request, message.hints)
                     self.push_speculative(request)
             case msg.Release() | msg.Abort():
                 self.release(message.request_id)
@@ -422,20 +424,36 @@ class PrefillEngine:
         cumulative = torch.cumsum(pending_tokens * 2 * self.layout.token_bytes, 0)
         return max(1, min(limit, int((cumulative <= budget).sum())))
 
+    def push_hinted(self, request: OpenedRequest, hints: torch.Tensor) -> int:
+        """Pushes the tokens an IDLE notice hinted at (flat ids layer * length + token: what the decode node's
+        selector ranked just past its budget), ahead of the speculative order; tokens already sent are skipped.
+        The push counts as the request's speculative slice in flight, so the next slice waits for it."""
+        if not request.policy.speculative or request.kv.layers_ready < self.layout.num_layers or not hints.numel():
+            return 0
+        length, num_layers = request.length, self.layout.num_layers
+        if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length:
+            raise msg.MessageError(f"IDLE: hints outside the {num_layers} x {length} prompt of {request.request_id!r}")
+        want = torch.zeros(num_layers * length, dtype=torch.bool)
+        want[hints] = True
+        want = want.view(num_layers, length)
+        layer_wants = [(int(layer), want[layer]) for layer in want.any(dim=1).nonzero().flatten()]
+        return self._push_tokens(request, layer_wants, tag="speculative")
+
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
+        return self._push_tokens(request, block_wants(request.length, request.geometry, layer_blocks), tag)
+
+    def _push_tokens(self, request: OpenedRequest, layer_wants: list[tuple[int, torch.Tensor]], tag: str) -> int:
         bridge, resendable = self._bridge(request) if tag == "speculative" else (0, None)
-        ops, kv_bytes = block_write_ops(
-            request.geometry, request.kv, request.slot, layer_blocks, request.unsent, bridge, resendable
+        ops, kv_bytes = token_write_ops(
+            request.geometry, request.kv, request.slot, layer_wants, request.unsent, bridge, resendable
         )
         full = tag == "proactive" and request.policy.proactive == ProactiveMode.ALL  # full transfer, not a chosen set
         path = "full" if full else tag
-        bounds = block_bounds(request.length, self.layout.num_blocks).tolist()
         held_tokens = 0
-        for layer, blocks in layer_blocks:
-            for first, stop in block_runs(blocks):
-                held_tokens += max(0, min(bounds[stop], request.held_prefix) - bounds[first])
-                if request.unsent is not None:
-                    request.unsent[layer, bounds[first] : bounds[stop]] = False
+        for layer, want in layer_wants:
+            held_tokens += int(want[: request.held_prefix].sum())
+            if request.unsent is not None:
+                request.unsent[layer, want] = False
         if held_tokens:
             self.held_saved.add(path, self.layout.kv_bytes(held_tokens, num_layers=1))
         if not ops:

@@ -179,6 +179,7 @@ class DecodeRunner:
         self.capture = HiddenCapture(model) if selector.lookahead else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
         self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
+        self._widened: dict[float, Selector | None] = {}  # the selector at (1 + hints) x its budget
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
@@ -231,7 +232,25 @@ class DecodeRunner:
         self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> Assembled:
         index = self.index(layer, batch, query, hidden)
-        return self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
+        assembled = self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
+        self.hint(layer, batch, query, hidden)
+        return assembled
+
+    def hint(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """For policies with hints: ranks the layer's prompt again at the wider budget and tells the engine which
+        remote tokens that adds (pushed next). Runs after the layer's own selection is assembled, so it never
+        delays it; a sparse full-attention layer only."""
+        factor = self.engine.hint_factor(batch.request_ids)
+        if factor <= 0 or self.ranges(layer, batch) is not None:
+            return
+        if factor not in self._widened:
+            self._widened[factor] = self.selector.widened(factor)
+        wide = self._widened[factor]
+        if wide is None:
+            return
+        step = StepQuery(layer, query, hidden, batch.positions, batch.prompt_lengths)
+        picked = wide.select(step, [meta[layer] for meta in batch.metadata]).cpu()
+        self.engine.hint(layer, batch.request_ids, picked.to(self.engine.pool.k.device))
 
     def assemble_ahead(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> Assembled:
         if self.side_stream is not None:

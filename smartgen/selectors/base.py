@@ -8,6 +8,7 @@ prompt (0 < budget <= 1) or a token count (budget > 1).
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,17 @@ class Selector(ABC):
     def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
         """Per-layer metadata for one request, computed on the prefill node; empty by default."""
         return {}
+
+    def widened(self, factor: float) -> Selector | None:
+        """This selector at (1 + factor) x its budget, for ranking what it would pick next (SmartGen's hints);
+        None for a selector without a budget."""
+        budget = getattr(self, "budget", None)
+        if not isinstance(budget, float | int) or factor <= 0:
+            return None
+        wide = copy.copy(self)
+        scaled = float(budget) * (1.0 + factor)
+        wide.budget = min(1.0, scaled) if budget <= 1 else scaled  # type: ignore[attr-defined]  # a ratio, or tokens
+        return wide
 
     @abstractmethod
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
