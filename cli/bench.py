@@ -37,7 +37,8 @@ def bench(
         typer.Option(
             help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
             "partial+profile, partial+profile+parallel, smartgen, smartgen+hints (speculation led by what the "
-            "selector ranks just past its budget), proactive-only, quant2 (full transfer of 2-bit "
+            "selector ranks just past its budget), smartgen+ahead (hints, and layer l+1's selection speculated "
+            "and fetched while layer l computes), proactive-only, quant2 (full transfer of 2-bit "
             "quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),

@@ -1,4 +1,5 @@
-"""Hints: each decode step ranks a wider selection, and the remote tokens it adds are pushed next; answers unchanged."""
+"""Selection-led transfer: hints (a wider selection's remote tokens pushed next) and prefetch (layer l+1's selection
+speculated during layer l and fetched ahead); both move bytes earlier and leave every answer unchanged."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from smartgen.selectors.streaming import StreamingSelector
 LENGTH = 256
 
 
-def _run(scheme: str, record: list | None = None) -> tuple[list[int], dict[str, int]]:
+def _run(scheme: str, record: list | None = None, fetches: list | None = None) -> tuple[list[int], dict[str, int]]:
     model = model_from_config(tiny_config("llama"))
     policy = get_policy(scheme, "sequential", 0.05)
     prompt = torch.randint(3, 97, (LENGTH,), generator=torch.Generator().manual_seed(5))
@@ -34,8 +35,35 @@ def _run(scheme: str, record: list | None = None) -> tuple[list[int], dict[str, 
                 return push_hinted(request, hints)
 
             engine.push_hinted = recorded  # type: ignore[method-assign]
+        if fetches is not None:
+            decode = p.decode_engine
+            send, prefetch = decode._send_fetches, decode.prefetch
+
+            def sent(layer, requests, split):
+                out = send(layer, requests, split)
+                fetches.append(("step", layer, sum(int(e.numel()) for _, e, _, _ in out)))
+                return out
+
+            def ahead(layer, request_ids, index):
+                before = sum(len(r.late) for r in decode._requests.values())
+                prefetch(layer, request_ids, index)
+                fetches.append(("ahead", layer, sum(len(r.late) for r in decode._requests.values()) - before))
+
+            serve = p.prefill_engine._serve_fetch
+
+            def served(link, message):
+                for position, row in zip(message.positions.tolist(), message.heads):
+                    fetches.extend(("entry", message.layer, (position, h)) for h in row.nonzero().flatten().tolist())
+                return serve(link, message)
+
+            p.prefill_engine._serve_fetch = served  # type: ignore[method-assign]
+            decode._send_fetches = sent  # type: ignore[method-assign]
+            decode.prefetch = ahead  # type: ignore[method-assign]
         (result,) = p.generate([prompt], 16)
-        return result.tokens, p.prefill_engine.counters.snapshot()["bytes"]
+        moved = p.prefill_engine.counters.snapshot()["bytes"]
+        if fetches is not None:
+            fetches.append(("prefetched", -1, result.metrics.prefetched_entries))
+        return result.tokens, moved
 
 
 def test_hints_are_pushed_and_change_no_token():
@@ -85,3 +113,25 @@ def test_bad_hints_are_refused():
     request = OpenedRequest("r", 0, 64, get_policy("smartgen+hints"), None, None, None, entry, torch.ones(1))  # type: ignore[arg-type]
     with pytest.raises(MessageError, match="outside"):
         engine.push_hinted(request, torch.tensor([4 * 64]))
+
+
+def test_prefetch_fetches_ahead_and_changes_no_token():
+    """smartgen+ahead: layer l+1's speculated selection is fetched while layer l computes (never for layers 0-1),
+    and layer l+1 then asks only for what that missed; the tokens are those of smartgen without it."""
+    log: list = []
+    tokens, _ = _run("smartgen+ahead", fetches=log)
+    plain, _ = _run("smartgen")
+    assert tokens == plain
+    ahead = [(layer, n) for kind, layer, n in log if kind == "ahead"]
+    assert ahead and all(layer >= 2 for layer, _ in ahead)
+    assert sum(n for _, n in ahead) > 0, "some prefetch must go out on a slow link"
+    (prefetched,) = [n for kind, _, n in log if kind == "prefetched"]
+    assert prefetched > 0
+    entries = [(layer, e) for kind, layer, e in log if kind == "entry"]
+    assert len(entries) == len(set(entries)), "an entry a prefetch asked for is never asked for again"
+
+
+def test_policy_prefetch_cannot_drop_remote():
+    with pytest.raises(ValueError, match="prefetch"):
+        Policy("x", proactive=ProactiveMode.BUDGET, speculative=False, drop_remote=True, prefetch=True)
+    assert get_policy("smartgen+ahead").prefetch and not get_policy("smartgen").prefetch

@@ -82,6 +82,14 @@ def _drop_remote_rows(split: IndexSplit, rows: torch.Tensor) -> IndexSplit:
     )
 
 
+def _fetch_message(request_id: str, layer: int, fetch_id: int, entries: torch.Tensor, num_heads: int) -> msg.Fetch:
+    """FETCH for flat (token, head) ids token * H + head, sorted: positions and the [T, H] heads wanted."""
+    positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
+    heads = torch.zeros(positions.numel(), num_heads, dtype=torch.bool)
+    heads[token_of, entries % num_heads] = True
+    return msg.Fetch(request_id, layer, fetch_id, positions, heads)
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -617,13 +625,51 @@ class DecodeEngine:
                 self._fetches[fetch_id] = (future, link)
             if not link.alive:
                 future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
-            positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
-            heads = torch.zeros(positions.numel(), num_heads, dtype=torch.bool)
-            heads[token_of, entries % num_heads] = True
-            fetch = msg.Fetch(request.request_id, layer, fetch_id, positions, heads)
+            fetch = _fetch_message(request.request_id, layer, fetch_id, entries, num_heads)
             link.control.send(fetch.pack(), tag="fetch_request")
             fetches.append((request, entries, future, time.monotonic()))
         return fetches
+
+    def prefetch_wanted(self, request_ids: list[str]) -> bool:
+        """Whether any of these requests' policies prefetches."""
+        return any(self._require_any(rid).policy.prefetch for rid in request_ids)
+
+    def prefetch(self, layer: int, request_ids: list[str], index: torch.Tensor) -> None:
+        """Fetches now the remote entries of a speculated index ([B·H, k], layer l+1's selection guessed while layer
+        l computes), for requests whose policy prefetches. They are in flight like a stalled step's fetches
+        (`late`): layer l+1's own selection waits for them instead of asking again, and fetches only the rest."""
+        num_heads = self.layout.num_kv_heads
+        requests = [self._require_any(rid) for rid in request_ids]
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        status = entry_status(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        head = torch.arange(num_heads, device=index.device).unsqueeze(1).expand(num_heads, index.shape[1])
+        for b, request in enumerate(requests):
+            if not request.policy.prefetch or request.released or request.metrics.error or request.resuming:
+                continue
+            if request.deferred:
+                continue
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            remote = status[rows] == REMOTE
+            if not bool(remote.any()):
+                continue
+            entries = (index[rows][remote] * num_heads + head[remote]).unique().cpu()
+            asked = [asked for at, asked, _, _ in request.late if at == layer]
+            if asked:
+                entries = entries[~torch.isin(entries, torch.cat(asked))]
+                if not entries.numel():
+                    continue
+            future: Future = Future()
+            link = request.link
+            with self._lock:
+                fetch_id = next(self._fetch_ids)
+                self._fetches[fetch_id] = (future, link)
+            if not link.alive:
+                future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+            link.control.send(
+                _fetch_message(request.request_id, layer, fetch_id, entries, num_heads).pack(), tag="fetch_request"
+            )
+            request.late.append((layer, entries, future, time.monotonic()))
+            request.metrics.prefetched_entries += int(entries.numel())
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
         """Lands each fetch reply; a failure fails only its request.

@@ -42,6 +42,7 @@ class RequestMetrics:
     selected_entries: int = 0
     remote_entries: int = 0
     fetched_tokens: int = 0
+    prefetched_entries: int = 0  # (token, head) entries fetched ahead on a speculated selection (prefetch policy)
     held_tokens: int = 0  # leading prompt tokens the decode node's prefix cache supplied (never transferred)
     prefill_cached_tokens: int = 0  # leading prompt tokens the prefill node's prefix cache supplied (not computed)
     fully_local_at: float | None = None
@@ -122,6 +123,7 @@ class RequestMetrics:
             "tbt": self.tbt,
             "on_demand_ratio": self.on_demand_ratio,
             "fetched_tokens": self.fetched_tokens,
+            "prefetched_entries": self.prefetched_entries,
             "held_tokens": self.held_tokens,
             "prefill_cached_tokens": self.prefill_cached_tokens,
             "selected_entries": self.selected_entries,

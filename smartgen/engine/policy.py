@@ -58,6 +58,9 @@ class Policy:
     hints: with speculation, each decode step also ranks (1 + hints) x the selection budget, and the remote
     tokens past the budget are pushed next, ahead of the speculative order: what the selector is about to
     pick, on its way before it is picked. 0 = off. Never changes what a step attends to.
+    prefetch: while layer l computes, layer l+1's selection is speculated from layer l's attention input
+    (InfiniGen's query speculation, any query-based selector) and its remote entries are fetched; layer l+1
+    then selects with its own query as always and fetches only what the speculation missed. Exact.
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -70,6 +73,7 @@ class Policy:
     drop_remote: bool = False
     quantize_bits: int = 0
     hints: float = 0.0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -84,6 +88,8 @@ class Policy:
             raise ValueError(
                 f"hints must be >= 0 and need speculation, got {self.hints} (speculative={self.speculative})"
             )
+        if self.prefetch and self.drop_remote:
+            raise ValueError("a policy that drops remote entries fetches nothing, so it cannot prefetch")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -113,6 +119,9 @@ POLICIES: dict[str, Policy] = {
         Policy("partial+profile+parallel", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False),
         Policy("smartgen", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
         Policy("smartgen+hints", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5),
+        Policy(
+            "smartgen+ahead", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5, prefetch=True
+        ),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2

@@ -29,10 +29,11 @@ from smartgen.engine.decode import Assembled, DecodeEngine
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import use_handler
-from smartgen.runtime.models import check_runnable, layer_kinds
+from smartgen.runtime.models import check_runnable, layer_kinds, model_info
 from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import Selector, StepQuery, pad_rows
 from smartgen.selectors.dense import DenseSelector
+from smartgen.selectors.infinigen import QuerySpeculator
 
 __all__ = ["DecodeBatch", "EngineCache", "DecodeRunner"]
 
@@ -98,11 +99,15 @@ class _DecodeHandler:
         self.runner = runner
         self.batch = batch
         self.pending: dict[int, Future] = {}
+        self.prefetching: dict[int, Future] = {}  # layer -> its prefetch being sent (wait before assembling it)
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         runner, batch = self.runner, self.batch
         layer = module.layer_idx
         runner.engine.begin_layer(layer, batch.request_ids)
+        prefetch = self.prefetching.pop(layer, None)
+        if prefetch is not None:  # its fetches must be on their way before this layer asks for the rest
+            prefetch.result()
         future = self.pending.pop(layer, None)
         spans = runner.spans(layer, batch) if future is None else None
         if spans is not None:
@@ -135,20 +140,24 @@ class _DecodeHandler:
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
 
     def _look_ahead(self, layer: int) -> None:
-        """With a lookahead selector, start layer l+1's selection and fetch now, under layer l's FFN."""
+        """With a lookahead selector, start layer l+1's selection and fetch now, under layer l's FFN; with a policy
+        that prefetches, start fetching what a speculated selection of layer l+1 lacks."""
         runner = self.runner
         next_layer = layer + 1
-        if (
-            runner.selector.lookahead
-            and next_layer < runner.num_layers
-            and runner.ranges(next_layer, self.batch) is None
-        ):
-            capture = runner.capture
-            assert capture is not None  # DecodeRunner makes one for every lookahead selector
-            captured = capture.get(layer)
-            assert captured is not None  # step() started the capture and this layer's pre-hook has just run
-            hidden = captured[:, -1]  # [B, D] this layer's attention input
+        if next_layer >= runner.num_layers or runner.ranges(next_layer, self.batch) is not None:
+            return
+        lookahead = runner.selector.lookahead
+        if not lookahead and not runner.engine.prefetch_wanted(self.batch.request_ids):
+            return
+        capture = runner.capture
+        assert capture is not None  # DecodeRunner makes one for every sparse selector
+        captured = capture.get(layer)
+        assert captured is not None  # step() started the capture and this layer's pre-hook has just run
+        hidden = captured[:, -1]  # [B, D] this layer's attention input
+        if lookahead:
             self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, self.batch, hidden)
+        else:
+            self.prefetching[next_layer] = runner.worker.submit(runner.prefetch, next_layer, self.batch, hidden)
 
 
 class DecodeRunner:
@@ -176,7 +185,9 @@ class DecodeRunner:
         self.kinds = layer_kinds(model.config)
         self.num_layers = model.config.num_hidden_layers
         self.num_kv_heads = model.config.num_key_value_heads
-        self.capture = HiddenCapture(model) if selector.lookahead else None
+        # every sparse selector: a policy that prefetches speculates layer l+1's query from layer l's input
+        self.capture = HiddenCapture(model) if not isinstance(selector, DenseSelector) else None
+        self._speculator: QuerySpeculator | None = None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
         self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
         self._widened: dict[float, Selector | None] = {}  # the selector at (1 + hints) x its budget
@@ -252,6 +263,15 @@ class DecodeRunner:
         picked = wide.select(step, [meta[layer] for meta in batch.metadata]).cpu()
         self.engine.hint(layer, batch.request_ids, picked.to(self.engine.pool.k.device))
 
+    def prefetch(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> None:
+        """Speculates layer `layer`'s query from the previous layer's attention input and has the engine fetch the
+        remote entries of the selection it gives (policies that prefetch)."""
+        if self._speculator is None:
+            self._speculator = QuerySpeculator(model_info(self.model))
+        query = self._speculator.query(layer, hidden, batch.positions.to(hidden.device))
+        index = self.index(layer, batch, query, None)
+        self.engine.prefetch(layer, batch.request_ids, index.to(self.engine.pool.k.device))
+
     def assemble_ahead(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> Assembled:
         if self.side_stream is not None:
             with torch.cuda.stream(self.side_stream):
@@ -280,6 +300,8 @@ class DecodeRunner:
                 )
         finally:
             for future in handler.pending.values():
+                future.cancel()
+            for future in handler.prefetching.values():  # a step cut short: its prefetches need not go out
                 future.cancel()
             if self.capture is not None:
                 self.capture.stop()

@@ -54,7 +54,7 @@ from smartgen.selectors.base import (
     pad_rows,
 )
 
-__all__ = ["InfiniGenSelector", "compute_skewing", "rope_from_model", "decoder_layers"]
+__all__ = ["InfiniGenSelector", "QuerySpeculator", "compute_skewing", "rope_from_model", "decoder_layers"]
 
 FIRST_SPARSE_LAYER = 2  # layers 0-1 are dense in InfiniGen and in SmartGen
 
@@ -153,9 +153,7 @@ class InfiniGenSelector(Selector):
         self.alpha = alpha
         self.num_columns = max(1, int(info.head_dim * partial_ratio))
         self.skew = dict(skew) if skew is not None and skewing else {}
-        self._rope = info.rope
-        if self._rope is None and info.model is not None:
-            self._rope = rope_from_model(info.model)
+        self._speculator = QuerySpeculator(info)
 
     def skew_matrix(self, layer: int) -> torch.Tensor:
         """A [H, d, d] for `layer`; the identity when no skewing was computed for it."""
@@ -176,33 +174,12 @@ class InfiniGenSelector(Selector):
         partial = keys.gather(2, columns[:, None, :].expand(-1, n, -1))  # [H, n, d']
         return {"columns": columns, "partial_keys": partial.to(prefill.key.dtype), "skew": skew}
 
-    def _attention(self, layer: int) -> torch.nn.Module:
-        if self.info.model is None:
-            raise ValueError("InfiniGenSelector needs ModelInfo.model to speculate queries from hidden states")
-        return decoder_layers(self.info.model)[layer].get_submodule("self_attn")
-
-    @torch.no_grad()  # selection never needs gradients through the model's weights
     def query_from_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s post-RoPE query from an attention input: hidden [B, D], positions [B] -> [B, Hq, d]."""
-        attn = self._attention(layer)
-        hq, dim = self.info.num_q_heads, self.info.head_dim
-        proj = getattr(attn, "q_proj", None)
-        if proj is not None:
-            weight, bias = proj.weight, proj.bias
-        else:  # Phi-3's fused projection: the first Hq·d output rows are q
-            qkv_proj = cast(torch.nn.Linear, attn.qkv_proj)
-            weight, bias = qkv_proj.weight[: hq * dim], None
-            if qkv_proj.bias is not None:
-                bias = qkv_proj.bias[: hq * dim]
-        q = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).view(-1, hq, 1, dim)  # [B, Hq, 1, d]
-        norm = getattr(attn, "q_norm", None)
-        if norm is not None and norm.weight.numel() == hq * dim:  # OLMo 2 normalises the whole projection
-            q = norm(q.reshape(-1, hq * dim)).view(-1, hq, 1, dim)
-        elif norm is not None:  # Qwen3 / Gemma 3 normalise q per head before RoPE
-            q = norm(q)
-        if self._rope is None:
-            raise ValueError("InfiniGenSelector needs ModelInfo.rope (or a model with a rotary module)")
-        return self._rope(q, positions[:, None]).squeeze(2)
+        return self._speculator.query(layer, hidden, positions)
+
+    def _attention(self, layer: int) -> torch.nn.Module:
+        return self._speculator.attention(layer)
 
     def _scale(self, layer: int) -> float:
         # the model's own softmax scale, so alpha thresholds the same logits attention uses
@@ -238,3 +215,44 @@ class InfiniGenSelector(Selector):
             top = summed.topk(min(k, budget_tokens(self.budget, n)), dim=-1).indices
             rows.append(top.sort(dim=-1).values)  # ascending positions, as the other selectors
         return pad_rows(rows)  # [B·H, k]
+
+
+class QuerySpeculator:
+    """InfiniGen's query speculation, for any selector: layer l's post-RoPE query computed from an earlier layer's
+    attention input with layer l's own q projection (+ bias, + q_norm) and RoPE at the current position. Across a
+    layer the residual stream changes little, so this query picks most of what the real one will (the runtime's
+    prefetch, SmartGen's `prefetch` policy)."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self._rope = info.rope
+        if self._rope is None and info.model is not None:
+            self._rope = rope_from_model(info.model)
+
+    def attention(self, layer: int) -> torch.nn.Module:
+        if self.info.model is None:
+            raise ValueError("speculating queries from hidden states needs ModelInfo.model")
+        return decoder_layers(self.info.model)[layer].get_submodule("self_attn")
+
+    @torch.no_grad()  # selection never needs gradients through the model's weights
+    def query(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s post-RoPE query from an attention input: hidden [B, D], positions [B] -> [B, Hq, d]."""
+        attn = self.attention(layer)
+        hq, dim = self.info.num_q_heads, self.info.head_dim
+        proj = getattr(attn, "q_proj", None)
+        if proj is not None:
+            weight, bias = proj.weight, proj.bias
+        else:  # Phi-3's fused projection: the first Hq·d output rows are q
+            qkv_proj = cast(torch.nn.Linear, attn.qkv_proj)
+            weight, bias = qkv_proj.weight[: hq * dim], None
+            if qkv_proj.bias is not None:
+                bias = qkv_proj.bias[: hq * dim]
+        q = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).view(-1, hq, 1, dim)  # [B, Hq, 1, d]
+        norm = getattr(attn, "q_norm", None)
+        if norm is not None and norm.weight.numel() == hq * dim:  # OLMo 2 normalises the whole projection
+            q = norm(q.reshape(-1, hq * dim)).view(-1, hq, 1, dim)
+        elif norm is not None:  # Qwen3 / Gemma 3 normalise q per head before RoPE
+            q = norm(q)
+        if self._rope is None:
+            raise ValueError("speculating queries needs ModelInfo.rope (or a model with a rotary module)")
+        return self._rope(q, positions[:, None]).squeeze(2)
