@@ -25,27 +25,27 @@ SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20)
 REGION = 64 * 2**20
 
 
-def write_throughput(prefill, size: int, total: int) -> float:
-    """GB/s for `total` bytes posted as one-descriptor batches of `size` bytes, pipelined."""
+def write_throughput(prefill, size: int, total: int, clock=time.perf_counter) -> float:
+    """GB/s for `total` bytes posted as one-descriptor batches of `size` bytes, pipelined (per second of `clock`)."""
     source = torch.ones(REGION, dtype=torch.uint8)
     count = max(total // size, 4)
-    started = time.perf_counter()
+    started = clock()
     done = None
     for i in range(count):
         offset = (i * size) % REGION
         done = prefill.push.post_writes("r", {"s": source}, [WriteOp("s", "kv", offset, offset, size)], tag="bench")
     assert done is not None and done.wait(600) and done.applied and prefill.push.flush(600)
-    return count * size / (time.perf_counter() - started) / 1e9
+    return count * size / (clock() - started) / 1e9
 
 
-def scattered(prefill, num_blocks: int, block: int = 4096) -> tuple[float, float]:
-    """One batch of `num_blocks` non-adjacent blocks: (µs per descriptor, GB/s)."""
+def scattered(prefill, num_blocks: int, block: int = 4096, clock=time.perf_counter) -> tuple[float, float]:
+    """One batch of `num_blocks` non-adjacent blocks: (µs per descriptor, GB/s), in seconds of `clock`."""
     source = torch.ones(REGION, dtype=torch.uint8)
     ops = [WriteOp("s", "kv", 2 * i * block, 2 * i * block, block) for i in range(num_blocks)]
-    started = time.perf_counter()
+    started = clock()
     done = prefill.push.post_writes("r", {"s": source}, ops, tag="bench")
     assert done.wait(600) and done.applied
-    elapsed = time.perf_counter() - started
+    elapsed = clock() - started
     return elapsed / num_blocks * 1e6, num_blocks * block / elapsed / 1e9
 
 

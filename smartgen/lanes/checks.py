@@ -13,7 +13,7 @@ import torch
 
 from smartgen.lanes.wire import recv_into_exact
 
-__all__ = ["check_write_ops", "check_payload_spec", "drain", "MAX_MESSAGE_BYTES", "MAX_OPS"]
+__all__ = ["check_write_ops", "check_ack", "check_payload_spec", "drain", "MAX_MESSAGE_BYTES", "MAX_OPS"]
 
 MAX_MESSAGE_BYTES = 4 * 2**30  # a message's tensors (a fetch reply of a long prompt is ~100s of MiB)
 MAX_OPS = 1 << 20  # descriptors in one WRITE
@@ -45,6 +45,15 @@ def check_write_ops(meta: dict[str, Any], payload_length: int) -> list[tuple[str
     if total != payload_length:
         raise ConnectionError(f"WRITE frame: descriptors add up to {total} bytes, the payload is {payload_length}")
     return checked
+
+
+def check_ack(meta: dict[str, Any]) -> tuple[int, set[int]]:
+    """An ACK's `seq` (every WRITE up to it is done) and the set of those WRITEs it says were `dropped`."""
+    seq = _int(meta.get("seq"), "ACK seq")
+    dropped = meta.get("dropped", [])
+    if not isinstance(dropped, list) or len(dropped) > MAX_OPS:
+        raise ConnectionError("ACK frame: dropped is not a list of WRITE seqs")
+    return seq, {_int(s, "ACK dropped seq") for s in dropped}
 
 
 def check_payload_spec(meta: dict[str, Any], payload_length: int) -> list[tuple[str, torch.dtype, list[int]]]:

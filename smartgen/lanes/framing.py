@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from smartgen.lanes.base import Message, MessageKind
 from smartgen.lanes.checks import check_payload_spec
-from smartgen.lanes.wire import Frame, recv_into_exact
+from smartgen.lanes.wire import Frame
 
 __all__ = ["bytes_view", "message_frame", "recv_message"]
 
@@ -30,8 +30,9 @@ def message_frame(message: Message) -> tuple[dict[str, Any], list[memoryview]]:
     return meta, [bytes_view(t) for t in tensors]
 
 
-def recv_message(sock: socket.socket, frame: Frame) -> Message:
-    """Reads a MESSAGE frame's payload into fresh tensors, allocated only once the spec checks out."""
+def recv_message(read_into: Callable[[memoryview], None], frame: Frame) -> Message:
+    """Reads a MESSAGE frame's payload (`read_into` fills a view from the stream) into fresh tensors, allocated only
+    once the spec checks out."""
     spec = check_payload_spec(frame.meta, frame.payload_length)
     try:
         kind = MessageKind(frame.meta["kind"])
@@ -40,5 +41,5 @@ def recv_message(sock: socket.socket, frame: Frame) -> Message:
     tensors = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in spec}
     for tensor in tensors.values():
         if tensor.numel():
-            recv_into_exact(sock, bytes_view(tensor))
+            read_into(bytes_view(tensor))
     return Message(kind, frame.request_id, frame.meta["meta"], tensors)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from smartgen.lanes.wire import FrameType, send_frame
 
-__all__ = ["Lease", "DEFAULT_LEASE_S", "arm", "heartbeat_loop", "lease_of"]
+__all__ = ["Lease", "DEFAULT_LEASE_S", "arm", "arm_in_kernel", "heartbeat_loop", "lease_of"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,27 @@ def lease_of(sock: socket.socket) -> Lease | None:
     """The lease an armed socket carries (lanes read it here, so every lane factory keeps its signature)."""
     timeout = sock.gettimeout()
     return Lease(timeout) if timeout else None
+
+
+def arm_in_kernel(sock: socket.socket, lease: Lease) -> bool:
+    """Moves the lease from Python's socket timeout to the kernel's (SO_RCVTIMEO, SO_SNDTIMEO); False where it cannot.
+
+    With a Python timeout every recv and send is preceded by a poll() system call (and a GIL hand-off); a
+    blocking socket with kernel timeouts makes one call, and a call that waits longer than the lease fails
+    with EAGAIN (BlockingIOError) instead of TimeoutError. TLS sockets keep Python's timeout: their reads
+    need it to tell a silent peer from an incomplete record.
+    """
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(socket, "SO_RCVTIMEO"):
+        return False
+    seconds = int(lease.seconds)
+    timeval = struct.pack("ll", seconds, int((lease.seconds - seconds) * 1e6))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    except OSError:
+        return False
+    sock.settimeout(None)
+    return True
 
 
 def heartbeat_loop(

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,7 +38,15 @@ from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportError
-from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, recv_header, send_frame, send_header
+from smartgen.lanes.wire import (
+    ConnectionClosed,
+    FrameType,
+    hang_up,
+    recv_header,
+    recv_into_exact,
+    send_frame,
+    send_header,
+)
 from smartgen.lanes.write_plan import chunk_ops, region_runs
 
 __all__ = [
@@ -310,7 +319,7 @@ class OneSidedLane(QueuedLane):
             while not self._closed.is_set():
                 frame = recv_header(self._sock)
                 if frame.type == FrameType.MESSAGE:
-                    self._inbox.put(recv_message(self._sock, frame))
+                    self._inbox.put(recv_message(partial(recv_into_exact, self._sock), frame))
                 elif frame.type == FrameType.REGION:
                     meta = frame.meta
                     key = self.transport.peer_region(meta["key"])

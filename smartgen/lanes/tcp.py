@@ -1,16 +1,19 @@
 """A lane over one TCP connection: one-sided writes land in place in registered regions, messages in order.
 
-Two threads per endpoint: the transmit thread takes posted batches and messages in order,
-books the node's pacer a chunk at a time (so a link can be capped at a given Gbit/s, and
-bulk lanes yield to urgent ones between chunks) and writes them to the socket straight from
-the source tensors; the receive thread reads frames and writes each WRITE's payload straight
-into the destination region (`recv_into`, no intermediate buffer), acknowledges it, and
-queues messages. A one-way delay is emulated from the sender's timestamp (same-host clocks).
+Two threads per endpoint: the transmit thread takes posted batches and messages in order
+(WRITEs queued behind each other go out together, one system call), books the node's pacer a
+chunk at a time (so a link can be capped at a given Gbit/s, and bulk lanes yield to urgent ones
+between chunks) and writes them to the socket straight from the source tensors; the receive
+thread reads frames through a buffer (`reader.py`: one call for header, id and meta), writes each
+WRITE's payload into the destination region (large ones straight from the socket), acknowledges
+the WRITEs it has applied with one ACK before it next waits on the socket, and queues messages.
+A one-way delay is emulated from the sender's timestamp (same-host clocks).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
@@ -20,25 +23,20 @@ from dataclasses import dataclass
 import torch
 
 from smartgen.lanes.base import Completion, Message, WriteOp
-from smartgen.lanes.checks import check_write_ops, drain
+from smartgen.lanes.checks import check_ack, check_write_ops
 from smartgen.lanes.framing import bytes_view, message_frame, recv_message
-from smartgen.lanes.liveness import heartbeat_loop, lease_of
+from smartgen.lanes.liveness import arm_in_kernel, heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.vectored import recv_into_views, send_views
-from smartgen.lanes.wire import (
-    ConnectionClosed,
-    FrameType,
-    hang_up,
-    header_bytes,
-    recv_header,
-    recv_into_exact,
-    send_frame,
-)
+from smartgen.lanes.reader import FrameReader
+from smartgen.lanes.vectored import send_views
+from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, header_bytes, send_frame
 
 __all__ = ["TcpLane"]
 
 log = logging.getLogger(__name__)
+
+MAX_GATHERED = 64  # queued WRITE frames sent together (a sendmsg takes up to 512 buffers)
 
 
 @dataclass(slots=True)
@@ -64,6 +62,11 @@ class TcpLane(QueuedLane):
         self._pending: dict[int, Completion] = {}
         self._pending_lock = threading.Condition()
         self.error: str | None = None
+        self._lease = lease_of(sock)  # an armed socket (tcp_link) carries the lease; a bare one runs without
+        self._reader = FrameReader(sock, self._send_ack)
+        self._unacked: int | None = None  # the last WRITE applied or dropped and not yet acknowledged
+        self._dropped: list[int] = []  # which of the unacknowledged WRITEs were not applied
+        self._region_views: dict[str, tuple[torch.Tensor, memoryview]] = {}
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not threads:  # driven by hand (the fuzz tests call `_receive_loop` on a scripted socket)
             self._threads: list[threading.Thread] = []
@@ -72,9 +75,9 @@ class TcpLane(QueuedLane):
             threading.Thread(target=self._transmit_loop, name=f"{name}-tx", daemon=True),
             threading.Thread(target=self._receive_loop, name=f"{name}-rx", daemon=True),
         ]
-        lease = lease_of(sock)  # an armed socket (tcp_link) carries the lease; a bare one runs without
-        if lease is not None:
-            beats = (sock, self._send_lock, self._closed, self._on_broken, lease)
+        if self._lease is not None:
+            arm_in_kernel(sock, self._lease)
+            beats = (sock, self._send_lock, self._closed, self._on_broken, self._lease)
             self._threads.append(threading.Thread(target=heartbeat_loop, args=beats, name=f"{name}-hb", daemon=True))
         for thread in self._threads:
             thread.start()
@@ -127,9 +130,9 @@ class TcpLane(QueuedLane):
             completion.set(False)
 
     # -- threads ----------------------------------------------------------------------
-    def _paced_send(self, head: bytes, parts: list[memoryview]) -> None:
-        """Sends a frame's header and payload parts a chunk at a time, booking the pacer before each chunk; the parts
-        of a chunk (scattered blocks) go out in one system call, the header with the first chunk."""
+    def _paced_send(self, parts: list[memoryview]) -> None:
+        """Sends frames (headers and payload parts, in order) a chunk at a time, booking the pacer before each chunk;
+        the parts of a chunk (headers, scattered blocks, several small frames) go out in one system call."""
         for chunk in _chunks(parts, self._pacer.chunk_bytes()):
             if self.bulk:
                 self._pacer.wait_no_urgent(timeout=1.0)
@@ -137,32 +140,58 @@ class TcpLane(QueuedLane):
             remaining = due - time.monotonic()
             if remaining > 0:
                 self._closed.wait(remaining)
-            send_views(self._sock, [head, *chunk] if head else chunk)
-            head = b""
-        if head:  # no payload
-            self._sock.sendall(head)
+            send_views(self._sock, chunk)
 
     def _transmit_loop(self) -> None:
+        held: object = None  # an item taken off the outbox while gathering WRITEs, sent next
         try:
             while True:
-                item = self._outbox.get()
+                item, held = (held, None) if held is not None else (self._outbox.get(), None)
                 if item is STOP:
                     return
                 started = time.monotonic()
                 stamp = {"t": time.time()} if self._pacer.delay_s else {}
                 if isinstance(item, _Batch):
-                    views = {name: bytes_view(t) for name, t in item.sources.items()}
-                    parts = [views[op.src][op.src_offset : op.src_offset + op.length] for op in item.ops]
-                    meta = {"seq": item.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in item.ops], **stamp}
-                    # The send lock covers the whole frame: ACKs from the receive thread share the socket.
-                    head = header_bytes(FrameType.WRITE, item.request_id, meta, item.num_bytes)
+                    batches, held = self._gather(item)
+                    parts = self._write_frames(batches, stamp)
+                    # The send lock covers whole frames: ACKs from the receive thread share the socket.
                     with self._send_lock:
-                        self._paced_send(head, parts)
+                        self._paced_send(parts)
                 elif isinstance(item, Message):
                     self._send_message(item, stamp)
                 self.counters.add_busy(time.monotonic() - started)
+        except BlockingIOError:  # the kernel's send timeout (liveness.arm_in_kernel)
+            self._on_broken(f"send failed: the peer did not drain for {self._lease.seconds if self._lease else '?'} s")
         except (OSError, ConnectionError) as exc:
             self._on_broken(f"send failed: {exc}")
+
+    def _gather(self, first: _Batch) -> tuple[list[_Batch], object]:
+        """`first` and the WRITEs queued right behind it, up to a chunk of bytes: one system call sends them all.
+        Returns them and the item that ended the run (a message, STOP), or None."""
+        batches = [first]
+        room = self._pacer.chunk_bytes() - first.num_bytes
+        while room > 0 and len(batches) < MAX_GATHERED:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return batches, None
+            if not isinstance(item, _Batch):
+                return batches, item
+            batches.append(item)
+            room -= item.num_bytes
+        return batches, None
+
+    @staticmethod
+    def _write_frames(batches: list[_Batch], stamp: dict) -> list[memoryview]:
+        """The WRITE frames of `batches`, header then payload rows each, straight from the source tensors."""
+        cache: dict[int, memoryview] = {}  # per source tensor; the batches hold the tensors alive meanwhile
+        parts: list[memoryview] = []
+        for batch in batches:
+            meta = {"seq": batch.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in batch.ops], **stamp}
+            parts.append(memoryview(header_bytes(FrameType.WRITE, batch.request_id, meta, batch.num_bytes)))
+            views = {name: _cached_view(cache, tensor) for name, tensor in batch.sources.items()}
+            parts += [views[op.src][op.src_offset : op.src_offset + op.length] for op in batch.ops]
+        return parts
 
     def _send_message(self, message: Message, stamp: dict) -> None:
         meta, parts = message_frame(message)
@@ -170,7 +199,7 @@ class TcpLane(QueuedLane):
         try:
             head = header_bytes(FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
             with self._send_lock:
-                self._paced_send(head, parts)  # a fetch reply's KV pays the link like a push does
+                self._paced_send([memoryview(head), *parts])  # a fetch reply's KV pays the link like a push does
         finally:
             if urgent:
                 self._pacer.urgent_booked()
@@ -178,26 +207,27 @@ class TcpLane(QueuedLane):
     def _receive_loop(self) -> None:
         try:
             while not self._closed.is_set():
-                frame = recv_header(self._sock)
+                frame = self._reader.read_frame()
                 if "t" in frame.meta and self._pacer_delay():
                     # emulated one-way delay; capped at it, so a stamp from the future cannot stall this thread
                     delay = float(frame.meta["t"]) + self._pacer_delay() - time.time()
                     if delay > 0:
+                        self._send_ack()  # what already landed is not held back by the next frame's delay
                         time.sleep(min(delay, self._pacer_delay()))
                 if frame.type == FrameType.WRITE:
                     self._receive_write(frame)
                 elif frame.type == FrameType.MESSAGE:
                     self._receive_message(frame)
                 elif frame.type == FrameType.ACK:
-                    self._on_ack(int(frame.meta["seq"]), bool(frame.meta.get("applied", True)))
+                    self._on_ack(frame.meta)
                 elif frame.type == FrameType.HEARTBEAT:
                     pass  # its arrival is the point: the recv above did not time out
                 elif frame.type == FrameType.BYE:
                     raise ConnectionClosed("peer said goodbye")
                 else:
                     raise ConnectionError(f"unexpected {frame.type.name} frame")
-        except TimeoutError:
-            lease = lease_of(self._sock)
+        except (TimeoutError, BlockingIOError):  # Python's timeout, or the kernel's (liveness.arm_in_kernel)
+            lease = self._lease
             self._on_broken(f"peer silent for {lease.seconds if lease else '?'} s: lease expired", protocol=True)
         except (OSError, ConnectionError) as exc:
             self._on_broken(f"connection lost: {exc}", protocol=not isinstance(exc, ConnectionClosed))
@@ -209,38 +239,62 @@ class TcpLane(QueuedLane):
 
     def _receive_write(self, frame) -> None:
         ops = check_write_ops(frame.meta, frame.payload_length)
+        reader = self._reader
         with self._apply_lock:
             applied = frame.request_id in self._accepted
             rows: list[memoryview] = []  # host destinations not yet read: filled by one call when the run ends
             for dst, offset, length in ops:
                 region = self._target(frame.request_id, dst, offset, length)
                 if region is not None and region.device.type == "cpu":
-                    rows.append(bytes_view(region)[offset : offset + length])
+                    rows.append(self._host_view(dst, region)[offset : offset + length])
                     continue
-                recv_into_views(self._sock, rows)
+                reader.read_into_views(rows)
                 rows = []
                 if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
                     applied = False
-                    drain(self._sock, length)
+                    reader.skip(length)
                 else:  # device memory: land through a host buffer
                     staging = bytearray(length)
-                    recv_into_exact(self._sock, memoryview(staging))
+                    reader.read_into(memoryview(staging))
                     region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
-            recv_into_views(self._sock, rows)
+            reader.read_into_views(rows)
+        # Acknowledged when this thread would next wait on the socket (the reader's `before_wait`): WRITEs that
+        # arrived together share one ACK.
+        self._unacked = frame.meta["seq"]
+        if not applied:
+            self._dropped.append(frame.meta["seq"])
+
+    def _host_view(self, name: str, region: torch.Tensor) -> memoryview:
+        """A host region's byte view, made once per registration (making one costs more than landing 4 KiB)."""
+        cached = self._region_views.get(name)
+        if cached is None or cached[0] is not region:
+            cached = self._region_views[name] = (region, bytes_view(region))
+        return cached[1]
+
+    def _send_ack(self) -> None:
+        """Acknowledges every WRITE applied or dropped since the last ACK, in one frame."""
+        if self._unacked is None:
+            return
+        meta = {"seq": self._unacked, "dropped": self._dropped}
+        self._unacked, self._dropped = None, []
         with self._send_lock:
-            send_frame(self._sock, FrameType.ACK, meta={"seq": frame.meta["seq"], "applied": applied})
+            send_frame(self._sock, FrameType.ACK, meta=meta)
 
     def _receive_message(self, frame) -> None:
-        self._inbox.put(recv_message(self._sock, frame))
+        self._inbox.put(recv_message(self._reader.read_into, frame))
 
-    def _on_ack(self, seq: int, applied: bool) -> None:
-        # ACKs come in order, one per WRITE, so `applied` belongs to `seq` alone
+    def _on_ack(self, meta: dict) -> None:
+        """Completes, in order and once each, every batch up to the ACK's `seq`; those in `dropped` as not applied."""
+        seq, dropped = check_ack(meta)
         with self._pending_lock:
+            if seq > self._seq:
+                raise ConnectionError(f"ACK for WRITE {seq}, only {self._seq} sent")
+            done = [(s, self._pending.pop(s, None)) for s in range(self._acked + 1, seq + 1)]
             self._acked = max(self._acked, seq)
-            completion = self._pending.pop(seq, None)
             self._pending_lock.notify_all()
-        if completion is not None:
-            completion.set(applied)
+        for s, completion in done:
+            if completion is not None:
+                completion.set(s not in dropped)
 
     def _on_broken(self, reason: str, protocol: bool = False) -> None:
         if not self._closed.is_set():
@@ -248,6 +302,13 @@ class TcpLane(QueuedLane):
             # a dead, silent or misbehaving peer is worth a warning; an orderly goodbye is not
             log.log(logging.WARNING if protocol else logging.INFO, "%s: closing: %s", self.name, reason)
             self.close()
+
+
+def _cached_view(cache: dict[int, memoryview], tensor: torch.Tensor) -> memoryview:
+    view = cache.get(id(tensor))
+    if view is None:
+        view = cache[id(tensor)] = bytes_view(tensor)
+    return view
 
 
 def _chunks(parts: list[memoryview], size: int) -> list[list[memoryview]]:

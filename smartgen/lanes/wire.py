@@ -31,13 +31,15 @@ __all__ = [
     "header_bytes",
     "send_frame",
     "recv_header",
+    "parse_header",
+    "decode_frame",
     "hang_up",
     "MAX_META",
     "MAX_HANDSHAKE_META",
     "MAX_REQUEST_ID",
 ]
 
-PROTOCOL_VERSION = 2  # 2: mutual authentication, heartbeats
+PROTOCOL_VERSION = 3  # 2: mutual authentication, heartbeats; 3: an ACK acknowledges every WRITE up to its seq
 MAGIC = b"SG"
 HEADER = struct.Struct("<2sBBHIQ")
 # Caps checked on the header, before a byte of the frame is allocated: above them is a protocol error.
@@ -52,7 +54,7 @@ class FrameType(IntEnum):
     WELCOME = 3  # server -> client: accepted
     REJECT = 4  # server -> client: refused, with the reason
     WRITE = 5  # one-sided writes: meta {"seq", "ops": [[dst, offset, length], ...]}, payload = their bytes
-    ACK = 6  # receiver -> sender: every WRITE up to meta["seq"] has been applied (or dropped)
+    ACK = 6  # receiver -> sender: every WRITE up to meta["seq"] is done; meta["dropped"]: those not applied
     MESSAGE = 7  # a two-sided message: meta {"kind", "meta", "payload": [[name, dtype, shape], ...]}, payload
     FLUSH = 8  # sender -> receiver: answer with ACK once everything before this is applied
     BYE = 9  # orderly close
@@ -131,7 +133,15 @@ def recv_header(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
     Every length is checked against its cap before anything is allocated, and the meta must be a
     JSON object: a peer cannot make us allocate, or crash a thread, with a malformed header.
     """
-    magic, version, frame_type, rid_length, meta_length, payload_length = HEADER.unpack(recv_exact(sock, HEADER.size))
+    kind, rid_length, meta_length, payload_length = parse_header(recv_exact(sock, HEADER.size), max_meta)
+    rid = recv_exact(sock, rid_length) if rid_length else b""
+    meta = recv_exact(sock, meta_length) if meta_length else b""
+    return decode_frame(kind, rid, meta, payload_length)
+
+
+def parse_header(raw: bytes | memoryview, max_meta: int = MAX_META) -> tuple[FrameType, int, int, int]:
+    """A fixed header's (type, request-id length, meta length, payload length), every field checked."""
+    magic, version, frame_type, rid_length, meta_length, payload_length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise HandshakeError("not a SmartGen peer (bad frame magic)")
     if version != PROTOCOL_VERSION:
@@ -144,9 +154,14 @@ def recv_header(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
         kind = FrameType(frame_type)
     except ValueError:
         raise ConnectionError(f"unknown frame type {frame_type}") from None
+    return kind, rid_length, meta_length, payload_length
+
+
+def decode_frame(kind: FrameType, rid: bytes, meta_bytes: bytes, payload_length: int) -> Frame:
+    """The frame whose request id and JSON meta are these bytes; a ConnectionError says what is unreadable."""
     try:
-        request_id = recv_exact(sock, rid_length).decode() if rid_length else ""
-        meta = json.loads(recv_exact(sock, meta_length)) if meta_length else {}
+        request_id = rid.decode()
+        meta = json.loads(meta_bytes) if meta_bytes else {}
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConnectionError(f"{kind.name} frame: unreadable request id or meta ({exc})") from None
     if not isinstance(meta, dict):
