@@ -42,7 +42,7 @@ def bench(
             "quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),
-    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,proactive-only,quant2",
+    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,smartgen+ahead,proactive-only,quant2",
     strategies: Annotated[
         str,
         typer.Option(

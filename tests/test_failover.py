@@ -299,7 +299,13 @@ def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_
         x.stop()
         finish = _finish(second, timeout=60)  # B is not held up by A's wait for its new prefill node
         assert finish.reason == "length" and finish.usage["completion_tokens"] == 32
-        assert decode.scheduler.health()["parked"] == 1 and not decode.engine.metrics(first.request_id).error
+        health = decode.scheduler.health()
+        error = (
+            decode.engine.metrics(first.request_id).error
+            if decode.engine.has_request(first.request_id)
+            else [e for e in first.events(timeout=1) if not _is_token(e)]
+        )
+        assert health["parked"] == 1 and not error, (health, error)
         assert y.engine._get(first.request_id) is not None  # opened again on Y, prefill held back
         gate.set()
         events = list(first.events(timeout=60))

@@ -276,6 +276,7 @@ class DecodeScheduler:
             "scheme": active.request.policy.label,
             "on_demand_ratio": metrics.on_demand_ratio if metrics else None,
             "fetched_tokens": metrics.fetched_tokens if metrics else None,
+            "prefetched_entries": metrics.prefetched_entries if metrics else None,
             # the first decode step's selection already local, and the time decoding waited for the link
             "first_step_coverage": metrics.first_step_coverage if metrics else None,
             "first_step_wait": metrics.first_step_wait_s if metrics else None,
