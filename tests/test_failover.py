@@ -276,26 +276,48 @@ def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_
     gate = threading.Event()
     try:
         params = GenerationParams(max_tokens=32, ignore_eos=True)
-        reference = [e.token_id for e in decode.scheduler.submit(_prompt(21), params).events(60) if _is_token(e)]
+        ref = decode.scheduler.submit(_prompt(21), params)
+        reference = [e.token_id for e in ref.events(60) if _is_token(e)]
         wait_until(lambda: x.engine.store.num_requests + y.engine.store.num_requests == 0, 10, "its release")
+        # the decode node picks the prefill node with the fewest requests: until the reference request has left its
+        # engine it still counts on its node, and B could then go to A's node
+        wait_until(lambda: not decode.engine.has_request(ref.request_id), 10, "the reference to leave the engine")
 
-        def never_answered(link, message):  # X is alive but A's fetches wait on it until it goes away
-            while link.alive:
-                time.sleep(0.02)
+        blocked: list[tuple[str, object]] = []  # A, the first request to fetch from now on, and the node it asked
 
-        real_prefill = y.worker.prefill
+        def never_answered(serve, node):  # A's fetches wait on its first node until that node goes
+            def serve_fetch(link, message):
+                if not blocked:
+                    blocked.append((message.request_id, node))
+                if (message.request_id, node) != blocked[0]:
+                    return serve(link, message)
+                while link.alive:
+                    time.sleep(0.02)
 
-        def held_back(request):  # Y prefills a request opened again only when the test says so
-            if request.resumed:
-                gate.wait(60)
-            return real_prefill(request)
+            return serve_fetch
 
-        x.engine._serve_fetch = never_answered  # type: ignore[method-assign]
-        y.worker.prefill = held_back  # type: ignore[method-assign]
+        def held_back(prefill):  # a request opened again is prefilled only when the test says so
+            def prefill_held(request):
+                if request.resumed:
+                    gate.wait(60)
+                return prefill(request)
+
+            return prefill_held
+
+        for node in (x, y):
+            node.engine._serve_fetch = never_answered(node.engine._serve_fetch, node)  # type: ignore[method-assign]
+            node.worker.prefill = held_back(node.worker.prefill)  # type: ignore[method-assign]
         first = decode.scheduler.submit(_prompt(21), params)
         wait_until(lambda: decode.scheduler.health()["parked"] == 1, 30, "A to park on its first step's fetch")
+        assert [request_id for request_id, _ in blocked] == [first.request_id]
+        # A is on one node (the first of two idle ones): call it X, the other Y
+        x, y = (x, y) if x.engine._get(first.request_id) is not None else (y, x)
         assert x.engine._get(first.request_id) is not None
+        prefilled = y.num_prefilled
         second = decode.scheduler.submit(_prompt(22), params)  # the least loaded: Y
+        # B must be prefilled on Y before X goes: else A's OPEN again may reach Y first, and Y's one prefill thread,
+        # held back on A by this test, would keep B waiting too
+        wait_until(lambda: y.num_prefilled > prefilled, 30, "B to be prefilled on Y")
         x.stop()
         finish = _finish(second, timeout=60)  # B is not held up by A's wait for its new prefill node
         assert finish.reason == "length" and finish.usage["completion_tokens"] == 32
@@ -303,7 +325,7 @@ def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_
         error = (
             decode.engine.metrics(first.request_id).error
             if decode.engine.has_request(first.request_id)
-            else [e for e in first.events(timeout=1) if not _is_token(e)]
+            else [getattr(e, "error", e) for e in first.events(timeout=1) if not _is_token(e)]
         )
         assert health["parked"] == 1 and not error, (health, error)
         assert y.engine._get(first.request_id) is not None  # opened again on Y, prefill held back
