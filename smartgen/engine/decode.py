@@ -618,17 +618,21 @@ class DecodeEngine:
                 entries = entries[~torch.isin(entries, asked)]
                 if not entries.numel():
                     continue
-            future: Future = Future()
-            link = request.link  # once: a lost link may be swapped for another under us (recompute)
-            with self._lock:
-                fetch_id = next(self._fetch_ids)
-                self._fetches[fetch_id] = (future, link)
-            if not link.alive:
-                future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
-            fetch = _fetch_message(request.request_id, layer, fetch_id, entries, num_heads)
-            link.control.send(fetch.pack(), tag="fetch_request")
-            fetches.append((request, entries, future, time.monotonic()))
+            fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
         return fetches
+
+    def _send_fetch(self, request: _Request, layer: int, entries: torch.Tensor) -> Future:
+        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost)."""
+        future: Future = Future()
+        link = request.link  # once: a lost link may be swapped for another under us (recompute)
+        with self._lock:
+            fetch_id = next(self._fetch_ids)
+            self._fetches[fetch_id] = (future, link)
+        if not link.alive:
+            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        fetch = _fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
+        link.control.send(fetch.pack(), tag="fetch_request")
+        return future
 
     def prefetch_wanted(self, request_ids: list[str]) -> bool:
         """Whether any of these requests' policies prefetches."""
@@ -658,17 +662,7 @@ class DecodeEngine:
                 entries = entries[~torch.isin(entries, torch.cat(asked))]
                 if not entries.numel():
                     continue
-            future: Future = Future()
-            link = request.link
-            with self._lock:
-                fetch_id = next(self._fetch_ids)
-                self._fetches[fetch_id] = (future, link)
-            if not link.alive:
-                future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
-            link.control.send(
-                _fetch_message(request.request_id, layer, fetch_id, entries, num_heads).pack(), tag="fetch_request"
-            )
-            request.late.append((layer, entries, future, time.monotonic()))
+            request.late.append((layer, entries, self._send_fetch(request, layer, entries), time.monotonic()))
             request.metrics.prefetched_entries += int(entries.numel())
 
     def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
