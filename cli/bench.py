@@ -124,6 +124,15 @@ def bench(
             rich_help_panel=PANEL_REGIME,
         ),
     ] = None,
+    separate_cpus: Annotated[
+        bool,
+        typer.Option(
+            help="Run the prefill nodes and the decode node on disjoint halves of this machine's CPUs, as on "
+            "separate machines, so a prefill node's pushes do not slow the decode node's steps (ignored with "
+            "--lane inproc or one CPU).",
+            rich_help_panel=PANEL_REGIME,
+        ),
+    ] = True,
     load_rate: Annotated[
         float | None,
         typer.Option(
@@ -219,6 +228,7 @@ def bench(
             stall_ratio=numbers(stall_ratio, "--stall-ratio", float),
             link_gbps=numbers(link_gbps, "--link-gbps", float),
             decode_ratio=decode_ratio,
+            separate_cpus=separate_cpus,
             blocks=numbers(blocks, "--blocks", int),
             budget=numbers(budget, "--budget", float),
             speculative_ratio=numbers(speculative_ratio, "--speculative-ratio", float),

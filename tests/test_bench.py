@@ -15,6 +15,7 @@ import torch
 
 from smartgen.apps.bench.config import BenchConfig, Point
 from smartgen.apps.bench.stats import percentile
+from smartgen.apps.cluster import split_cpus
 from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes
 
 SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,smartgen+ahead,proactive-only,quant2"
@@ -162,6 +163,11 @@ def test_a_prefix_hit_sweep_hits_exactly_the_asked_share_on_both_nodes(tmp_path:
     data = json.loads((out / "results.json").read_text())
     hits = [point["prefix_hit"] for point in data["points"]]
     assert hits == [0.0, 0.75]
+    split = split_cpus()  # two processes: each node on its own CPUs, unless this machine has one
+    prefill_cpus, decode_cpus = ([",".join(map(str, cpus)) for cpus in split]) if split else ("", "")
+    expected_cpus = f"prefill {prefill_cpus}, decode {decode_cpus}" if split else "shared"
+    assert data["points"][0]["regime"]["cpus"] == expected_cpus
+    assert f"CPUs {expected_cpus}" in " ".join(done.stdout.split())
     for group in data["groups"]:
         for request in group["requests"]:
             assert request["error"] is None
@@ -190,6 +196,7 @@ def test_a_bench_on_the_inproc_lane_runs_one_process_and_pays_the_link(tmp_path:
     with (out / "summary.csv").open() as handle:
         assert {row["lane"] for row in csv.DictReader(handle)} == {"inproc"}
     rate = data["points"][0]["regime"]["link_gbps"] * 1e9 / 8
+    assert data["points"][0]["regime"]["cpus"] == "shared"  # one process cannot be split
     for group in data["groups"]:
         assert group["link_bytes"] > 0 and group["posting_s"] > 0
         for request in group["requests"]:

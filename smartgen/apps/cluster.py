@@ -6,6 +6,12 @@ node joined by the in-process paced lane, with the same HTTP API and prefill sta
 Every node binds port 0 and says where it listens in a ready file, so runs never race for
 ports; each node's log goes to a file in the run folder (a pipe nobody reads would fill up
 and freeze the node), and its last lines explain a node that exits early.
+
+With `separate_cpus` the prefill nodes and the decode node run on disjoint halves of the CPUs this process
+may use, each with as many compute threads as its half has: a deployment puts them on separate machines,
+and on one machine a prefill node pushing a request's KV would otherwise take CPU time from the decode
+node's steps that no real decode machine loses (and full transfer, whose pushes end before decoding,
+would not pay it).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +31,7 @@ from typing import Any
 from smartgen.lanes.backends import INPROC
 from smartgen.roles.processes import die_with_parent, read_ready_file, stop_processes
 
-__all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json"]
+__all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json", "node_process", "split_cpus"]
 
 READY_TIMEOUT_S = 180.0
 
@@ -51,6 +58,31 @@ class ClusterSpec:
     # same prompts to every scheme, and a cache would let later schemes skip what earlier ones paid for
     prefill_cache: str = "0"
     decode_cache: str = "0"
+    separate_cpus: bool = False  # prefill nodes and decode node on disjoint CPUs (see the module's docstring)
+
+
+def split_cpus() -> tuple[list[int], list[int]] | None:
+    """(prefill CPUs, decode CPUs): the CPUs this process may use, halved (the decode node gets the odd one);
+    None when there is only one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
+def node_process(env: dict[str, str], cpus: list[int] | None) -> tuple[dict[str, str], Callable[[], None]]:
+    """A node's environment and its `Popen(preexec_fn=...)`: it dies with this process and, given `cpus`, runs on
+    those CPUs only, with one compute thread per CPU (torch sizes its pool from OMP_NUM_THREADS at start)."""
+    if cpus is not None:
+        env = {**env, "OMP_NUM_THREADS": str(len(cpus)), "MKL_NUM_THREADS": str(len(cpus))}
+
+    def prepare() -> None:  # in the child, before exec
+        die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return env, prepare
 
 
 @dataclass(slots=True)
@@ -102,11 +134,20 @@ class LocalCluster:
             flags += ["--link-gbps", f"{spec.link_gbps:.9f}"]
         return flags
 
+    @property
+    def cpus(self) -> tuple[list[int], list[int]] | None:
+        """(prefill CPUs, decode CPUs) when the nodes run on separate CPUs, else None."""
+        return split_cpus() if self.spec.separate_cpus and not self.colocated else None
+
     def _launch(self, name: str, args: list[str]) -> tuple[subprocess.Popen, dict[str, Any]]:
         assert self.run_dir is not None
         env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET") or "smartgen-local-cluster"}
         if self.spec.db is not None:
             env["SMARTGEN_DB"] = str(self.spec.db)
+        split = self.cpus
+        cpus = None if split is None else split[1] if name == "decode" else split[0]
+        env, prepare = node_process(env, cpus)
+
         ready = self.run_dir / f"{name}.json"
         ready.unlink(missing_ok=True)  # a restarted node writes it again
         log_path = self.run_dir / f"{name}.log"
@@ -114,7 +155,7 @@ class LocalCluster:
         self._logs.append(log)
         command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
         # the nodes die with this process, even when it is killed (a timeout, kill -9) and cannot stop them itself
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, preexec_fn=die_with_parent)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, preexec_fn=prepare)
         self._processes.append(process)
         self.nodes[name] = process
         try:

@@ -73,6 +73,7 @@ class BenchConfig:
     stall_ratio: tuple[float, ...] = (PAPER_STALL_RATIO,)
     link_gbps: tuple[float, ...] = ()  # when given, replaces stall_ratio
     decode_ratio: float | None = None  # link bytes per all-local step / selected bytes per step; None = native
+    separate_cpus: bool = True  # prefill and decode nodes on disjoint CPUs, as on separate machines (cluster.py)
     blocks: tuple[int, ...] = (1024,)
     budget: tuple[float, ...] = (0.2,)
     speculative_ratio: tuple[float, ...] = (0.1,)

@@ -27,7 +27,8 @@ from typing import Any
 
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.models import resolve_model
-from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json
+from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json, split_cpus
+from smartgen.lanes.backends import INPROC
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -51,6 +52,7 @@ class Regime:
     decode_ratio: float  # link bytes in one all-local step / selected bytes of a step (estimated)
     kv_bytes_per_token: int
     num_layers: int
+    cpus: str = "shared"  # which CPUs the nodes ran on: "shared", or "prefill 0, decode 1" (ClusterSpec.separate_cpus)
 
 
 @dataclass(slots=True)
@@ -148,6 +150,7 @@ def run_bench(
             f"nodes over the {lane_words(config.lane)}: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
             f"{regime.reference_length} tokens), decode-side ratio {regime.decode_ratio:.3f}"
             + (f" (+{regime.emulate_layer_ms:.2f} ms emulated per layer)" if regime.emulate_layer_ms else "")
+            + f", CPUs {regime.cpus}"
         )
         spec = _spec(config, model_path, first, regime)
         with LocalCluster(spec) as cluster:
@@ -247,6 +250,7 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int
         max_batch=1,
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
+        separate_cpus=config.separate_cpus,
     )
     measured = {}
     with LocalCluster(spec) as cluster:
@@ -286,7 +290,16 @@ def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, flo
         decode_ratio=decode_ratio,
         kv_bytes_per_token=token_bytes,
         num_layers=layers,
+        cpus=_cpu_words(config),
     )
+
+
+def _cpu_words(config: BenchConfig) -> str:
+    split = split_cpus() if config.separate_cpus and config.lane != INPROC else None
+    if split is None:
+        return "shared"
+    prefill, decode = (",".join(map(str, cpus)) for cpus in split)
+    return f"prefill {prefill}, decode {decode}"
 
 
 def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -> ClusterSpec:
@@ -304,6 +317,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         max_batch=max(config.batch),
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
+        separate_cpus=config.separate_cpus,
         decode_extra=extra,
         prefill_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "decode" else "0",
         decode_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "prefill" else "0",

@@ -37,6 +37,7 @@ def regime_line(result: BenchResult, point: int) -> str:
         f"(full transfer / prefill), decode-side ratio {r.decode_ratio:.3f} (link bytes per all-local step / "
         f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
         + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
+        + f", CPUs {r.cpus}"
     )
 
 
