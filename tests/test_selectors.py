@@ -197,7 +197,7 @@ def test_one_dominant_token_is_picked_by_every_selector():
 
 def test_quest_metadata_matches_a_page_loop_over_the_full_cache():
     keys = torch.randn(H, 70, D_HEAD, dtype=torch.float64).to(torch.bfloat16)
-    selector = QuestSelector(INFO, page_size=16)
+    selector = QuestSelector(INFO, page_size=16, bound_bits=16)
     meta = selector.build_metadata(PrefillLayer(2, torch.randn(HQ, 70, D_HEAD), keys, None))
     assert meta["page_max"].shape == meta["page_min"].shape == (H, 5, D_HEAD)
     assert meta["page_max"].dtype == torch.bfloat16
@@ -205,6 +205,51 @@ def test_quest_metadata_matches_a_page_loop_over_the_full_cache():
         page = keys[:, start : start + 16]
         assert torch.equal(meta["page_max"][:, p], page.amax(dim=1))
         assert torch.equal(meta["page_min"][:, p], page.amin(dim=1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 90), st.integers(1, 8), st.floats(0.01, 100.0), st.integers(0, 2**16))
+def test_quest_8bit_bounds_contain_every_page_and_take_half_the_bytes(n, page_size, scale, seed):
+    from smartgen.selectors.quest import dequantize_bounds
+
+    generator = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(H, n, D_HEAD, generator=generator) * scale).to(torch.bfloat16)
+    prefill = PrefillLayer(2, torch.randn(HQ, n, D_HEAD), keys, None)
+    exact = QuestSelector(INFO, page_size=page_size, bound_bits=16).build_metadata(prefill)
+    coded = QuestSelector(INFO, page_size=page_size, bound_bits=8).build_metadata(prefill)
+    page_max, page_min = dequantize_bounds(coded)
+    assert (page_max >= exact["page_max"].float()).all() and (page_min <= exact["page_min"].float()).all()
+    low, step = coded["low"][:, None], coded["step"][:, None]
+    slack = step + 1e-5 * (low.abs() + (low + 255 * step).abs()) + 1e-30  # a grid step and the float margin
+    assert (page_max - exact["page_max"].float() <= slack).all()  # looser by at most that
+    assert (exact["page_min"].float() - page_min <= slack).all()
+    pages = -(-n // page_size)
+    coded_bytes = sum(t.numel() * t.element_size() for t in coded.values())
+    assert coded_bytes == 2 * H * pages * D_HEAD + 2 * 4 * H * D_HEAD  # two codes per entry, a float grid per channel
+
+
+def test_quest_selects_from_either_form_of_its_bounds():
+    """A decode node's Quest reads 8-bit or 16-bit metadata alike, whichever its prefill node made; with bounds
+    far apart on a coarse grid, both forms pick the same pages."""
+    keys = torch.zeros(H, 64, D_HEAD)
+    for page in range(8):
+        keys[:, page * 8 : page * 8 + 8] = float(page)  # page p's keys are all p: its bound ranks it
+    query = torch.ones(1, HQ, D_HEAD)
+    prefill = PrefillLayer(2, torch.randn(HQ, 64, D_HEAD), keys, None)
+    step = StepQuery(2, query, None, torch.tensor([64]), [64])
+    picks = [
+        QuestSelector(INFO, budget=0.25, page_size=8, bound_bits=bits).select(
+            step, [QuestSelector(INFO, page_size=8, bound_bits=bits).build_metadata(prefill)]
+        )
+        for bits in (8, 16)
+    ]
+    assert torch.equal(picks[0], picks[1])
+    assert set(picks[0][0].tolist()) == set(range(48, 64))  # 16 tokens: page 6 and the last (7)
+
+
+def test_quest_refuses_bound_bits_it_cannot_ship():
+    with pytest.raises(ValueError, match="bound_bits"):
+        QuestSelector(INFO, bound_bits=4)
 
 
 @settings(max_examples=60, deadline=None)

@@ -25,6 +25,11 @@ Choices of ours:
   budget 1.0 selects every token (plain // would drop a page whenever n % page_size != 0).
 - A budget smaller than the last page still yields the last page, so such a row may hold
   more than budget_tokens(budget, n) — as in Quest.
+- `bound_bits=8` ships the bounds in 8 bits, half the bytes of a 16-bit cache's (they cross the
+  link before the first decode step, so they cost TTST): per (KV head, channel) an affine grid
+  over the prompt's range, page maxima rounded up and minima down (`quantize_bounds`), so each
+  page's interval still contains its keys and the score stays an upper bound, only looser by
+  at most one grid step per channel.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ from smartgen.selectors.base import (
     pad_rows,
 )
 
-__all__ = ["QuestSelector", "page_bounds", "page_upper_bounds"]
+__all__ = ["QuestSelector", "page_bounds", "page_upper_bounds", "quantize_bounds", "dequantize_bounds"]
+
+BOUND_BITS = (8, 16)  # 16: the keys' own dtype
+BOUND_MARGIN = 4e-6  # relative outward margin of 8-bit bounds: about 32 float32 ulps, under 0.1% of a grid step
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,15 +79,49 @@ def page_upper_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: tor
     return (q * bound_keys).sum(dim=-1).view(-1, pages)
 
 
+def quantize_bounds(page_max: torch.Tensor, page_min: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[H, P, d] page maxima and minima -> 8-bit codes on a per-(head, channel) grid over [low, low + 255 * step],
+    maxima rounded up and minima down: the dequantized interval of a page contains the original one."""
+    high, low = page_max.float().amax(dim=1), page_min.float().amin(dim=1)  # [H, d]
+    step = ((high - low) / 255).clamp_min(torch.finfo(torch.float32).tiny)
+    up = torch.ceil((page_max.float() - low[:, None]) / step[:, None])
+    down = torch.floor((page_min.float() - low[:, None]) / step[:, None])
+    return {
+        "max_code": up.clamp(0, 255).to(torch.uint8),
+        "min_code": down.clamp(0, 255).to(torch.uint8),
+        "low": low,
+        "step": step,
+    }
+
+
+def dequantize_bounds(metadata: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page maxima and minima [H, P, d] float32 from `quantize_bounds`'s codes, or as stored when unquantized."""
+    if "max_code" not in metadata:
+        return metadata["page_max"], metadata["page_min"]
+    low, step = metadata["low"][:, None], metadata["step"][:, None]
+    # float32 rounding (here and in quantize_bounds) may land a code's value a few ulps inside the original bound:
+    # a margin far below one grid step, relative to the channel's magnitude, keeps it outside
+    margin = BOUND_MARGIN * (low.abs() + (low + 255 * step).abs()) + torch.finfo(torch.float32).tiny
+    page_max = low + metadata["max_code"].float() * step + margin
+    page_min = low + metadata["min_code"].float() * step - margin
+    return page_max, page_min
+
+
 class QuestSelector(Selector):
     """Quest page selection over the prompt; the last prompt page is always included."""
 
     name = "quest"
 
-    def __init__(self, info: ModelInfo, budget: float = 0.1, page_size: int = 16, gqa: str = "max") -> None:
+    def __init__(
+        self, info: ModelInfo, budget: float = 0.1, page_size: int = 16, gqa: str = "max", bound_bits: int = 8
+    ) -> None:
         """`gqa`: a page's score for a KV head is the max over its G query heads of their softmax over the pages
-        of bound·d^-0.5 ("max", the exact top-k's rule), or of their raw bounds ("bound")."""
+        of bound·d^-0.5 ("max", the exact top-k's rule), or of their raw bounds ("bound"). `bound_bits`: 16
+        keeps the page bounds in the keys' dtype, 8 ships them as outward-rounded 8-bit codes (module docstring)."""
         super().__init__(info)
+        if bound_bits not in BOUND_BITS:
+            raise ValueError(f"quest: bound_bits must be one of {', '.join(map(str, BOUND_BITS))}, got {bound_bits}")
+        self.bound_bits = bound_bits
         self.gqa = check_gqa("quest", gqa, ("bound", "max"))
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if page_size < 1:
@@ -89,6 +131,8 @@ class QuestSelector(Selector):
 
     def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
         page_max, page_min = page_bounds(prefill.key, self.page_size)
+        if self.bound_bits == 8:
+            return quantize_bounds(page_max, page_min)
         dtype = prefill.key.dtype
         return {"page_max": page_max.to(dtype), "page_min": page_min.to(dtype)}  # [H, P, d] each
 
@@ -107,7 +151,7 @@ class QuestSelector(Selector):
         heads = self.info.num_kv_heads
         rows = []
         for b, n in enumerate(step.prompt_lengths):
-            page_max, page_min = metadata[b]["page_max"], metadata[b]["page_min"]
+            page_max, page_min = dequantize_bounds(metadata[b])  # either form: the prefill node's selector chose
             num_pages, budget = page_max.shape[1], self.page_budget(n)
             device = page_max.device
             if num_pages <= budget:
