@@ -436,3 +436,23 @@ def test_quest_gqa_max_ranks_pages_by_each_heads_softmaxed_bound():
         pages = score.topk(selector.page_budget(70) - 1).indices.sort().values  # + the last page, 17
         for h in range(2):
             assert index[h][index[h] >= 0].div(4, rounding_mode="floor").unique().tolist() == [*pages[h].tolist(), 17]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(20, 120), st.sampled_from([0.1, 0.2, 0.5]), st.sampled_from([0.25, 0.5, 1.0]), st.booleans())
+def test_quest_ranks_once_for_its_pick_and_a_wider_one(n, budget, factor, ties):
+    """`select_widened` cuts one ranking at two budgets: the pick equals `select`'s and the wide pick equals the
+    widened selector's own `select`, even where pages tie (all-equal keys give equal bounds)."""
+    generator = torch.Generator().manual_seed(n)
+    keys = torch.ones(H, n, D_HEAD) if ties else torch.randn(H, n, D_HEAD, generator=generator)
+    query = torch.randn(2, HQ, D_HEAD, generator=generator)
+    quest = QuestSelector(INFO, budget=budget, page_size=4)
+    wide = quest.widened(factor)
+    assert isinstance(wide, QuestSelector)
+    metadata = [quest.build_metadata(PrefillLayer(2, torch.randn(HQ, n, D_HEAD), keys, None))] * 2
+    step = StepQuery(2, query, None, torch.tensor([n, n]), [n, n])
+    picked, widened = quest.select_widened(step, metadata, wide)
+    assert torch.equal(picked, quest.select(step, metadata))
+    assert torch.equal(widened, wide.select(step, metadata))
+    for row, wide_row in zip(picked.tolist(), widened.tolist()):  # the wider pick holds the narrower one
+        assert set(row) <= set(wide_row)

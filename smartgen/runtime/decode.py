@@ -201,6 +201,18 @@ class DecodeRunner:
         self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> torch.Tensor:
         """The KV index [B·H, k] of one layer: prompt selection plus every earlier generated token."""
+        return self._index(layer, batch, query, hidden, None)[0]
+
+    def _index(
+        self,
+        layer: int,
+        batch: DecodeBatch,
+        query: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        wide: Selector | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`index`, and with `wide` (the selector at a wider budget) also its prompt pick [B·H, k'], ranked in the
+        same pass where the selector can (`Selector.select_widened`); None for a layer that selects nothing."""
         heads = self.num_kv_heads
         window = self.kinds.windows[layer]
         positions = batch.positions.tolist()
@@ -208,18 +220,24 @@ class DecodeRunner:
         if window is not None:
             for p in positions:  # the window holds the current token too, which attends from its own K/V
                 rows.append(torch.arange(max(0, p - window + 1), p).expand(heads, -1))
-            return pad_rows(rows)
+            return pad_rows(rows), None
         dense = layer < DENSE_LAYERS or isinstance(self.selector, DenseSelector)
+        widened = None
         if dense:
             prompt = [torch.arange(n).expand(heads, n) for n in batch.prompt_lengths]
         else:
             step = StepQuery(layer, query, hidden, batch.positions, batch.prompt_lengths)
-            picked = self.selector.select(step, [meta[layer] for meta in batch.metadata]).cpu()
+            metadata = [meta[layer] for meta in batch.metadata]
+            if wide is None:
+                picked = self.selector.select(step, metadata).cpu()
+            else:
+                picked, widened = self.selector.select_widened(step, metadata, wide)
+                picked = picked.cpu()
             prompt = [picked[b * heads : (b + 1) * heads] for b in range(len(batch.request_ids))]
         for b, (n, p) in enumerate(zip(batch.prompt_lengths, positions)):
             generated = torch.arange(n, p).expand(heads, -1)
             rows.append(torch.cat([prompt[b], generated], dim=1))
-        return pad_rows(rows)
+        return pad_rows(rows), widened
 
     def ranges(self, layer: int, batch: DecodeBatch) -> tuple[list[int], list[int]] | None:
         """Token ranges [start, stop) per request when the layer reads a contiguous span (dense or window)."""
@@ -242,26 +260,21 @@ class DecodeRunner:
     def assemble(
         self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> Assembled:
-        index = self.index(layer, batch, query, hidden)
+        index, widened = self._index(layer, batch, query, hidden, self._hint_selector(layer, batch))
         assembled = self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
-        self.hint(layer, batch, query, hidden)
+        if widened is not None:  # after the layer's own entries are in: noting hints never delays them
+            self.engine.hint(layer, batch.request_ids, widened.cpu().to(self.engine.pool.k.device))
         return assembled
 
-    def hint(self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
-        """For policies with hints: ranks the layer's prompt again at the wider budget and tells the engine which
-        remote tokens that adds (pushed next). Runs after the layer's own selection is assembled, so it never
-        delays it; a sparse full-attention layer only."""
+    def _hint_selector(self, layer: int, batch: DecodeBatch) -> Selector | None:
+        """For policies with hints, on a sparse full-attention layer: the selector at (1 + hints) x its budget,
+        whose extra picks (what the selector is likely to pick next) the engine has pushed ahead; else None."""
         factor = self.engine.hint_factor(batch.request_ids)
         if factor <= 0 or self.ranges(layer, batch) is not None:
-            return
+            return None
         if factor not in self._widened:
             self._widened[factor] = self.selector.widened(factor)
-        wide = self._widened[factor]
-        if wide is None:
-            return
-        step = StepQuery(layer, query, hidden, batch.positions, batch.prompt_lengths)
-        picked = wide.select(step, [meta[layer] for meta in batch.metadata]).cpu()
-        self.engine.hint(layer, batch.request_ids, picked.to(self.engine.pool.k.device))
+        return self._widened[factor]
 
     def prefetch(self, layer: int, batch: DecodeBatch, hidden: torch.Tensor) -> None:
         """Speculates layer `layer`'s query from the previous layer's attention input and has the engine fetch the

@@ -134,6 +134,13 @@ class Selector(ABC):
         wide.budget = min(1.0, scaled) if budget <= 1 else scaled  # type: ignore[attr-defined]  # a ratio, or tokens
         return wide
 
+    def select_widened(
+        self, step: StepQuery, metadata: list[LayerMetadata], wide: Selector
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this selector's pick, the pick of `wide`, this selector `widened`), both as `select` returns them.
+        Two passes here; a selector that ranks once and cuts at two budgets overrides it (Quest)."""
+        return self.select(step, metadata), wide.select(step, metadata)
+
     @abstractmethod
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
         """Index [B·H, k] of prompt positions (-1 = no entry) for layer `step.layer`.

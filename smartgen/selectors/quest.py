@@ -146,17 +146,37 @@ class QuestSelector(Selector):
         return max(1, 1 + (budget_tokens(self.budget, length) - last) // self.page_size)
 
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
+        return self._select(step, metadata, None)[0]
+
+    def select_widened(
+        self, step: StepQuery, metadata: list[LayerMetadata], wide: Selector
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ranking of the pages, cut at this budget and at `wide`'s: a page's bound does not depend on the
+        budget, so the wider pick is the narrower one plus the next pages in rank."""
+        if not isinstance(wide, QuestSelector) or (wide.page_size, wide.gqa) != (self.page_size, self.gqa):
+            return super().select_widened(step, metadata, wide)
+        picked, widened = self._select(step, metadata, wide)
+        assert widened is not None
+        return picked, widened
+
+    def _select(
+        self, step: StepQuery, metadata: list[LayerMetadata], wide: QuestSelector | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if step.query is None:
             raise ValueError("QuestSelector needs this layer's query (StepQuery.query)")
         heads = self.info.num_kv_heads
-        rows = []
+        rows, wide_rows = [], []
         for b, n in enumerate(step.prompt_lengths):
             page_max, page_min = dequantize_bounds(metadata[b])  # either form: the prefill node's selector chose
             num_pages, budget = page_max.shape[1], self.page_budget(n)
+            wide_budget = budget if wide is None else max(budget, wide.page_budget(n))
             device = page_max.device
-            if num_pages <= budget:
-                rows.append(torch.arange(n, device=device).expand(heads, n))
-                continue
+            if num_pages <= wide_budget:
+                every = torch.arange(n, device=device).expand(heads, n)
+                wide_rows.append(every)
+                if num_pages <= budget:
+                    rows.append(every)
+                    continue
             # score every page but the last, which is taken anyway
             bounds = page_upper_bounds(step.query[b], page_max[:, :-1], page_min[:, :-1])  # [Hq, P-1]
             grouped = bounds.view(heads, -1, num_pages - 1)  # [H, G, P-1]
@@ -164,11 +184,20 @@ class QuestSelector(Selector):
                 bounds = group_max_probability(grouped * self.info.head_dim**-0.5)  # [H, P-1]
             else:
                 bounds = grouped.amax(dim=1)  # [H, P-1]
-            top = bounds.topk(budget - 1, dim=-1).indices.sort(dim=-1).values  # [H, budget-1]
-            last = torch.full((heads, 1), num_pages - 1, dtype=top.dtype, device=device)
-            pages = torch.cat((top, last), dim=-1)  # [H, budget], ascending
-            tokens = pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=device)
-            # only the last page can run past n, and it is last in every row: trimming the
-            # tail drops exactly its missing tokens and leaves no -1 inside a request's row
-            rows.append(tokens.flatten(1)[:, : (budget - 1) * self.page_size + n - (num_pages - 1) * self.page_size])
-        return pad_rows(rows)  # [B·H, max k]
+            # ranked best first, ties by page (a stable sort: topk breaks ties its own way for each k), so the first
+            # budget - 1 are this selector's pick whether or not a wider pick is cut from the same ranking
+            ranked = bounds.sort(dim=-1, descending=True, stable=True).indices[:, : min(wide_budget, num_pages) - 1]
+            rows.append(self._page_tokens(ranked[:, : budget - 1], num_pages, n))
+            if wide is not None and num_pages > wide_budget:
+                wide_rows.append(self._page_tokens(ranked, num_pages, n))
+        return pad_rows(rows), (pad_rows(wide_rows) if wide is not None else None)  # [B·H, max k] each
+
+    def _page_tokens(self, top: torch.Tensor, num_pages: int, n: int) -> torch.Tensor:
+        """[H, k] prompt positions of pages `top` [H, k_p] (any order) and the last page, ascending."""
+        heads, device = top.shape[0], top.device
+        last = torch.full((heads, 1), num_pages - 1, dtype=top.dtype, device=device)
+        pages = torch.cat((top.sort(dim=-1).values, last), dim=-1)  # [H, budget], ascending
+        tokens = pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=device)
+        # only the last page can run past n, and it is last in every row: trimming the
+        # tail drops exactly its missing tokens and leaves no -1 inside a request's row
+        return tokens.flatten(1)[:, : top.shape[1] * self.page_size + n - (num_pages - 1) * self.page_size]
