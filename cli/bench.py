@@ -36,13 +36,13 @@ def bench(
         str,
         typer.Option(
             help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
-            "partial+profile, partial+profile+parallel, smartgen, smartgen+hints (speculation led by what the "
-            "selector ranks just past its budget), smartgen+ahead (hints, and layer l+1's selection speculated "
-            "and fetched while layer l computes), proactive-only, quant2 (full transfer of 2-bit "
-            "quantized KV, KIVI/HACK-like: lossy).",
+            "partial+profile, partial+profile+parallel, smartgen-paper (the paper's three paths: proactive push, "
+            "parallel fetch, speculative push), smartgen-paper+hints (speculation led by what the selector ranks "
+            "just past its budget), smartgen (ours: hints, and layer l+1's selection speculated and fetched while "
+            "layer l computes), proactive-only, quant2 (full transfer of 2-bit quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),
-    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen,smartgen+ahead,proactive-only,quant2",
+    ] = "full,partial,partial+profile,partial+profile+parallel,smartgen-paper,smartgen,proactive-only,quant2",
     strategies: Annotated[
         str,
         typer.Option(

@@ -126,7 +126,7 @@ def serve(
     scheme: Annotated[
         str,
         typer.Option(
-            help="Decode node: default transfer scheme: smartgen, smartgen+hints, smartgen+ahead, full, partial, partial+profile, partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit quantized KV: lossy); a request may ask for another.",
+            help="Decode node: default transfer scheme: smartgen (the paper's three paths with hints and prefetch), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, partial, partial+profile, partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit quantized KV: lossy); a request may ask for another.",
             rich_help_panel=PANEL_DECODE,
         ),
     ] = "smartgen",

@@ -18,7 +18,7 @@ from smartgen.apps.bench.stats import percentile
 from smartgen.apps.cluster import split_cpus
 from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes
 
-SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen,smartgen+ahead,proactive-only,quant2"
+SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen-paper,smartgen,proactive-only,quant2"
 SAMPLE_KV_BYTES_PER_TOKEN = 2 * 6 * 2 * 32 * 4  # K and V, 6 layers, 2 KV heads, head dim 32, fp32
 
 

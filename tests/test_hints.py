@@ -68,8 +68,8 @@ def _run(scheme: str, record: list | None = None, fetches: list | None = None) -
 
 def test_hints_are_pushed_and_change_no_token():
     hinted: list = []
-    tokens, moved = _run("smartgen+hints", hinted)
-    plain, _ = _run("smartgen")
+    tokens, moved = _run("smartgen-paper+hints", hinted)
+    plain, _ = _run("smartgen-paper")
     assert tokens == plain  # hints move bytes earlier; what a step attends to is the selector's alone
     assert hinted, "the wider selection should name remote tokens on a slow link"
     num_layers = tiny_config("llama").num_hidden_layers
@@ -84,7 +84,7 @@ def test_policy_hints_need_speculation():
         Policy("x", proactive=ProactiveMode.BUDGET, speculative=False, hints=0.5)
     with pytest.raises(ValueError, match="hints"):
         Policy("x", hints=-1.0)
-    assert get_policy("smartgen+hints").hints > 0 and get_policy("smartgen").hints == 0
+    assert get_policy("smartgen-paper+hints").hints > 0 and get_policy("smartgen-paper").hints == 0
 
 
 def test_a_widened_selector_ranks_more_and_leaves_the_original_alone():
@@ -110,17 +110,17 @@ def test_bad_hints_are_refused():
     engine = PrefillEngine(layout, Planner(4, 16))
     entry = PrefillStore(layout).open("r", 64)
     entry.layers_ready = layout.num_layers
-    request = OpenedRequest("r", 0, 64, get_policy("smartgen+hints"), None, None, None, entry, torch.ones(1))  # type: ignore[arg-type]
+    request = OpenedRequest("r", 0, 64, get_policy("smartgen-paper+hints"), None, None, None, entry, torch.ones(1))  # type: ignore[arg-type]
     with pytest.raises(MessageError, match="outside"):
         engine.push_hinted(request, torch.tensor([4 * 64]))
 
 
 def test_prefetch_fetches_ahead_and_changes_no_token():
-    """smartgen+ahead: layer l+1's speculated selection is fetched while layer l computes (never for layers 0-1),
-    and layer l+1 then asks only for what that missed; the tokens are those of smartgen without it."""
+    """smartgen (hints and prefetch): layer l+1's speculated selection is fetched while layer l computes (never
+    for layers 0-1), and layer l+1 then asks only for what that missed; the tokens are the paper's paths' own."""
     log: list = []
-    tokens, _ = _run("smartgen+ahead", fetches=log)
-    plain, _ = _run("smartgen")
+    tokens, _ = _run("smartgen", fetches=log)
+    plain, _ = _run("smartgen-paper")
     assert tokens == plain
     ahead = [(layer, n) for kind, layer, n in log if kind == "ahead"]
     assert ahead and all(layer >= 2 for layer, _ in ahead)
@@ -134,4 +134,5 @@ def test_prefetch_fetches_ahead_and_changes_no_token():
 def test_policy_prefetch_cannot_drop_remote():
     with pytest.raises(ValueError, match="prefetch"):
         Policy("x", proactive=ProactiveMode.BUDGET, speculative=False, drop_remote=True, prefetch=True)
-    assert get_policy("smartgen+ahead").prefetch and not get_policy("smartgen").prefetch
+    assert get_policy("smartgen").prefetch and get_policy("smartgen").hints > 0
+    assert not get_policy("smartgen-paper").prefetch and not get_policy("smartgen-paper+hints").prefetch

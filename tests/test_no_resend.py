@@ -86,7 +86,8 @@ def test_a_speculative_push_never_resends_a_fetched_token():
 def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices():
     """Fetches pre-empt pushes, so a slice still on the link when the next fetch comes is partly sent twice: a
     slice is sized by the measured link rate x the time between idle notices (at least one block, at most the
-    speculative ratio's share), and by the ratio alone until a rate is measured."""
+    speculative ratio's share), and by the ratio alone until a rate is measured; the first notice, with no window
+    behind it, sends one block."""
     from smartgen.engine.layout import KVLayout
     from smartgen.engine.planning import Planner
     from smartgen.engine.prefill import PrefillEngine
@@ -96,6 +97,7 @@ def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices(
     block_bytes = 2 * 4 * layout.token_bytes  # 4 unsent tokens per block, K and V
     pending = torch.full((10,), 4.0)
     assert engine._slice_blocks(0.0, 0.001, pending, 6) == 6  # no rate measured yet: the ratio's share
+    assert engine._slice_blocks(1e15, 0.0, pending, 6) == 1  # no window yet: the first step's fetches go first
     assert engine._slice_blocks(2.5 * block_bytes / 0.001, 0.001, pending, 6) == 2
     assert engine._slice_blocks(1.0, 0.001, pending, 6) == 1  # never nothing: speculation always moves on
     assert engine._slice_blocks(1e15, 0.001, pending, 6) == 6

@@ -417,8 +417,11 @@ class PrefillEngine:
         link moves in one idle window (between two idle notices) at the rate the proactive pushes measured, at
         least one block, at most `limit` (the speculative ratio). A slice still on the link when the next fetch
         comes is sent twice for every token that fetch wants (fetches pre-empt pushes), so big slices cost bytes.
-        Without a measured rate yet: `limit`."""
-        if link_rate <= 0 or window <= 0:
+        Without a window yet (the first notice of a request's decoding: its first step is about to fetch what it
+        lacks, and that fetch is what TTST waits for): one block. Without a measured rate yet: `limit`."""
+        if window <= 0:
+            return 1
+        if link_rate <= 0:
             return limit
         budget = link_rate * window
         cumulative = torch.cumsum(pending_tokens * 2 * self.layout.token_bytes, 0)

@@ -16,6 +16,7 @@ DEFAULT_SCHEMES = (
     "partial",
     "partial+profile",
     "partial+profile+parallel",
+    "smartgen-paper",
     "smartgen",
     "proactive-only",
     "quant2",
