@@ -127,6 +127,7 @@ def bench(
     separate_cpus: Annotated[
         bool,
         typer.Option(
+            "--separate-cpus/--shared-cpus",
             help="Run the prefill nodes and the decode node on disjoint halves of this machine's CPUs, as on "
             "separate machines, so a prefill node's pushes do not slow the decode node's steps (ignored with "
             "--lane inproc or one CPU).",
