@@ -468,6 +468,8 @@ class DecodeEngine:
             if request.policy.speculative and not (request.released or request.metrics.error or request.resuming):
                 if request.metrics.in_first_step:  # every byte on the link now is one the first step waits for
                     continue
+                if any(not future.done() for _, _, future, _ in request.late):  # a fetch is on the link: not idle
+                    continue
                 hints = torch.cat(request.hints).unique() if request.hints else None
                 request.hints = []
                 request.link.control.send(msg.Idle(request_id, layer, hints).pack())
