@@ -101,6 +101,11 @@ def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices(
     assert engine._slice_blocks(2.5 * block_bytes / 0.001, 0.001, pending, 6) == 2
     assert engine._slice_blocks(1.0, 0.001, pending, 6) == 1  # never nothing: speculation always moves on
     assert engine._slice_blocks(1e15, 0.001, pending, 6) == 6
+    # fetch replies sent in the window take its link time first: what they leave sizes the slice, and when they
+    # took it all, no slice goes (the next notice tries again)
+    rate = 4.5 * block_bytes / 0.001
+    assert engine._slice_blocks(rate, 0.001, pending, 6, fetched=2 * block_bytes) == 2
+    assert engine._slice_blocks(rate, 0.001, pending, 6, fetched=5 * block_bytes) == 0
 
 
 def test_a_fetch_moves_only_the_selected_heads():

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from smartgen.engine.planning import TransferPlan, TransferPlanner, speculative_
 from smartgen.engine.policy import Policy, ProactiveMode, Strategy, get_policy
 from smartgen.engine.pool import PoolGeometry, PrefillStore, RequestKV, StoreFull
 from smartgen.engine.prefix_cache import PrefixCache, PrefixHit
-from smartgen.lanes.base import Completion, WriteOp
+from smartgen.lanes.base import Completion, Message, WriteOp
 from smartgen.lanes.link import LinkEnd
 
 # proactive-only: its proactive set must land before FIRST_TOKEN within this (`serve --flush-timeout`); past it the
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # what one more run of a push costs in descriptors (K, V and mask: 3 x about 9 us each on the TCP lane, the
 # cheapest per descriptor; docs/lanes.md), against which a speculative push weighs resending a short gap
 RUN_COST_S = 27e-6
+SERVE_BATCH = 64  # messages a prefill node takes off a decode node's control lane at once (see _serve)
 
 
 class RequestGone(KeyError):
@@ -82,6 +84,7 @@ class OpenedRequest:
     first_push: float | None = None
     pushed_bytes: int = 0
     last_idle: float | None = None
+    fetched_since_idle: int = 0  # reply bytes this node sent the request's fetches since its last idle notice
     prefix_hit: PrefixHit | None = None  # this node's cached prefix, pinned while the request prefills
     sent: torch.Tensor | None = None  # [L, M_eff] bool: blocks pushed proactively (set by prefill_layer)
     spec_order: torch.Tensor | None = None  # flat ids still to push speculatively, made when speculation starts
@@ -168,17 +171,42 @@ class PrefillEngine:
                 link.close()  # one lane broke (lease expired, bad frame): the decode node is gone as a whole
                 self._drop_link(link)
                 return
-            try:
-                self._handle(link, geometry, msg.unpack(message))
-            except RequestGone as exc:  # released or aborted meanwhile (a late fetch): nothing to serve
-                log.info("prefill: %s for %s dropped: %s", message.kind.name, message.request_id, exc)
-            except ValueError as exc:  # a request this node refuses (busy, no profile, bad message): say why
-                log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
-                overloaded = isinstance(exc, Overloaded)
-                link.control.send(msg.Error(message.request_id, str(exc), overloaded).pack())
-            except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
-                log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
-                link.control.send(msg.Error(message.request_id, str(exc)).pack())
+            # what else has arrived is served with it: fetches (and every other message, in order) first, then one
+            # idle notice per request with the hints of all of them. A decode node sends a notice per layer, and
+            # working through each in turn (a speculative slice is planned per notice) kept fetches waiting behind
+            # them: the first decode steps' fetch latency is what TBT pays.
+            batch = [message]
+            while len(batch) < SERVE_BATCH and (more := link.control.recv(timeout=0)) is not None:
+                batch.append(more)
+            idle: dict[str, list[Message]] = {}
+            for message in batch:
+                if message.kind == msg.MessageKind.IDLE:
+                    idle.setdefault(message.request_id, []).append(message)
+                else:
+                    self._serve_one(link, geometry, [message], _unpack_last)
+            for notices in idle.values():
+                self._serve_one(link, geometry, notices, _merged_idle)
+
+    def _serve_one(
+        self,
+        link: LinkEnd,
+        geometry: PoolGeometry,
+        messages: list[Message],
+        unpack: Callable[[list[Message]], msg.EngineMessage],
+    ) -> None:
+        """Serves what `unpack` makes of `messages` (one message, or one request's idle notices)."""
+        message = messages[-1]
+        try:
+            self._handle(link, geometry, unpack(messages))
+        except RequestGone as exc:  # released or aborted meanwhile (a late fetch): nothing to serve
+            log.info("prefill: %s for %s dropped: %s", message.kind.name, message.request_id, exc)
+        except ValueError as exc:  # a request this node refuses (busy, no profile, bad message): say why
+            log.warning("prefill: %s for %s refused: %s", message.kind.name, message.request_id, exc)
+            overloaded = isinstance(exc, Overloaded)
+            link.control.send(msg.Error(message.request_id, str(exc), overloaded).pack())
+        except Exception as exc:  # a bug must not take the node down; it keeps its traceback in the log
+            log.exception("prefill: %s for %s failed", message.kind.name, message.request_id)
+            link.control.send(msg.Error(message.request_id, str(exc)).pack())
 
     def _handle(self, link: LinkEnd, geometry: PoolGeometry, message: msg.EngineMessage) -> None:
         match message:
@@ -383,6 +411,7 @@ class PrefillEngine:
         now = time.monotonic()
         window = now - request.last_idle if request.last_idle is not None else 0.0
         request.last_idle = now
+        fetched, request.fetched_since_idle = request.fetched_since_idle, 0
         if not request.policy.speculative or request.speculation_done:
             return 0
         if request.spec_in_flight is not None and not request.spec_in_flight.done():
@@ -398,9 +427,10 @@ class PrefillEngine:
                 1, blocks, request.unsent.any(dim=-1).float()
             )
             keep = pending.flatten()[ahead] > 0
-            taken = keep.nonzero().flatten()[
-                : self._slice_blocks(request.link_rate, window, pending.flatten()[ahead[keep]], size)
-            ]
+            count = self._slice_blocks(request.link_rate, window, pending.flatten()[ahead[keep]], size, fetched)
+            if keep.any() and count == 0:
+                return 0  # the window's link time went to fetches: nothing is idle to speculate with
+            taken = keep.nonzero().flatten()[:count]
             ids = ahead[taken]
             request.spec_cursor += int(taken[-1]) + 1 if taken.numel() else ahead.numel()
         else:
@@ -412,18 +442,24 @@ class PrefillEngine:
         layer_blocks = [(int(layer), ids[layer_of == layer] % request.plan.num_blocks) for layer in layer_of.unique()]
         return self._push(request, layer_blocks, tag="speculative")
 
-    def _slice_blocks(self, link_rate: float, window: float, pending_tokens: torch.Tensor, limit: int) -> int:
+    def _slice_blocks(
+        self, link_rate: float, window: float, pending_tokens: torch.Tensor, limit: int, fetched: int = 0
+    ) -> int:
         """How many of the next blocks (their unsent token counts, in order) one speculative slice takes: what the
         link moves in one idle window (between two idle notices) at the rate the proactive pushes measured, at
         least one block, at most `limit` (the speculative ratio). A slice still on the link when the next fetch
         comes is sent twice for every token that fetch wants (fetches pre-empt pushes), so big slices cost bytes.
         Without a window yet (the first notice of a request's decoding: its first step is about to fetch what it
-        lacks, and that fetch is what TTST waits for): one block. Without a measured rate yet: `limit`."""
+        lacks, and that fetch is what TTST waits for): one block. Without a measured rate yet: `limit`.
+        `fetched`: reply bytes sent for the request's fetches in the window, link time that was not idle; when
+        they took all of it, no block (0): speculation waits for a window the fetches leave free."""
         if window <= 0:
             return 1
         if link_rate <= 0:
             return limit
-        budget = link_rate * window
+        budget = link_rate * window - fetched
+        if fetched and budget <= 0:
+            return 0
         cumulative = torch.cumsum(pending_tokens * 2 * self.layout.token_bytes, 0)
         return max(1, min(limit, int((cumulative <= budget).sum())))
 
@@ -569,6 +605,7 @@ class PrefillEngine:
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)
+        request.fetched_since_idle += reply.payload_bytes
 
     def release(self, request_id: str) -> bool:
         """Frees a request's KV (RELEASE, ABORT, or its decode node gone)."""
@@ -585,6 +622,18 @@ class PrefillEngine:
     def num_open(self) -> int:
         with self._lock:
             return len(self._requests)
+
+
+def _unpack_last(messages: list[Message]) -> msg.EngineMessage:
+    return msg.unpack(messages[-1])
+
+
+def _merged_idle(notices: list[Message]) -> msg.Idle:
+    """One request's idle notices as one: the last one's layer, every notice's hints."""
+    unpacked = [msg.Idle.unpack(notice) for notice in notices]
+    hints = [notice.hints for notice in unpacked if notice.hints is not None]
+    merged = torch.cat(hints).unique() if hints else None
+    return msg.Idle(unpacked[-1].request_id, unpacked[-1].layer, merged)
 
 
 def query_blocks(token_scores: torch.Tensor, length: int, num_blocks: int, count: int) -> torch.Tensor:

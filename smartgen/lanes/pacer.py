@@ -20,7 +20,7 @@ __all__ = ["Pacer"]
 # lets a sender catch up after an oversleep instead of losing link time for good.
 CATCH_UP_SECONDS = 0.002
 CHUNK_SECONDS = 0.002
-MIN_CHUNK_BYTES = 16 * 1024
+MIN_CHUNK_BYTES = 4 * 1024
 MAX_CHUNK_BYTES = 1024 * 1024
 
 
@@ -60,10 +60,12 @@ class Pacer:
         return None if self.gbps is None else bytes_per_second(self.gbps)
 
     def chunk_bytes(self) -> int:
-        """How much a bulk lane books at a time: about 2 ms of link time (16 KiB to 1 MiB).
+        """How much a bulk lane books at a time: about 2 ms of link time (4 KiB to 1 MiB).
 
         An urgent transfer waits for at most one booked chunk, so chunks follow the link rate:
-        256 KiB would hold a fetch back 100 ms on a 20 Mbit/s link, but only 0.1 ms at 20 Gbit/s.
+        256 KiB would hold a fetch back 100 ms on a 20 Mbit/s link, but only 0.1 ms at 20 Gbit/s. The floor is
+        small because benchmarks emulate slow links: a 16 KiB floor held each fetch back up to 5 ms at
+        26 Mbit/s, as long as a 32-layer decode layer there, where a real link's 1 MiB chunk is a third of one.
         """
         rate = self.bytes_per_second
         if rate is None:
