@@ -31,7 +31,7 @@ from typing import Any
 from smartgen.lanes.backends import INPROC
 from smartgen.roles.processes import die_with_parent, read_ready_file, stop_processes
 
-__all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json", "node_process", "split_cpus"]
+__all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json", "node_cpus", "node_process", "split_cpus"]
 
 READY_TIMEOUT_S = 180.0
 
@@ -69,6 +69,12 @@ def split_cpus() -> tuple[list[int], list[int]] | None:
         return None
     half = len(cpus) // 2
     return cpus[:half], cpus[half:]
+
+
+def node_cpus(separate_cpus: bool, lane: str) -> tuple[list[int], list[int]] | None:
+    """(prefill CPUs, decode CPUs) of a cluster with these settings, or None where its nodes share the CPUs (not
+    asked, one `serve --role both` process on the in-process lane, or one CPU)."""
+    return split_cpus() if separate_cpus and lane != INPROC else None
 
 
 def node_process(env: dict[str, str], cpus: list[int] | None) -> tuple[dict[str, str], Callable[[], None]]:
@@ -137,7 +143,7 @@ class LocalCluster:
     @property
     def cpus(self) -> tuple[list[int], list[int]] | None:
         """(prefill CPUs, decode CPUs) when the nodes run on separate CPUs, else None."""
-        return split_cpus() if self.spec.separate_cpus and not self.colocated else None
+        return node_cpus(self.spec.separate_cpus, self.spec.lane)
 
     def _launch(self, name: str, args: list[str]) -> tuple[subprocess.Popen, dict[str, Any]]:
         assert self.run_dir is not None

@@ -27,8 +27,7 @@ from typing import Any
 
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.models import resolve_model
-from smartgen.apps.cluster import ClusterSpec, LocalCluster, post_json, split_cpus
-from smartgen.lanes.backends import INPROC
+from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -295,7 +294,7 @@ def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, flo
 
 
 def _cpu_words(config: BenchConfig) -> str:
-    split = split_cpus() if config.separate_cpus and config.lane != INPROC else None
+    split = node_cpus(config.separate_cpus, config.lane)
     if split is None:
         return "shared"
     prefill, decode = (",".join(map(str, cpus)) for cpus in split)
