@@ -5,6 +5,12 @@ address; the peer is named by "host:rpc-port", which the engine chose (P2P hands
 reports, and which the endpoints swap in LANE_INFO. Writes are `batch_transfer_sync_write`
 calls; the engine runs a batch's slices in parallel, so the lane fences between regions.
 The protocol is Mooncake's own choice of transport: "tcp" here, "rdma" on a cluster.
+
+Closing destroys the engine (when no call of the lane's own on it is still running; else right
+after that call): its TCP server stops, joining its I/O thread, and its RPC port closes, so
+nothing the peer still sends lands in our regions afterwards. Its server checks a write's
+address when the write starts and then reads the body straight into the region, so
+deregistering alone does not stop a write already under way.
 """
 
 from __future__ import annotations
@@ -34,15 +40,22 @@ class MooncakeTransport(Transport):
         return require("mooncake.engine", "mooncake", "needs the system library libibverbs1 too")
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        self._engine = self.probe().TransferEngine()
+        self._engine: Any = self.probe().TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransportError(
                 f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed: {rc}"
             )
-        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self.session = f"{host}:{self._engine.get_rpc_port()}"  # the engine's RPC server, for the peer's handshake
         self._peer: str | None = None
         self._registered: set[int] = set()
+
+    @property
+    def _live(self) -> Any:
+        """The engine; TransportError once closed (a lane thread may still be finishing)."""
+        if self._engine is None:
+            raise TransportError("Mooncake transport is closed")
+        return self._engine
 
     def info(self) -> dict[str, Any]:
         return {"session": self.session}
@@ -52,7 +65,7 @@ class MooncakeTransport(Transport):
 
     def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
         addr = tensor.data_ptr()
-        rc = self._engine.register_memory(addr, tensor.numel() * tensor.element_size())
+        rc = self._live.register_memory(addr, tensor.numel() * tensor.element_size())
         if rc != 0:
             raise TransportError(f"Mooncake register_memory failed: {rc}")
         self._registered.add(addr)
@@ -61,20 +74,25 @@ class MooncakeTransport(Transport):
     def deregister(self, handle: Any) -> None:
         if handle in self._registered:
             self._registered.discard(handle)
-            self._engine.unregister_memory(handle)
+            self._live.unregister_memory(handle)
 
     def write(self, segments: Sequence[Segment]) -> None:
+        engine = self._live
         if self._peer is None:
             raise TransportError("Mooncake transport is not connected")
-        rc = self._engine.batch_transfer_sync_write(
+        rc = engine.batch_transfer_sync_write(
             self._peer, [s.src_addr for s in segments], [s.dst_addr for s in segments], [s.length for s in segments]
         )
         if rc != 0:
             raise TransportError(f"Mooncake batch write of {len(segments)} segments to {self._peer} failed: {rc}")
 
     def close(self) -> None:
+        """Deregisters everything, then destroys the engine (see the module docstring); a second call does nothing."""
+        if self._engine is None:
+            return
         for addr in list(self._registered):
             self.deregister(addr)
+        self._engine = None  # the last reference: a call still running holds its own, and the engine goes after it
 
 
 # a lane factory for TcpListener/tcp_connect: Mooncake for the writes, the authenticated socket as the side channel
