@@ -2,6 +2,7 @@
 
 import gc
 import socket
+import struct
 import subprocess
 import sys
 import weakref
@@ -131,3 +132,20 @@ def test_closing_a_transport_lets_its_engine_go_at_once(name):
     finally:
         transport.close()
         peer.close()
+
+
+def test_a_mooncake_engines_handshake_listener_wakes_every_50_ms():
+    """Mooncake's destructor holds the GIL until its handshake listener's accept() times out (1 s as Mooncake sets
+    it): the transport shortens that timeout, so closing a lane stalls its process for about 50 ms, not a second."""
+    lane_available("mooncake")
+    from smartgen.lanes.mooncake import ACCEPT_TIMEOUT_S, MooncakeTransport, _listener_of
+
+    transport = MooncakeTransport()
+    try:
+        listener = _listener_of(int(transport.info()["session"].rsplit(":", 1)[1]))
+        assert listener is not None
+        with listener:
+            seconds, micros = struct.unpack("ll", listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        assert seconds + micros / 1e6 == pytest.approx(ACCEPT_TIMEOUT_S, abs=0.01)  # the kernel rounds to its tick
+    finally:
+        transport.close()
