@@ -234,11 +234,36 @@ os.environ.setdefault("UCX_TLS", "tcp,self")
 
 LANE_KINDS = ("inproc", "tcp", "mooncake", "nixl", "rdma")
 SOCKET_LANES = LANE_KINDS[1:]  # the lanes whose links are made over authenticated sockets (all but in-process)
+# The RDMA lane over tests/softverbs.py, a software endpoint inside one process: everything of the lane but the
+# verbs calls themselves, on machines without a device. Only where both link ends live in the test's process.
+SOFT_RDMA = "rdma-soft"
+
+
+def soft_rdma_factory(**options: Any) -> Any:
+    """The RDMA lane's factory over software endpoints; small bounce buffers so messages arrive in fragments."""
+    from softverbs import SoftEndpoint
+
+    from smartgen.lanes.rdma.lane import rdma_lane_for
+    from smartgen.lanes.rdma.select import RdmaOptions
+
+    return rdma_lane_for(RdmaOptions(), endpoint=SoftEndpoint, **{"bounce_bytes": 4096, "bounces": 16, **options})
+
+
+def make_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> Any:
+    """Both ends of a loopback link of this kind in this process (`loopback_link`, plus the soft RDMA lane)."""
+    from smartgen.lanes.backends import loopback_link
+    from smartgen.lanes.tcp_link import loopback_tcp_link
+
+    if name == SOFT_RDMA:
+        return loopback_tcp_link(gbps, delay_s, lane_factory=soft_rdma_factory())
+    return loopback_link(name, gbps, delay_s)
 
 
 def _available(name: str) -> str:
     from smartgen.lanes.backends import unavailable
 
+    if name == SOFT_RDMA:
+        return name
     reason = unavailable(name)
     if reason:
         pytest.skip(f"{name} lane unavailable: {reason}")
@@ -256,7 +281,7 @@ def lane_available(name: str) -> str:
     return _available(name)
 
 
-@pytest.fixture(params=LANE_KINDS)
+@pytest.fixture(params=(*LANE_KINDS, SOFT_RDMA))
 def lane_kind(request) -> str:
     """A lane backend by name; skipped, with the reason, where its package or device is missing."""
     return _available(request.param)

@@ -5,8 +5,9 @@ import time
 
 import pytest
 import torch
-from conftest import LANE_KINDS, lane_available, lane_params
+from conftest import LANE_KINDS, SOFT_RDMA, lane_available, lane_params, make_link
 
+import smartgen.apps.simulate as simulate_module
 import smartgen.engine.decode as decode_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
@@ -74,6 +75,26 @@ def test_every_policy_assembles_the_true_kv(name, lane, importance, remote_read_
     assert all(r["error"] is None for r in result.requests)
     if policy.speculative or policy.wait_for_all:
         assert result.all_local and result.pool_equals_prefill
+
+
+@pytest.mark.parametrize("name", ["partial", "partial+profile+parallel", "smartgen"])
+def test_fetch_replies_land_in_place_over_the_rdma_lane_bit_for_bit(name, importance, remote_read_guard, monkeypatch):
+    """The RDMA lane (over software verbs endpoints) puts each fetch reply straight into the pool rows the FETCH
+    named; the assembled KV must still equal the ground truth, and no reply may have been copied in instead."""
+    landed, copied = [], []
+    real_landed, real_write = decode_module.DecodePool.entries_landed, decode_module.DecodePool.write_entries
+    monkeypatch.setattr(simulate_module, "loopback_link", make_link)
+    monkeypatch.setattr(
+        decode_module.DecodePool, "entries_landed", lambda self, *a: landed.append(1) or real_landed(self, *a)
+    )
+    monkeypatch.setattr(
+        decode_module.DecodePool, "write_entries", lambda self, *a: copied.append(1) or real_write(self, *a)
+    )
+    result = simulate(config(transport=SOFT_RDMA), POLICIES[name], importance)
+    assert result.mismatches == 0 and result.max_fetch_count <= 1
+    assert remote_read_guard == []
+    assert all(r["error"] is None for r in result.requests)
+    assert landed and not copied
 
 
 @pytest.mark.parametrize("strategy", ["random", "sequential", "streaming", "optimal"])

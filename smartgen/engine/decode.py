@@ -43,6 +43,7 @@ from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
 from smartgen.engine.pool import DecodePool
 from smartgen.engine.prefix_cache import PrefixCache
+from smartgen.lanes.base import Landing
 from smartgen.lanes.link import LinkEnd
 
 __all__ = ["DecodeEngine", "Assembled", "RequestFailed", "LinkLost"]
@@ -157,6 +158,8 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        regions = self.pool.byte_views()
+        self._reply_regions = (regions["k"], regions["v"])  # where a lane that can lands fetch replies in place
 
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd) -> None:
@@ -637,8 +640,15 @@ class DecodeEngine:
         if not link.alive:
             future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
         fetch = _fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
-        link.control.send(fetch.pack(), tag="fetch_request")
+        landing = self._landing(request, layer, entries) if link.control.lands_replies else None
+        link.control.send(fetch.pack(), tag="fetch_request", landing=landing)
         return future
+
+    def _landing(self, request: _Request, layer: int, entries: torch.Tensor) -> Landing:
+        """Where a FETCH's reply belongs: its K rows, then its V rows (the reply's payload order)."""
+        ranges = self.pool.geometry.entry_ranges(layer, request.slot, entries)
+        k, v = self._reply_regions
+        return Landing(request.request_id, [(k, o, n) for o, n in ranges] + [(v, o, n) for o, n in ranges])
 
     def prefetch_wanted(self, request_ids: list[str]) -> bool:
         """Whether any of these requests prefetches now: its policy does, and it is past its first decode step,
@@ -720,11 +730,18 @@ class DecodeEngine:
         self, request: _Request, layer: int, entries: torch.Tensor, reply: msg.FetchReply, sent: float
     ) -> None:
         expected = (entries.numel(), self.layout.head_dim)
-        if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+        if reply.k is None or reply.v is None:  # the lane put it in place, where the FETCH's landing said
+            if reply.landed != 2 * entries.numel() * self.layout.head_dim * self.layout.dtype.itemsize:
+                self.counters.add_failure("on_demand")
+                self._fail_request(request.request_id, f"fetch reply for layer {layer}: {reply.landed} bytes landed")
+                return
+            self.pool.entries_landed(layer, request.slot, entries)
+        elif tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
             self.counters.add_failure("on_demand")
             self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
             return
-        self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
+        else:
+            self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
         request.fetch_counts[layer].view(-1)[entries] += 1
         request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
         self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
@@ -817,6 +834,7 @@ class DecodeEngine:
         """The request is done: stop its writes, free its slot, release it on the prefill node."""
         request = self._require(request_id)
         request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
         self._release(request, msg.Release(request_id))
         self._cache_prompt(request)
         self.pool.free(request.slot)
@@ -831,6 +849,7 @@ class DecodeEngine:
         if request is None:
             return
         request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
         self._release(request, msg.Abort(request_id, reason))
         self.pool.free(request.slot)
         request.metrics.state = RequestState.ABORTED

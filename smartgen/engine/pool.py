@@ -40,6 +40,21 @@ class PoolGeometry:
         """Byte offset of (layer, slot, token) in the K (or V) region."""
         return ((layer * self.num_slots + slot) * self.max_tokens + token) * self.layout.token_bytes
 
+    def entry_ranges(self, layer: int, slot: int, entries: torch.Tensor) -> list[tuple[int, int]]:
+        """Byte ranges (offset, length) in the K (or V) region of flat (token, head) entries token * H + head,
+        sorted and unique: one range per run of consecutive entries, in order (where a fetch reply lands)."""
+        if not entries.numel():
+            return []
+        entries = entries.to(torch.int64).cpu()
+        breaks = torch.nonzero(entries[1:] - entries[:-1] != 1).flatten() + 1
+        starts = torch.cat([entries[:1], entries[breaks]])
+        counts = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int64), breaks, torch.tensor([entries.numel()])]))
+        entry_bytes = self.layout.head_dim * self.layout.dtype.itemsize
+        base = self.kv_offset(layer, slot, 0)
+        return [
+            (base + start * entry_bytes, count * entry_bytes) for start, count in zip(starts.tolist(), counts.tolist())
+        ]
+
     def mask_offset(self, layer: int, slot: int, token: int) -> int:
         """Byte offset of (layer, slot, token)'s first head in the int8 mask region ([L, S, N, H]: a token's heads
         are adjacent, so a run of tokens is one run of mask bytes)."""
@@ -175,6 +190,11 @@ class DecodePool:
         head_dim = self.layout.head_dim
         self.k[layer, slot].view(-1, head_dim)[entries] = k.to(self.k.device)
         self.v[layer, slot].view(-1, head_dim)[entries] = v.to(self.v.device)
+        self.masks.set_local_entries(layer, slot, entries)
+
+    def entries_landed(self, layer: int, slot: int, entries: torch.Tensor) -> None:
+        """Fetched (token, head) entries whose K and V a lane already put in place (flat ids token * H + head)
+        are local from now on."""
         self.masks.set_local_entries(layer, slot, entries)
 
     def land_quantized(self, slot: int, length: int) -> int:

@@ -364,8 +364,11 @@ class OneSidedLane(QueuedLane):
             ):  # started (a peer may hang up first)
                 thread.join(timeout=5)
         # Only now, with no write of ours in flight: the peer can no longer land anything in our regions.
-        self._sources.clear()
+        self._release_registrations()
         self.transport.close()
+
+    def _release_registrations(self) -> None:
+        self._sources.clear()
 
     def _on_broken(self, reason: str) -> None:
         if not self._closed.is_set():
@@ -383,10 +386,12 @@ class OneSidedLane(QueuedLane):
 
 
 def one_sided_factory(
-    make_transport: Callable[[socket.socket, OneSidedTimeouts], Transport],
+    make_transport: Callable[[socket.socket, OneSidedTimeouts], Any],
+    lane_class: Callable[..., OneSidedLane] = OneSidedLane,
 ) -> Callable[..., OneSidedLane]:
     """A lane factory for TcpListener/tcp_connect: a fresh `make_transport(sock, timeouts)` moves the writes, `sock`
-    (authenticated) is the side channel; the transport is closed if the lane does not come up."""
+    (authenticated) is the side channel, `lane_class` the lane made of them; the transport is closed if the lane
+    does not come up."""
 
     def factory(
         sock: socket.socket,
@@ -397,7 +402,7 @@ def one_sided_factory(
     ) -> OneSidedLane:
         transport = make_transport(sock, timeouts)
         try:
-            return OneSidedLane(sock, transport, name, pacer, bulk, timeouts)
+            return lane_class(sock, transport, name, pacer, bulk, timeouts)
         except BaseException:
             transport.close()
             raise
