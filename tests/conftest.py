@@ -259,6 +259,22 @@ def make_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> Any
     return loopback_link(name, gbps, delay_s)
 
 
+@contextmanager
+def soft_rdma_nodes() -> Iterator[None]:
+    """While open, nodes made in this process with lane="rdma-soft" use the RDMA lane over software endpoints."""
+    import smartgen.roles.decode_node as decode_node
+    import smartgen.roles.prefill_node as prefill_node
+
+    def factory(name: str, *args: Any, **kwargs: Any) -> Any:
+        return soft_rdma_factory() if name == SOFT_RDMA else real(name, *args, **kwargs)
+
+    real = decode_node.lane_factory
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_node, "lane_factory", factory)
+        patch.setattr(prefill_node, "lane_factory", factory)
+        yield
+
+
 def _available(name: str) -> str:
     from smartgen.lanes.backends import unavailable
 
