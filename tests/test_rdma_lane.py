@@ -185,6 +185,30 @@ def test_dropping_landings_waits_for_a_reply_landing_now(link):
     assert not dropper.is_alive() and int(region.sum()) == 2**16 and not lane.closed
 
 
+def test_a_reply_that_never_finishes_landing_closes_the_lane_before_its_rows_are_reused(link):
+    prefill, decode = link
+    transport, real_send = prefill.control.transport, prefill.control.transport.send
+    stuck = threading.Event()
+
+    def stuck_send(role, parts, sizes=None):
+        if sizes is not None:
+            stuck.wait(10)  # the reply's bytes never leave
+        real_send(role, parts, sizes)
+
+    transport.send = stuck_send
+    region = torch.zeros(64, dtype=torch.uint8)
+    decode.control.send(_fetch("r", 1), landing=Landing("r", [(region, 0, 32), (region, 32, 32)]))
+    _answer(prefill, torch.ones(32, dtype=torch.uint8), torch.ones(32, dtype=torch.uint8))
+    lane = decode.control
+    wait_until(lambda: lane._scattering.get("r"), 10, "the reply's RECVs to be posted")
+    lane.confirm_timeout_s = 0.3
+    lane.drop_landings("r")
+    assert lane.closed and lane._verbs_closed.is_set() and "did not finish landing" in lane.error
+    stuck.set()
+    time.sleep(0.1)
+    assert not bool(region.any())
+
+
 def test_a_prefill_end_closing_mid_reply_breaks_the_decode_end_without_hanging():
     prefill, decode = make_link(SOFT_RDMA, gbps=0.1)
     try:

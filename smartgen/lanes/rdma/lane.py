@@ -78,6 +78,7 @@ class RdmaTransport(Transport):
         self._staging: tuple[torch.Tensor, MemoryHandle] | None = None
         self._discard: tuple[torch.Tensor, MemoryHandle] | None = None
         self._scatter_ids = itertools.count(SCATTER_IDS)
+        self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -191,6 +192,9 @@ class RdmaTransport(Transport):
         return [[Sge(buffer.data_ptr(), size, mr.lkey)] for size in sizes]
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.endpoint.close()  # first: nothing lands in, or is read from, the buffers freed below
         for held in (self._staging, self._discard):
             if held is not None:
@@ -235,6 +239,7 @@ class RdmaLane(OneSidedLane):
         self._replies: dict[int, _Reply] = {}  # scatter wr_id -> its reply
         self._ordered: deque[Message | _Reply] = deque()  # received, not yet delivered (a reply is landing)
         self._wake = threading.Event()
+        self._verbs_closed = threading.Event()  # set once the queue pairs are gone: nothing can land any more
         super().__init__(sock, transport, name, *args, **kwargs)
         thread = threading.Thread(target=self._verbs_loop, name=f"{name}-verbs-rx", daemon=True)
         self._threads.append(thread)
@@ -258,22 +263,23 @@ class RdmaLane(OneSidedLane):
         super().send(message, tag=tag)
 
     def drop_landings(self, request_id: str) -> None:
-        """Stops replies landing in this request's rows; waits for those landing now (breaks the lane past the
-        confirm timeout: a closed queue pair lands nothing)."""
+        """Stops replies landing in this request's rows; waits for those landing now (past the confirm timeout it
+        closes the lane: queue pairs that are gone land nothing)."""
         deadline = time.monotonic() + self.confirm_timeout_s
         with self._landing_lock:
             self._landing_open.discard(request_id)
             for key in [k for k in self._landings if k[0] == request_id]:
                 del self._landings[key]
-            while self._scattering.get(request_id, 0) and not self._closed.is_set():
-                if not self._landing_lock.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
-                    if time.monotonic() > deadline:
-                        break
+            while self._scattering.get(request_id, 0) and not self._verbs_closed.is_set():
+                if time.monotonic() > deadline:
+                    break
+                self._landing_lock.wait(0.05)
             else:
                 self._scattering.pop(request_id, None)
                 return
         self.error = f"a fetch reply of {request_id!r} did not finish landing"
         self.close()
+        self._verbs_closed.wait(self.confirm_timeout_s)
 
     def _post(self, item: object) -> None:
         if isinstance(item, Message) and not self._closed.is_set():
@@ -385,6 +391,14 @@ class RdmaLane(OneSidedLane):
     def _release_registrations(self) -> None:
         super()._release_registrations()
         self._landing_keys.clear()
+
+    def close(self) -> None:
+        first = not self._closed.is_set()
+        super().close()  # returns at once when another thread is closing: only that one says the QPs are gone
+        if first:
+            self._verbs_closed.set()
+            with self._landing_lock:
+                self._landing_lock.notify_all()
 
 
 def rdma_lane_for(
