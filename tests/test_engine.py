@@ -197,6 +197,8 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
         time.sleep(0.05)
         assert not [tag for tag, _ in spy.batches if tag == "speculative"]
         decode.end_step([rid])  # the first step done: notices flow
+        spy.lane.flush(5)  # every proactive push has landed: none measures the link's rate after the next line
+        request.link_rate = 1e15  # unpaced: a loaded machine's slow copies must not size the slices
         plan = request.plan
         assert plan.num_proactive == 2 * LAYOUT.num_blocks
         size = speculative_slice_size(plan.num_layers * plan.num_blocks, 0.1)
