@@ -90,6 +90,8 @@ class SoftQp:
             if self.error:
                 self.endpoint.recv_cq.push(wr_id, FLUSHED)
                 return
+            if len(self.rq) >= self.endpoint.limits.max_send_wr:  # ibv_post_recv fails with ENOMEM
+                raise TransportError(f"receive queue full ({len(self.rq)} RECVs posted)")
             self.rq.append((wr_id, sges))
             self.cond.notify_all()
 

@@ -123,6 +123,18 @@ def test_a_fetch_reply_lands_in_the_rows_its_landing_names(link):
     assert decode.control.transport.endpoint.max_recv_sges <= 4  # the device's max_sge per RECV
 
 
+def test_a_reply_in_more_recvs_than_the_receive_queue_holds_lands_whole(link):
+    prefill, decode = link
+    region = torch.zeros(8 * 600, dtype=torch.uint8)
+    ranges = [(region, 8 * i, 4) for i in range(600)]  # 600 runs, 4 SGEs per RECV: 150 RECVs, queue depth 64
+    decode.control.send(_fetch("r", 1), landing=Landing("r", ranges))
+    data = torch.arange(2400, dtype=torch.int64).remainder(251).add(1).to(torch.uint8)
+    _answer(prefill, data[:1200], data[1200:])
+    reply = decode.control.recv(timeout=10)
+    assert reply.meta["landed"] == 2400
+    assert torch.equal(region.view(600, 8)[:, :4].reshape(-1), data) and not bool(region.view(600, 8)[:, 4:].any())
+
+
 def test_a_reply_nobody_waits_for_is_dropped_and_the_next_one_still_lands(link):
     prefill, decode = link
     region = torch.zeros(256, dtype=torch.uint8)

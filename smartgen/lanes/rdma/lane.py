@@ -78,6 +78,8 @@ class RdmaTransport(Transport):
         self._staging: tuple[torch.Tensor, MemoryHandle] | None = None
         self._discard: tuple[torch.Tensor, MemoryHandle] | None = None
         self._scatter_ids = itertools.count(SCATTER_IDS)
+        self._scatter_backlog: deque[tuple[int, list[Sge]]] = deque()  # scatter RECVs the queue has no room for yet
+        self._scatter_posted = 0
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------
@@ -175,10 +177,24 @@ class RdmaTransport(Transport):
         return data
 
     def post_scatter(self, chunks: Sequence[Sequence[Sge]]) -> list[int]:
-        """RECVs on REPLY, one per scatter list, in order; returns their wr_ids."""
+        """RECVs on REPLY, one per scatter list, in order; returns their wr_ids. Those past the receive queue's
+        depth wait and are posted as earlier ones complete (`scatter_done`): the SENDs they are for wait too."""
         recvs = [(next(self._scatter_ids), list(chunk)) for chunk in chunks]
-        self.endpoint.post_recvs(QpRole.REPLY, recvs)
+        self._scatter_backlog.extend(recvs)
+        self._post_backlog()
         return [wr_id for wr_id, _ in recvs]
+
+    def scatter_done(self) -> None:
+        """A scatter RECV completed: its place in the receive queue takes the next one waiting."""
+        self._scatter_posted -= 1
+        self._post_backlog()
+
+    def _post_backlog(self) -> None:
+        room = self.endpoint.limits.max_send_wr - self._scatter_posted
+        if room > 0 and self._scatter_backlog:
+            batch = [self._scatter_backlog.popleft() for _ in range(min(room, len(self._scatter_backlog)))]
+            self.endpoint.post_recvs(QpRole.REPLY, batch)
+            self._scatter_posted += len(batch)
 
     def discard_chunks(self, sizes: Sequence[int]) -> list[list[Sge]]:
         """Scatter lists that drop a reply of these SEND sizes (a reply nobody waits for)."""
@@ -330,6 +346,7 @@ class RdmaLane(OneSidedLane):
             for message in self._assembler.feed(self.transport.take_bounce(wr_id, length)):
                 self._on_message(message)
             return
+        self.transport.scatter_done()
         reply = self._replies.pop(wr_id)
         if length != reply.waiting.pop(wr_id):
             reply.short = True
