@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from smartgen.lanes.onesided import OneSidedLane, one_sided_factory
+from smartgen.lanes.rdma.gpu_memory import DeviceMR, gpudirect_status, register_device_memory
 from smartgen.lanes.rdma.handshake import QpInfo
 from smartgen.lanes.rdma.plan import SendQueue, plan_writes
 from smartgen.lanes.rdma.select import RdmaOptions
@@ -50,9 +51,21 @@ class RdmaTransport(Transport):
     def connect(self, peer: dict[str, Any]) -> None:
         self.endpoint.connect(QpInfo.from_meta(peer))
 
+    @classmethod
+    def registers_device_memory(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and bool(gpudirect_status(device.index or 0).routes)
+
     def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
-        mr = self.endpoint.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        addr, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cuda":  # GPUDirect RDMA: the NIC reaches GPU memory itself (gpu_memory.py)
+            e = self.endpoint
+            mr = register_device_memory(e.pd, e.v["mr"], addr, length, e.access, tensor.device.index or 0)
+        else:
+            mr = self.endpoint.register(addr, length)
         return mr, mr.rkey
+
+    def region_address(self, handle: Any, tensor: torch.Tensor) -> int:
+        return handle.address(tensor.data_ptr()) if isinstance(handle, DeviceMR) else tensor.data_ptr()
 
     def deregister(self, handle: Any) -> None:
         handle.close()
