@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import LANE_KINDS, lane_available, lane_params
 
-import smartgen.engine.decode as decode_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
 from smartgen.engine.decode import DecodeEngine, RequestFailed
@@ -31,35 +30,6 @@ def config(**overrides) -> SimulationConfig:
 def importance():
     cfg = config()
     return calibrate(cfg, SyntheticTrace(LAYOUT.num_layers, LAYOUT.num_kv_heads, ratio=cfg.select_ratio))
-
-
-@pytest.fixture
-def remote_read_guard(monkeypatch):
-    """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
-    real_gather = decode_module.gather_kv
-    violations = []
-
-    def guarded(k_pool, v_pool, slots, index, start, stop, k_out, v_out):
-        pool_k = decode_module_pools[-1]
-        layer = next(i for i in range(pool_k.k.shape[0]) if pool_k.k[i].data_ptr() == k_pool.data_ptr())
-        mask = pool_k.masks.layer(layer)
-        heads = k_pool.shape[2]
-        for r in range(index.shape[0]):
-            for j in range(int(start[r]), int(stop[r])):
-                if int(mask[int(slots[r // heads]), int(index[r, j]), r % heads]) != LOCAL:
-                    violations.append((layer, r, j))
-        real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
-
-    decode_module_pools = []
-    real_init = DecodeEngine.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        decode_module_pools.append(self.pool)
-
-    monkeypatch.setattr(DecodeEngine, "__init__", init)
-    monkeypatch.setattr(decode_module, "gather_kv", guarded)
-    return violations
 
 
 @pytest.mark.parametrize("lane", lane_params(*LANE_KINDS))
