@@ -307,3 +307,36 @@ def lane_kind(request) -> str:
 def socket_lane_kind(request) -> str:
     """The lanes whose links are made over authenticated sockets (all but in-process)."""
     return _available(request.param)
+
+
+@pytest.fixture
+def remote_read_guard(monkeypatch):
+    """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
+    import smartgen.engine.decode as decode_module
+    from smartgen.engine.decode import DecodeEngine
+    from smartgen.engine.mask import LOCAL
+
+    real_gather = decode_module.gather_kv
+    violations = []
+
+    def guarded(k_pool, v_pool, slots, index, start, stop, k_out, v_out):
+        pool_k = decode_module_pools[-1]
+        layer = next(i for i in range(pool_k.k.shape[0]) if pool_k.k[i].data_ptr() == k_pool.data_ptr())
+        mask = pool_k.masks.layer(layer)
+        heads = k_pool.shape[2]
+        for r in range(index.shape[0]):
+            for j in range(int(start[r]), int(stop[r])):
+                if int(mask[int(slots[r // heads]), int(index[r, j]), r % heads]) != LOCAL:
+                    violations.append((layer, r, j))
+        real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
+
+    decode_module_pools = []
+    real_init = DecodeEngine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        decode_module_pools.append(self.pool)
+
+    monkeypatch.setattr(DecodeEngine, "__init__", init)
+    monkeypatch.setattr(decode_module, "gather_kv", guarded)
+    return violations

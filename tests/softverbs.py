@@ -194,7 +194,9 @@ class SoftEndpoint:
             qp.remote = peer
             qp.thread.start()
 
-    def register(self, addr: int, length: int) -> SoftMr:
+    def register(self, addr: int, length: int, device_index: int | None = None) -> SoftMr:
+        if device_index is not None:
+            raise TransportError("the software endpoint reaches host memory only")
         key = next(_keys)
         mr = SoftMr(addr, length, key, key, self)
         with self.lock:

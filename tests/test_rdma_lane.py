@@ -68,14 +68,14 @@ def test_landing_chunks_merge_neighbours_and_respect_max_sge_and_message_size():
     region = torch.zeros(1000, dtype=torch.uint8)
     base = region.data_ptr()
     ranges = [(region, 0, 10), (region, 10, 10), (region, 40, 5), (region, 60, 5), (region, 80, 30), (region, 200, 1)]
-    chunks, sizes = landing_chunks(ranges, lambda r: 7, max_sge=2, max_msg_bytes=2**31)
+    chunks, sizes = landing_chunks(ranges, lambda r: (r.data_ptr(), 7), max_sge=2, max_msg_bytes=2**31)
     assert chunks == [[Sge(base, 20, 7), Sge(base + 40, 5, 7)], [Sge(base + 60, 5, 7), Sge(base + 80, 30, 7)],
                       [Sge(base + 200, 1, 7)]]  # fmt: skip
     assert sizes == [25, 35, 1]
-    chunks, sizes = landing_chunks([(region, 0, 100)], lambda r: 7, max_sge=4, max_msg_bytes=32)
+    chunks, sizes = landing_chunks([(region, 0, 100)], lambda r: (r.data_ptr(), 7), max_sge=4, max_msg_bytes=32)
     assert sizes == [32, 32, 32, 4] and all(len(c) == 1 for c in chunks)
     with pytest.raises(ValueError, match="outside"):
-        landing_chunks([(region, 990, 20)], lambda r: 7, 4, 2**31)
+        landing_chunks([(region, 990, 20)], lambda r: (r.data_ptr(), 7), 4, 2**31)
     assert check_chunk_sizes([1, 2]) == [1, 2]
     for bad in ([], [0], [1.5], "12", [True], [1] * 70_000):
         with pytest.raises(ValueError):

@@ -135,16 +135,18 @@ class DecodeEngine:
         stall_timeout: float | None = None,
         prefill_timeout: float = 120.0,
         prefix_cache: PrefixCache | None = None,
+        staged: bool = False,
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
         `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
         prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
-        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them."""
+        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them.
+        `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py)."""
         self.layout = layout
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
-        self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
+        self.pool = DecodePool(layout, num_slots, max_tokens, device=device, staged=staged)
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
@@ -262,6 +264,7 @@ class DecodeEngine:
         layers that arrived are dequantized into the pool first."""
         if request.policy.quantize_bits:
             self.pool.land_quantized(request.slot, request.length)
+        self.pool.sync_staged(None, [request.slot])
         return self.pool.masks.all_local(request.slot, request.length)
 
     def _reopen(self, request: _Request) -> bool:
@@ -510,6 +513,7 @@ class DecodeEngine:
         """
         requests = [self._require_any(rid) for rid in request_ids]
         self._land_late(requests)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         if layer < DENSE_LAYERS:
             self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
         num_heads = self.layout.num_kv_heads
@@ -571,6 +575,7 @@ class DecodeEngine:
                 if request.metrics.error or request.deferred or time.monotonic() > deadline:
                     break
                 time.sleep(0.0002)
+                self.pool.sync_staged(layer, [request.slot])
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
 
     def _rows_where(
@@ -589,6 +594,7 @@ class DecodeEngine:
         else None (use `assemble`, which fetches what is missing).
         """
         requests = [self._require_any(rid) for rid in request_ids]
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         mask = self.pool.masks.values[layer]
         for request, start, stop in zip(requests, starts, stops):
             if stop > start and bool((mask[request.slot, start:stop] != LOCAL).any()):
@@ -666,6 +672,7 @@ class DecodeEngine:
         num_heads = self.layout.num_kv_heads
         requests = [self._require_any(rid) for rid in request_ids]
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         status = entry_status(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
         head = torch.arange(num_heads, device=index.device).unsqueeze(1).expand(num_heads, index.shape[1])
         for b, request in enumerate(requests):
@@ -814,6 +821,7 @@ class DecodeEngine:
             request = self._require(request_id)
             if request.released or not request.policy.speculative:
                 continue
+            self.pool.sync_staged(None, [request.slot])
             if self.pool.masks.all_local(request.slot, request.length):
                 self._release(request, msg.Release(request_id))
                 request.metrics.state = RequestState.FULLY_LOCAL

@@ -37,7 +37,7 @@ from smartgen.lanes.framing import message_frame, recv_message
 from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportError
+from smartgen.lanes.transport import DeviceMemoryUnsupported, Segment, SourceCache, Transport, TransportError
 from smartgen.lanes.wire import (
     ConnectionClosed,
     FrameType,
@@ -151,12 +151,17 @@ class OneSidedLane(QueuedLane):
 
     # -- the owner's side: regions and acceptance -----------------------------------------
     def register_region(self, name: str, buffer: torch.Tensor) -> None:
+        if buffer.device.type != "cpu" and not self.transport.registers_device_memory(buffer.device):
+            raise DeviceMemoryUnsupported(
+                f"the {self.transport.name} lane cannot register {buffer.device} memory here (region {name!r}): "
+                "stage the pool through host memory (DecodePool(staged=True); `smartgen serve` does so by itself), "
+                "or use a lane that lands in device memory (tcp; rdma with GPUDirect RDMA, see `smartgen info`)"
+            )
         super().register_region(name, buffer)
-        if buffer.device.type != "cpu":
-            raise ValueError(f"{self.transport.name} lane registers host memory only, got a {buffer.device} region")
         handle, key = self.transport.register(buffer)
         self._local_handles.append(handle)
-        meta = {"name": name, "addr": buffer.data_ptr(), "length": buffer.numel(), "key": key}
+        addr = self.transport.region_address(handle, buffer)
+        meta = {"name": name, "addr": addr, "length": buffer.numel(), "key": key}
         self._send_control(FrameType.REGION, "", meta)
 
     def accept(self, request_id: str, extents: ExtentMap | None = None) -> None:

@@ -43,8 +43,9 @@ class Endpoint(Protocol):
         """Takes each queue pair to RTS against the peer's queue pair of the same role."""
         ...
 
-    def register(self, addr: int, length: int) -> MemoryHandle:
-        """Registers host memory for local access, remote WRITEs and RECV scatter."""
+    def register(self, addr: int, length: int, device_index: int | None = None) -> MemoryHandle:
+        """Registers memory for local access, remote WRITEs and RECV scatter: host memory, or with `device_index`
+        that CUDA device's memory (GPUDirect RDMA)."""
         ...
 
     def post_writes(self, batch: Sequence[WriteWR]) -> None:

@@ -33,6 +33,7 @@ from smartgen.lanes.base import Landing, Message, MessageKind
 from smartgen.lanes.framing import bytes_view
 from smartgen.lanes.onesided import OneSidedLane, one_sided_factory
 from smartgen.lanes.rdma.endpoint import Endpoint, MemoryHandle
+from smartgen.lanes.rdma.gpu_memory import DeviceMR, gpudirect_status
 from smartgen.lanes.rdma.handshake import QpRole, endpoint_infos, endpoint_meta
 from smartgen.lanes.rdma.messaging import FrameAssembler, fragments, frame_parts
 from smartgen.lanes.rdma.plan import SendQueue, Sge, plan_writes
@@ -95,9 +96,18 @@ class RdmaTransport(Transport):
         count = self._bounce.numel() // self.bounce_bytes
         self.endpoint.post_recvs(QpRole.MAIN, [(i, [self._bounce_sge(i)]) for i in range(count)])
 
+    @classmethod
+    def registers_device_memory(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and bool(gpudirect_status(device.index or 0).routes)
+
     def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
-        mr = self.endpoint.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        # CUDA memory: GPUDirect RDMA, the NIC reaches GPU memory itself (gpu_memory.py)
+        device_index = (tensor.device.index or 0) if tensor.device.type == "cuda" else None
+        mr = self.endpoint.register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device_index)
         return mr, mr.rkey
+
+    def region_address(self, handle: Any, tensor: torch.Tensor) -> int:
+        return handle.address(tensor.data_ptr()) if isinstance(handle, DeviceMR) else tensor.data_ptr()
 
     def deregister(self, handle: Any) -> None:
         handle.close()
@@ -265,8 +275,7 @@ class RdmaLane(OneSidedLane):
     def send(self, message: Message, *, tag: str = "control", landing: Landing | None = None) -> None:
         if landing is not None and message.kind == MessageKind.FETCH and not self._closed.is_set():
             limits = self.transport.endpoint.limits
-            lkey = lambda region: self._landing_keys.key_for(region).lkey  # noqa: E731
-            chunks, sizes = landing_chunks(landing.ranges, lkey, limits.max_sge, limits.max_msg_bytes)
+            chunks, sizes = landing_chunks(landing.ranges, self._locate, limits.max_sge, limits.max_msg_bytes)
             if sizes:
                 key = (message.request_id, int(message.meta["fetch_id"]))
                 with self._landing_lock:
@@ -277,6 +286,11 @@ class RdmaLane(OneSidedLane):
                 )
         self._wake.set()  # a reply will follow: poll hot
         super().send(message, tag=tag)
+
+    def _locate(self, region: torch.Tensor) -> tuple[int, int]:
+        """Where a landing region starts as the NIC addresses it, and its lkey (registered on first use)."""
+        handle = self._landing_keys.key_for(region)
+        return self.transport.region_address(handle, region), handle.lkey
 
     def drop_landings(self, request_id: str) -> None:
         """Stops replies landing in this request's rows; waits for those landing now (past the confirm timeout it

@@ -25,14 +25,15 @@ MAX_REPLY_CHUNKS = 1 << 16  # a FETCH's reply in more RECVs than this is refused
 
 def landing_chunks(
     ranges: Sequence[tuple[torch.Tensor, int, int]],
-    lkey_for: Callable[[torch.Tensor], int],
+    locate: Callable[[torch.Tensor], tuple[int, int]],
     max_sge: int,
     max_msg_bytes: int,
 ) -> tuple[list[list[Sge]], list[int]]:
     """Scatter lists (one per RECV) for a reply whose bytes go to `ranges` in order, and their sizes.
 
-    `ranges` are (flat uint8 host region, byte offset, length); neighbouring ranges that continue
-    each other merge into one element. A list is cut early so that no RECV takes more than
+    `ranges` are (flat uint8 region, byte offset, length); `locate(region)` gives the address the NIC
+    knows the region's start by (its pointer; for GPU memory registered as a DMA-BUF, the MR's own
+    base) and its lkey. Neighbouring ranges that continue each other merge into one element. A list is cut early so that no RECV takes more than
     `max_msg_bytes` (the port's largest message).
     """
     sges = []
@@ -40,7 +41,8 @@ def landing_chunks(
         if not 0 <= offset <= offset + length <= region.numel():
             raise ValueError(f"landing range {offset}+{length} is outside its {region.numel()}-byte region")
         if length:
-            sges.append(Sge(region.data_ptr() + offset, length, int(lkey_for(region))))
+            base, lkey = locate(region)
+            sges.append(Sge(base + offset, length, int(lkey)))
     chunks: list[list[Sge]] = []
     for chunk in chunk_sges(sges, max_sge):
         current: list[Sge] = []

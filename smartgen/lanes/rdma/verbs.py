@@ -12,6 +12,7 @@ from typing import Any
 
 from smartgen.lanes.extras import require
 from smartgen.lanes.rdma.device import PYVERBS_HINT, list_gids, list_ports
+from smartgen.lanes.rdma.gpu_memory import register_device_memory
 from smartgen.lanes.rdma.handshake import QpInfo, QpRole, random_psn, rtr_settings
 from smartgen.lanes.rdma.plan import QueueLimits, Sge, WriteWR
 from smartgen.lanes.rdma.select import choose_gid, choose_port
@@ -78,7 +79,9 @@ class VerbsEndpoint:
     def qp_infos(self) -> dict[QpRole, QpInfo]:
         return dict(self._infos)
 
-    def register(self, addr: int, length: int) -> Any:
+    def register(self, addr: int, length: int, device_index: int | None = None) -> Any:
+        if device_index is not None:  # CUDA memory: the first GPUDirect RDMA route this host has
+            return register_device_memory(self.pd, self.v["mr"], addr, length, self.access, device_index)
         return self.v["mr"].MR(self.pd, length, self.access, address=addr)
 
     def connect(self, remote: dict[QpRole, QpInfo]) -> None:
