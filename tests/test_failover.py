@@ -168,10 +168,14 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts, 
         wait_until(lambda: stalled.engine.num_open == 1, 30, "one request to open on each prefill node")
         on_stalled = next(i for i, h in enumerate(handles) if stalled.engine._get(h.request_id) is not None)
         other = handles[1 - on_stalled]
+        # The stalled request parks at its first fetch. Waited for, not assumed done by the time the other request
+        # finishes: alone in the batch the other decodes its 24 tokens in ~0.15 s here, and the stalled request's
+        # first token may come later than that (the two prefill nodes share this process).
+        wait_until(lambda: decode.scheduler.health()["parked"] == 1, 30, "the stalled request to park")
         # the other request finishes while the stall lasts: it is never held up by it (its fetches go elsewhere)
         finish = _finish(other, timeout=30)
         assert finish.reason == "length" and finish.usage["completion_tokens"] == 24
-        assert decode.scheduler.health()["parked"] == 1
+        assert decode.scheduler.health()["parked"] == 1  # still out of the batch: its fetch is not answered yet
         gate.set()
         events = list(handles[on_stalled].events(timeout=60))
         assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]

@@ -1,16 +1,22 @@
 """Lane backends by name: write planning for one-sided transports, missing extras, bad descriptors."""
 
+import gc
+import socket
+import struct
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
+from conftest import lane_available
 from hypothesis import given
 from hypothesis import strategies as st
 
 from smartgen.lanes import WriteOp
 from smartgen.lanes.backends import lane_factory, loopback_link
 from smartgen.lanes.extras import MissingExtra, require
+from smartgen.lanes.transport import Segment, TransportError
 from smartgen.lanes.write_plan import chunk_ops, region_runs
 
 ops_strategy = st.lists(
@@ -90,3 +96,56 @@ def test_rdma_choices_go_to_the_rdma_lane_only():
     assert lane_factory("tcp", rdma=RdmaOptions()) is lane_factory("tcp")  # nothing asked: fine anywhere
     with pytest.raises(ValueError, match="--lane rdma only, not mooncake"):
         lane_factory("mooncake", rdma=RdmaOptions(device="mlx5_0"))
+
+
+@pytest.mark.parametrize("name", ["mooncake", "nixl"])
+def test_closing_a_transport_lets_its_engine_go_at_once(name):
+    """close() lets go of the Mooncake engine or NIXL agent itself, not the garbage collector some time later: until
+    then a NIXL agent's progress thread kept polling and a Mooncake engine's servers kept taking connections."""
+    lane_available(name)
+    if name == "mooncake":
+        from smartgen.lanes.mooncake import MooncakeTransport
+
+        transport, peer = MooncakeTransport(), MooncakeTransport()
+    else:
+        from smartgen.lanes.nixl import NixlTransport
+
+        transport, peer = NixlTransport(), NixlTransport()
+    try:
+        transport.connect(peer.info())
+        region = torch.zeros(64, dtype=torch.uint8)
+        transport.register(region)
+        engine = weakref.ref(transport._engine if name == "mooncake" else transport._agent)
+        gc.disable()  # what lets it go must be close() dropping the last reference, not a collection
+        try:
+            transport.close()
+            transport.close()  # a second close does nothing
+            assert engine() is None
+        finally:
+            gc.enable()
+        with pytest.raises(TransportError, match="closed"):
+            transport.write([Segment(region.data_ptr(), region.data_ptr(), 8, None, None)])
+        if name == "mooncake":  # its RPC server (the peer's handshake) is gone with it
+            host, port = transport.info()["session"].rsplit(":", 1)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, int(port)), timeout=5).close()
+    finally:
+        transport.close()
+        peer.close()
+
+
+def test_a_mooncake_engines_handshake_listener_wakes_every_50_ms():
+    """Mooncake's destructor holds the GIL until its handshake listener's accept() times out (1 s as Mooncake sets
+    it): the transport shortens that timeout, so closing a lane stalls its process for about 50 ms, not a second."""
+    lane_available("mooncake")
+    from smartgen.lanes.mooncake import ACCEPT_TIMEOUT_S, MooncakeTransport, _listener_of
+
+    transport = MooncakeTransport()
+    try:
+        listener = _listener_of(int(transport.info()["session"].rsplit(":", 1)[1]))
+        assert listener is not None
+        with listener:
+            seconds, micros = struct.unpack("ll", listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        assert seconds + micros / 1e6 == pytest.approx(ACCEPT_TIMEOUT_S, abs=0.01)  # the kernel rounds to its tick
+    finally:
+        transport.close()

@@ -113,3 +113,19 @@ def test_requests_of_different_schemes_decode_together_as_they_do_alone(cluster)
     alone = [_run(decode, p, s, max_tokens=8)[0] for p, s in zip(prompts, schemes)]
     results = _run_concurrently(decode, prompts, schemes, max_tokens=8)
     assert results == alone, "a request's tokens must not depend on the schemes it is batched with"
+
+
+def test_stopping_a_decode_node_closes_its_link_to_every_prefill_node():
+    """Each link's listener drops the link from the engine's list once it sees it closed, so closing must walk a
+    copy: walking the list itself skipped the link after each one dropped, which stayed up (and stopping waited 5 s
+    for its listener)."""
+    parts = tiny_parts()
+    prefills = [prefill_node(parts) for _ in range(3)]
+    decode = decode_node(parts, prefills)
+    links = decode.links
+    try:
+        decode.stop()
+        assert [link.alive for link in links] == [False, False, False]
+    finally:
+        for node in prefills:
+            node.stop()

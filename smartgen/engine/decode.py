@@ -177,7 +177,7 @@ class DecodeEngine:
         self._closing = True
         for request_id in list(self._requests):
             self.abort(request_id, "decode engine closed")
-        for link in self._links:
+        for link in self.links:  # a copy: each link's listener drops it from self._links as it sees it close
             link.close()
         for thread in self._threads:
             thread.join(timeout=5)
