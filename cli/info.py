@@ -1,4 +1,4 @@
-"""`smartgen info`: prints what this machine offers SmartGen (versions, CUDA, RDMA, Triton, profile DB)."""
+"""`smartgen info`: prints what this machine offers SmartGen (versions, CUDA, RDMA, GPUDirect, Triton, profile DB)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def info(
         bool, typer.Option("--json", help="Print the report as JSON (machine-readable) instead of a table.")
     ] = False,
 ) -> None:
-    """Show package versions, CUDA devices, RDMA devices (ports, link layers, GIDs), Triton mode and the profile database
-    path."""
+    """Show package versions, CUDA devices, RDMA devices (ports, link layers, GIDs), how the RDMA lane registers GPU
+    memory (GPUDirect RDMA), Triton mode and the profile database path."""
     report = collect_info()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -44,6 +44,7 @@ def _table(report: dict[str, Any]) -> Table:
         )
         for gid in port["gids"]:
             table.add_row(f"    GID {gid['index']}", f"{gid['gid']} ({gid['type']})")
+    table.add_row("GPUDirect RDMA", report["gpudirect"]["status"])
     table.add_row("Triton", report["triton"])
     table.add_section()
     table.add_row("Profile DB", report["db_path"])

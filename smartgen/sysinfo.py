@@ -1,4 +1,4 @@
-"""Reports what this machine offers SmartGen: package versions, CUDA and RDMA devices, Triton mode, profile DB path.
+"""Reports what this machine offers SmartGen: versions, CUDA and RDMA devices, GPUDirect RDMA, Triton mode, profile DB.
 
 Every probe is guarded: a missing or broken package becomes a line of text in the report,
 never an exception, so `smartgen info` is the one command that always works.
@@ -104,6 +104,18 @@ def _no_kernel_support() -> str:
     return "; /sys/class/infiniband is empty: the kernel has no RDMA NIC driver or Soft-RoCE (rdma_rxe) link loaded"
 
 
+def _gpudirect() -> dict[str, Any]:
+    """How the RDMA lane would register GPU memory (CUDA device 0): {"routes": [...], "status": str}; no route means a
+    decode pool on the GPU stages through host memory on the one-sided lanes."""
+    try:
+        from smartgen.lanes.rdma.gpu_memory import gpudirect_status
+
+        routes, reason = gpudirect_status()
+    except Exception as exc:
+        return {"routes": [], "status": f"unknown (probe failed: {exc})"}
+    return {"routes": list(routes), "status": reason}
+
+
 def _triton_mode() -> str:
     """How smartgen's Triton kernels would run here (see smartgen.engine.kernels.use_triton)."""
     try:
@@ -130,7 +142,7 @@ def collect_info() -> dict[str, Any]:
     """Gathers the report `smartgen info` prints.
 
     Returns {"versions": {name: version}, "cuda": {"status", "devices"},
-    "rdma": {"status", "devices", "ports"}, "triton": str, "db_path": str}.
+    "rdma": {"status", "devices", "ports"}, "gpudirect": {"routes", "status"}, "triton": str, "db_path": str}.
     """
     try:
         db_path = str(default_db_path())
@@ -140,6 +152,7 @@ def collect_info() -> dict[str, Any]:
         "versions": _versions(),
         "cuda": _cuda(),
         "rdma": _rdma(),
+        "gpudirect": _gpudirect(),
         "triton": _triton_mode(),
         "db_path": db_path,
     }

@@ -234,11 +234,52 @@ os.environ.setdefault("UCX_TLS", "tcp,self")
 
 LANE_KINDS = ("inproc", "tcp", "mooncake", "nixl", "rdma")
 SOCKET_LANES = LANE_KINDS[1:]  # the lanes whose links are made over authenticated sockets (all but in-process)
+# The RDMA lane over tests/softverbs.py, a software endpoint inside one process: everything of the lane but the
+# verbs calls themselves, on machines without a device. Only where both link ends live in the test's process.
+SOFT_RDMA = "rdma-soft"
+
+
+def soft_rdma_factory(**options: Any) -> Any:
+    """The RDMA lane's factory over software endpoints; small bounce buffers so messages arrive in fragments."""
+    from softverbs import SoftEndpoint
+
+    from smartgen.lanes.rdma.lane import rdma_lane_for
+    from smartgen.lanes.rdma.select import RdmaOptions
+
+    return rdma_lane_for(RdmaOptions(), endpoint=SoftEndpoint, **{"bounce_bytes": 4096, "bounces": 16, **options})
+
+
+def make_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> Any:
+    """Both ends of a loopback link of this kind in this process (`loopback_link`, plus the soft RDMA lane)."""
+    from smartgen.lanes.backends import loopback_link
+    from smartgen.lanes.tcp_link import loopback_tcp_link
+
+    if name == SOFT_RDMA:
+        return loopback_tcp_link(gbps, delay_s, lane_factory=soft_rdma_factory())
+    return loopback_link(name, gbps, delay_s)
+
+
+@contextmanager
+def soft_rdma_nodes() -> Iterator[None]:
+    """While open, nodes made in this process with lane="rdma-soft" use the RDMA lane over software endpoints."""
+    import smartgen.roles.decode_node as decode_node
+    import smartgen.roles.prefill_node as prefill_node
+
+    def factory(name: str, *args: Any, **kwargs: Any) -> Any:
+        return soft_rdma_factory() if name == SOFT_RDMA else real(name, *args, **kwargs)
+
+    real = decode_node.lane_factory
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_node, "lane_factory", factory)
+        patch.setattr(prefill_node, "lane_factory", factory)
+        yield
 
 
 def _available(name: str) -> str:
     from smartgen.lanes.backends import unavailable
 
+    if name == SOFT_RDMA:
+        return name
     reason = unavailable(name)
     if reason:
         pytest.skip(f"{name} lane unavailable: {reason}")
@@ -256,7 +297,7 @@ def lane_available(name: str) -> str:
     return _available(name)
 
 
-@pytest.fixture(params=LANE_KINDS)
+@pytest.fixture(params=(*LANE_KINDS, SOFT_RDMA))
 def lane_kind(request) -> str:
     """A lane backend by name; skipped, with the reason, where its package or device is missing."""
     return _available(request.param)
@@ -266,3 +307,36 @@ def lane_kind(request) -> str:
 def socket_lane_kind(request) -> str:
     """The lanes whose links are made over authenticated sockets (all but in-process)."""
     return _available(request.param)
+
+
+@pytest.fixture
+def remote_read_guard(monkeypatch):
+    """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
+    import smartgen.engine.decode as decode_module
+    from smartgen.engine.decode import DecodeEngine
+    from smartgen.engine.mask import LOCAL
+
+    real_gather = decode_module.gather_kv
+    violations = []
+
+    def guarded(k_pool, v_pool, slots, index, start, stop, k_out, v_out):
+        pool_k = decode_module_pools[-1]
+        layer = next(i for i in range(pool_k.k.shape[0]) if pool_k.k[i].data_ptr() == k_pool.data_ptr())
+        mask = pool_k.masks.layer(layer)
+        heads = k_pool.shape[2]
+        for r in range(index.shape[0]):
+            for j in range(int(start[r]), int(stop[r])):
+                if int(mask[int(slots[r // heads]), int(index[r, j]), r % heads]) != LOCAL:
+                    violations.append((layer, r, j))
+        real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
+
+    decode_module_pools = []
+    real_init = DecodeEngine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        decode_module_pools.append(self.pool)
+
+    monkeypatch.setattr(DecodeEngine, "__init__", init)
+    monkeypatch.setattr(decode_module, "gather_kv", guarded)
+    return violations

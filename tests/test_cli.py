@@ -74,7 +74,7 @@ def test_version() -> None:
 def test_info_prints_versions() -> None:
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output
-    for name in ("python", "smartgen", *PACKAGES, "CUDA", "RDMA", "Triton", "Profile DB"):
+    for name in ("python", "smartgen", *PACKAGES, "CUDA", "RDMA", "GPUDirect RDMA", "Triton", "Profile DB"):
         assert name in result.output
 
 
@@ -82,10 +82,11 @@ def test_info_json() -> None:
     result = runner.invoke(app, ["info", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert set(report) == {"versions", "cuda", "rdma", "triton", "db_path"}
+    assert set(report) == {"versions", "cuda", "rdma", "gpudirect", "triton", "db_path"}
     assert set(report["versions"]) == {"python", "smartgen", *PACKAGES}
     assert report["versions"]["smartgen"] == smartgen.__version__
     assert {"status", "devices"} <= set(report["cuda"]) and {"status", "devices"} <= set(report["rdma"])
+    assert set(report["gpudirect"]) == {"routes", "status"}
 
 
 def test_verbose_sets_log_level(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,9 @@ import time
 
 import pytest
 import torch
-from conftest import LANE_KINDS, lane_available, lane_params
+from conftest import LANE_KINDS, SOFT_RDMA, lane_available, lane_params, make_link
 
+import smartgen.apps.simulate as simulate_module
 import smartgen.engine.decode as decode_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
@@ -33,35 +34,6 @@ def importance():
     return calibrate(cfg, SyntheticTrace(LAYOUT.num_layers, LAYOUT.num_kv_heads, ratio=cfg.select_ratio))
 
 
-@pytest.fixture
-def remote_read_guard(monkeypatch):
-    """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
-    real_gather = decode_module.gather_kv
-    violations = []
-
-    def guarded(k_pool, v_pool, slots, index, start, stop, k_out, v_out):
-        pool_k = decode_module_pools[-1]
-        layer = next(i for i in range(pool_k.k.shape[0]) if pool_k.k[i].data_ptr() == k_pool.data_ptr())
-        mask = pool_k.masks.layer(layer)
-        heads = k_pool.shape[2]
-        for r in range(index.shape[0]):
-            for j in range(int(start[r]), int(stop[r])):
-                if int(mask[int(slots[r // heads]), int(index[r, j]), r % heads]) != LOCAL:
-                    violations.append((layer, r, j))
-        real_gather(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
-
-    decode_module_pools = []
-    real_init = DecodeEngine.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        decode_module_pools.append(self.pool)
-
-    monkeypatch.setattr(DecodeEngine, "__init__", init)
-    monkeypatch.setattr(decode_module, "gather_kv", guarded)
-    return violations
-
-
 @pytest.mark.parametrize("lane", lane_params(*LANE_KINDS))
 @pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if not p.quantize_bits])  # lossy: test_quant_transfer
 def test_every_policy_assembles_the_true_kv(name, lane, importance, remote_read_guard):
@@ -74,6 +46,30 @@ def test_every_policy_assembles_the_true_kv(name, lane, importance, remote_read_
     assert all(r["error"] is None for r in result.requests)
     if policy.speculative or policy.wait_for_all:
         assert result.all_local and result.pool_equals_prefill
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["pool", "staged"])
+@pytest.mark.parametrize("name", ["partial", "partial+profile+parallel", "smartgen"])
+def test_fetch_replies_land_in_place_over_the_rdma_lane_bit_for_bit(
+    name, staged, importance, remote_read_guard, monkeypatch
+):
+    """The RDMA lane (over software verbs endpoints) puts each fetch reply straight into the pool rows the FETCH
+    named (staged: into the host copies, moved into K and V when they become local); the assembled KV must still
+    equal the ground truth, and no reply may have been copied in instead."""
+    landed, copied = [], []
+    real_landed, real_write = decode_module.DecodePool.entries_landed, decode_module.DecodePool.write_entries
+    monkeypatch.setattr(simulate_module, "loopback_link", make_link)
+    monkeypatch.setattr(
+        decode_module.DecodePool, "entries_landed", lambda self, *a: landed.append(1) or real_landed(self, *a)
+    )
+    monkeypatch.setattr(
+        decode_module.DecodePool, "write_entries", lambda self, *a: copied.append(1) or real_write(self, *a)
+    )
+    result = simulate(config(transport=SOFT_RDMA, staged=staged), POLICIES[name], importance)
+    assert result.mismatches == 0 and result.max_fetch_count <= 1
+    assert remote_read_guard == []
+    assert all(r["error"] is None for r in result.requests)
+    assert landed and not copied
 
 
 @pytest.mark.parametrize("strategy", ["random", "sequential", "streaming", "optimal"])
@@ -176,6 +172,8 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
         time.sleep(0.05)
         assert not [tag for tag, _ in spy.batches if tag == "speculative"]
         decode.end_step([rid])  # the first step done: notices flow
+        spy.lane.flush(5)  # every proactive push has landed: none measures the link's rate after the next line
+        request.link_rate = 1e15  # unpaced: a loaded machine's slow copies must not size the slices
         plan = request.plan
         assert plan.num_proactive == 2 * LAYOUT.num_blocks
         size = speculative_slice_size(plan.num_layers * plan.num_blocks, 0.1)

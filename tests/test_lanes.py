@@ -5,12 +5,12 @@ import time
 
 import pytest
 import torch
+from conftest import make_link
 
 from smartgen.engine.descriptors import block_runs, block_write_ops, held_blocks, token_runs
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.pool import DecodePool, PrefillStore
 from smartgen.lanes import Message, MessageKind, Pacer, WriteOp, coalesce
-from smartgen.lanes.backends import loopback_link
 
 
 def test_coalesce_merges_only_continuing_neighbours():
@@ -65,7 +65,7 @@ def test_held_tokens_are_never_pushed_again():
 
 @pytest.fixture
 def link(lane_kind):
-    prefill, decode = loopback_link(lane_kind)
+    prefill, decode = make_link(lane_kind)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -153,7 +153,7 @@ def test_pacer_books_the_link_like_a_virtual_clock():
 
 
 def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
-    prefill, decode = loopback_link(lane_kind, gbps=0.08)  # 10 MB/s
+    prefill, decode = make_link(lane_kind, gbps=0.08)  # 10 MB/s
     try:
         region = torch.zeros(200_000, dtype=torch.uint8)
         decode.push.register_region("x", region)
@@ -173,7 +173,7 @@ def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
 @pytest.mark.parametrize("direction", ["prefill->decode", "decode->prefill"])
 def test_message_payloads_pay_the_pacer_too(lane_kind, direction):
     """A fetch reply's KV crosses the same link as a push: it must take its wire time, either way."""
-    prefill, decode = loopback_link(lane_kind, gbps=0.08)  # 10 MB/s
+    prefill, decode = make_link(lane_kind, gbps=0.08)  # 10 MB/s
     sender, receiver = (prefill, decode) if direction == "prefill->decode" else (decode, prefill)
     try:
         started = time.monotonic()
@@ -187,7 +187,7 @@ def test_message_payloads_pay_the_pacer_too(lane_kind, direction):
 
 
 def test_close_wakes_receivers_and_drops_pending_work(lane_kind):
-    prefill, decode = loopback_link(lane_kind, gbps=0.001)
+    prefill, decode = make_link(lane_kind, gbps=0.001)
     a, b = prefill.push, decode.push
     b.register_region("x", torch.zeros(10**6, dtype=torch.uint8))
     b.accept("r")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import SOCKET_LANES, lane_available, lane_params
+from conftest import SOCKET_LANES, SOFT_RDMA, lane_available, lane_params, soft_rdma_nodes
 from inproc_nodes import decode_node, prefill_node, tiny_parts
 from tiny_models import IdTokenizer
 
@@ -14,16 +14,17 @@ from smartgen.engine.policy import get_policy
 from smartgen.roles.service import FinishEvent, GenerationParams, ServiceError
 
 
-@pytest.fixture(scope="module", params=lane_params(*SOCKET_LANES))
+@pytest.fixture(scope="module", params=[*lane_params(*SOCKET_LANES), SOFT_RDMA])
 def cluster(request):
     lane = lane_available(request.param)
-    parts = tiny_parts()
-    prefills = [prefill_node(parts, lane=lane) for _ in range(2)]
-    decode = decode_node(parts, prefills, scheme="smartgen", max_waiting=16, lane=lane)
-    yield prefills, decode
-    decode.stop()
-    for node in prefills:
-        node.stop()
+    with soft_rdma_nodes():  # rdma-soft: the RDMA lane over software verbs endpoints (tests/softverbs.py)
+        parts = tiny_parts()
+        prefills = [prefill_node(parts, lane=lane) for _ in range(2)]
+        decode = decode_node(parts, prefills, scheme="smartgen", max_waiting=16, lane=lane)
+        yield prefills, decode
+        decode.stop()
+        for node in prefills:
+            node.stop()
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -54,6 +54,7 @@ class SimulationConfig:
     transport: str = (
         "inproc"  # a lane by name: "inproc" (queues and threads), or tcp, mooncake, nixl, rdma over 127.0.0.1
     )
+    staged: bool = False  # the decode pool lands in host mirrors, copied into K and V before masks are read
 
 
 @dataclass(slots=True)
@@ -178,7 +179,9 @@ def simulate(
         seed=config.seed,
     )
     prefill = PrefillEngine(layout, planner)
-    decode = DecodeEngine(layout, num_slots=len(config.lengths), max_tokens=max(config.lengths) + config.steps + 1)
+    decode = DecodeEngine(
+        layout, num_slots=len(config.lengths), max_tokens=max(config.lengths) + config.steps + 1, staged=config.staged
+    )
     if config.verify:
         decode.pool.k.fill_(float("nan"))  # a read of anything not yet landed shows up as a mismatch
         decode.pool.v.fill_(float("nan"))

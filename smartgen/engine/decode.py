@@ -43,6 +43,7 @@ from smartgen.engine.metrics import PathCounters, RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
 from smartgen.engine.pool import DecodePool
 from smartgen.engine.prefix_cache import PrefixCache
+from smartgen.lanes.base import Landing
 from smartgen.lanes.link import LinkEnd
 
 __all__ = ["DecodeEngine", "Assembled", "RequestFailed", "LinkLost"]
@@ -134,16 +135,18 @@ class DecodeEngine:
         stall_timeout: float | None = None,
         prefill_timeout: float = 120.0,
         prefix_cache: PrefixCache | None = None,
+        staged: bool = False,
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
         `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
         prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
-        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them."""
+        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them.
+        `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py)."""
         self.layout = layout
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
-        self.pool = DecodePool(layout, num_slots, max_tokens, device=device)
+        self.pool = DecodePool(layout, num_slots, max_tokens, device=device, staged=staged)
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
@@ -157,6 +160,8 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        regions = self.pool.byte_views()
+        self._reply_regions = (regions["k"], regions["v"])  # where a lane that can lands fetch replies in place
 
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd) -> None:
@@ -259,6 +264,7 @@ class DecodeEngine:
         layers that arrived are dequantized into the pool first."""
         if request.policy.quantize_bits:
             self.pool.land_quantized(request.slot, request.length)
+        self.pool.sync_staged(None, [request.slot])
         return self.pool.masks.all_local(request.slot, request.length)
 
     def _reopen(self, request: _Request) -> bool:
@@ -507,6 +513,7 @@ class DecodeEngine:
         """
         requests = [self._require_any(rid) for rid in request_ids]
         self._land_late(requests)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         if layer < DENSE_LAYERS:
             self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
         num_heads = self.layout.num_kv_heads
@@ -568,6 +575,7 @@ class DecodeEngine:
                 if request.metrics.error or request.deferred or time.monotonic() > deadline:
                     break
                 time.sleep(0.0002)
+                self.pool.sync_staged(layer, [request.slot])
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
 
     def _rows_where(
@@ -586,6 +594,7 @@ class DecodeEngine:
         else None (use `assemble`, which fetches what is missing).
         """
         requests = [self._require_any(rid) for rid in request_ids]
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         mask = self.pool.masks.values[layer]
         for request, start, stop in zip(requests, starts, stops):
             if stop > start and bool((mask[request.slot, start:stop] != LOCAL).any()):
@@ -637,8 +646,15 @@ class DecodeEngine:
         if not link.alive:
             future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
         fetch = _fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
-        link.control.send(fetch.pack(), tag="fetch_request")
+        landing = self._landing(request, layer, entries) if link.control.lands_replies else None
+        link.control.send(fetch.pack(), tag="fetch_request", landing=landing)
         return future
+
+    def _landing(self, request: _Request, layer: int, entries: torch.Tensor) -> Landing:
+        """Where a FETCH's reply belongs: its K rows, then its V rows (the reply's payload order)."""
+        ranges = self.pool.geometry.entry_ranges(layer, request.slot, entries)
+        k, v = self._reply_regions
+        return Landing(request.request_id, [(k, o, n) for o, n in ranges] + [(v, o, n) for o, n in ranges])
 
     def prefetch_wanted(self, request_ids: list[str]) -> bool:
         """Whether any of these requests prefetches now: its policy does, and it is past its first decode step,
@@ -656,6 +672,7 @@ class DecodeEngine:
         num_heads = self.layout.num_kv_heads
         requests = [self._require_any(rid) for rid in request_ids]
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
         status = entry_status(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
         head = torch.arange(num_heads, device=index.device).unsqueeze(1).expand(num_heads, index.shape[1])
         for b, request in enumerate(requests):
@@ -720,11 +737,18 @@ class DecodeEngine:
         self, request: _Request, layer: int, entries: torch.Tensor, reply: msg.FetchReply, sent: float
     ) -> None:
         expected = (entries.numel(), self.layout.head_dim)
-        if tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+        if reply.k is None or reply.v is None:  # the lane put it in place, where the FETCH's landing said
+            if reply.landed != 2 * entries.numel() * self.layout.head_dim * self.layout.dtype.itemsize:
+                self.counters.add_failure("on_demand")
+                self._fail_request(request.request_id, f"fetch reply for layer {layer}: {reply.landed} bytes landed")
+                return
+            self.pool.entries_landed(layer, request.slot, entries)
+        elif tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
             self.counters.add_failure("on_demand")
             self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
             return
-        self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
+        else:
+            self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
         request.fetch_counts[layer].view(-1)[entries] += 1
         request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
         self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
@@ -797,6 +821,7 @@ class DecodeEngine:
             request = self._require(request_id)
             if request.released or not request.policy.speculative:
                 continue
+            self.pool.sync_staged(None, [request.slot])
             if self.pool.masks.all_local(request.slot, request.length):
                 self._release(request, msg.Release(request_id))
                 request.metrics.state = RequestState.FULLY_LOCAL
@@ -817,6 +842,7 @@ class DecodeEngine:
         """The request is done: stop its writes, free its slot, release it on the prefill node."""
         request = self._require(request_id)
         request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
         self._release(request, msg.Release(request_id))
         self._cache_prompt(request)
         self.pool.free(request.slot)
@@ -831,6 +857,7 @@ class DecodeEngine:
         if request is None:
             return
         request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
         self._release(request, msg.Abort(request_id, reason))
         self.pool.free(request.slot)
         request.metrics.state = RequestState.ABORTED

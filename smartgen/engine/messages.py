@@ -213,29 +213,35 @@ class Fetch:
 @dataclass(frozen=True, slots=True)
 class FetchReply:
     """Prefill -> decode: the fetched K and V for the fetch with this id: [p, H, d] each, or [E, d] for the E
-    entries a FETCH with `heads` marked (token-major)."""
+    entries a FETCH with `heads` marked (token-major). A reply the lane landed in place (the RDMA lane, into the
+    rows the FETCH's landing named) has no K and V here, and `landed` says how many bytes it put there."""
 
     KIND: ClassVar[MessageKind] = MessageKind.FETCH_REPLY
     request_id: str
     fetch_id: int
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    landed: int = 0
 
     @property
     def num_bytes(self) -> int:
+        if self.k is None or self.v is None:
+            return self.landed
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def pack(self) -> Message:
+        if self.k is None or self.v is None:
+            raise MessageError("FETCH_REPLY: a reply to send needs K and V")
         return Message(self.KIND, self.request_id, {"fetch_id": self.fetch_id}, {"k": self.k, "v": self.v})
 
     @classmethod
     def unpack(cls, message: Message) -> FetchReply:
         what = "FETCH_REPLY"
+        fetch_id = _field(message.meta, "fetch_id", int, what)
+        if "landed" in message.meta:
+            return cls(message.request_id, fetch_id, None, None, _field(message.meta, "landed", int, what))
         return cls(
-            message.request_id,
-            _field(message.meta, "fetch_id", int, what),
-            _tensor(message.payload, "k", what),
-            _tensor(message.payload, "v", what),
+            message.request_id, fetch_id, _tensor(message.payload, "k", what), _tensor(message.payload, "v", what)
         )
 
 

@@ -9,6 +9,7 @@ registered as one memory region.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes, unpack_layer
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL, MaskTable
+from smartgen.engine.staging import HostStaging
 
 __all__ = ["PoolGeometry", "PoolFull", "DecodePool", "RequestKV", "PrefillStore", "StoreFull"]
 
@@ -39,6 +41,21 @@ class PoolGeometry:
     def kv_offset(self, layer: int, slot: int, token: int) -> int:
         """Byte offset of (layer, slot, token) in the K (or V) region."""
         return ((layer * self.num_slots + slot) * self.max_tokens + token) * self.layout.token_bytes
+
+    def entry_ranges(self, layer: int, slot: int, entries: torch.Tensor) -> list[tuple[int, int]]:
+        """Byte ranges (offset, length) in the K (or V) region of flat (token, head) entries token * H + head,
+        sorted and unique: one range per run of consecutive entries, in order (where a fetch reply lands)."""
+        if not entries.numel():
+            return []
+        entries = entries.to(torch.int64).cpu()
+        breaks = torch.nonzero(entries[1:] - entries[:-1] != 1).flatten() + 1
+        starts = torch.cat([entries[:1], entries[breaks]])
+        counts = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int64), breaks, torch.tensor([entries.numel()])]))
+        entry_bytes = self.layout.head_dim * self.layout.dtype.itemsize
+        base = self.kv_offset(layer, slot, 0)
+        return [
+            (base + start * entry_bytes, count * entry_bytes) for start, count in zip(starts.tolist(), counts.tolist())
+        ]
 
     def mask_offset(self, layer: int, slot: int, token: int) -> int:
         """Byte offset of (layer, slot, token)'s first head in the int8 mask region ([L, S, N, H]: a token's heads
@@ -88,9 +105,20 @@ class DecodePool:
     (`quant2`) lands each layer packed in a staging region [L, S, packed bytes of a full slot] with a flag
     [L, S] written after it; `land_quantized` dequantizes flagged layers into K and V and marks them local.
     The staging region is about a fifth of K+V's size in fp32 (two fifths in fp16).
+
+    `staged`: the lane cannot register the device's memory, so lanes write into host mirrors of K and V and a
+    host landing mask instead (`byte_views`), and `sync_staged` copies what landed into K and V before the
+    mask table says LOCAL (staging.py); the quantized staging regions are host memory then too.
     """
 
-    def __init__(self, layout: KVLayout, num_slots: int, max_tokens: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        max_tokens: int,
+        device: str | torch.device = "cpu",
+        staged: bool = False,
+    ) -> None:
         if num_slots < 1 or max_tokens < 1:
             raise ValueError("a pool needs at least one slot of at least one token")
         self.layout = layout
@@ -100,9 +128,13 @@ class DecodePool:
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.masks = MaskTable(layout.num_layers, num_slots, max_tokens, layout.num_kv_heads)
+        self.staging = HostStaging(shape, layout.dtype) if staged else None
+        # staged, the lanes' quantized layers land on the host like the rest (dequantized into K and V from there)
+        quant_device = "cpu" if staged else device
+        quant_pin = torch.device(quant_device).type == "cpu" and torch.cuda.is_available()
         staging = (layout.num_layers, num_slots, self.geometry.quant_layer_bytes)
-        self.quant = torch.zeros(staging, dtype=torch.uint8, device=device, pin_memory=pin)
-        self.quant_ready = torch.zeros(layout.num_layers, num_slots, dtype=torch.uint8, device=device)
+        self.quant = torch.zeros(staging, dtype=torch.uint8, device=quant_device, pin_memory=quant_pin)
+        self.quant_ready = torch.zeros(layout.num_layers, num_slots, dtype=torch.uint8, device=quant_device)
         self.lengths = [0] * num_slots  # tokens in use per slot (prompt + generated)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.Lock()
@@ -129,6 +161,8 @@ class DecodePool:
                 raise PoolFull(f"all {self.num_slots} pool slots are in use")
             slot = self._free.pop()
         self.masks.open(slot, prompt_length)
+        if self.staging is not None:
+            self.staging.open(slot, prompt_length)
         self.quant_ready[:, slot] = 0
         self.lengths[slot] = prompt_length
         return slot
@@ -136,6 +170,8 @@ class DecodePool:
     def free(self, slot: int) -> None:
         """Returns a slot; its mask goes back to padding so nothing can read stale KV."""
         self.masks.close(slot)
+        if self.staging is not None:
+            self.staging.close(slot)
         self.lengths[slot] = 0
         with self._lock:
             if slot in self._free:
@@ -177,14 +213,34 @@ class DecodePool:
         self.v[layer, slot].view(-1, head_dim)[entries] = v.to(self.v.device)
         self.masks.set_local_entries(layer, slot, entries)
 
+    def entries_landed(self, layer: int, slot: int, entries: torch.Tensor) -> None:
+        """Fetched (token, head) entries (flat ids token * H + head) that already sit in the registered K and V
+        regions (a fetch reply the lane scattered there) become local; staged, they are copied in first."""
+        if self.staging is None:
+            self.masks.set_local_entries(layer, slot, entries)
+        else:
+            self.staging.land(layer, slot, entries, self.k, self.v, self.masks)
+
+    def sync_staged(self, layer: int | None, slots: Sequence[int]) -> int:
+        """Staged: moves what lanes landed for these slots (one layer; None: every layer) into K and V, then marks it
+        in the mask table; returns the entries moved. Call before reading the table. Unstaged: nothing to do."""
+        if self.staging is None:
+            return 0
+        return self.staging.sync(layer, slots, self.k, self.v, self.masks)
+
     def land_quantized(self, slot: int, length: int) -> int:
         """Dequantizes every layer of the slot whose packed bytes are in (flag set) into K and V, then marks
         its prompt tokens local and clears the flag; returns the layers landed."""
         layout = self.layout
         landed = 0
         for layer in self.quant_ready[:, slot].nonzero().flatten().tolist():
-            k, v = unpack_layer(
-                self.quant[layer, slot], length, layout.num_kv_heads, layout.head_dim, layout.dtype, SERVING_QUANT
+            k, v = unpack_layer(  # on K's device: staged, the packed bytes landed on the host
+                self.quant[layer, slot].to(self.k.device),
+                length,
+                layout.num_kv_heads,
+                layout.head_dim,
+                layout.dtype,
+                SERVING_QUANT,
             )
             self.k[layer, slot, :length] = k
             self.v[layer, slot, :length] = v
@@ -194,14 +250,18 @@ class DecodePool:
         return landed
 
     def byte_views(self) -> dict[str, torch.Tensor]:
-        """The regions a lane registers: flat uint8 views of K, V, the masks and the quantized staging."""
-        return {
+        """The regions a lane registers: flat uint8 views of K, V, the masks and the quantized staging (staged: the
+        host mirrors of K and V and the landing mask)."""
+        views = {
             "k": self.k.view(-1).view(torch.uint8),
             "v": self.v.view(-1).view(torch.uint8),
             "mask": self.masks.values.view(-1).view(torch.uint8),
             "quant": self.quant.view(-1),
             "quant_ready": self.quant_ready.view(-1),
         }
+        if self.staging is not None:
+            views.update(self.staging.byte_views())
+        return views
 
 
 @dataclass(slots=True)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
+
 from smartgen.lanes.extras import MissingExtra
 from smartgen.lanes.link import LinkEnd, inproc_link
 from smartgen.lanes.onesided import OneSidedTimeouts
 from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import LaneFactory, loopback_tcp_link
 
-__all__ = ["LANES", "INPROC", "lane_factory", "unavailable", "lane_problem", "loopback_link"]
+__all__ = ["LANES", "INPROC", "lane_factory", "unavailable", "lane_problem", "lands_in_device_memory", "loopback_link"]
 
 # name -> "module:factory"; every factory wraps an authenticated socket (see tcp_link.LaneFactory)
 LANES = {
@@ -19,6 +21,13 @@ LANES = {
     "mooncake": "smartgen.lanes.mooncake:mooncake_lane",
     "nixl": "smartgen.lanes.nixl:nixl_lane",
     "rdma": "smartgen.lanes.rdma.lane:rdma_lane",
+}
+
+# the one-sided lanes' transports: "module:class"
+TRANSPORTS = {
+    "mooncake": "smartgen.lanes.mooncake:MooncakeTransport",
+    "nixl": "smartgen.lanes.nixl:NixlTransport",
+    "rdma": "smartgen.lanes.rdma.lane:RdmaTransport",
 }
 
 # the lane of a colocated node (`serve --role both`): in-process, paced like the socket lanes; no factory
@@ -73,6 +82,16 @@ def lane_problem(name: str) -> str | None:
         return f"--lane must be one of {', '.join(LANES)} or {INPROC} (both nodes in one process), got {name!r}"
     missing = unavailable(name)
     return f"--lane {name} cannot run here: {missing}" if missing else None
+
+
+def lands_in_device_memory(name: str, device: torch.device) -> bool:
+    """Whether lane `name` lands writes in regions on `device` itself: always for in-process and TCP (their
+    receiving side copies into them), for a one-sided lane when its transport registers that memory here."""
+    if device.type == "cpu" or name not in TRANSPORTS:
+        return True
+    module, attr = TRANSPORTS[name].split(":")
+    transport = getattr(importlib.import_module(module), attr)
+    return bool(transport.registers_device_memory(device))
 
 
 def loopback_link(name: str, gbps: float | None = None, delay_s: float = 0.0) -> tuple[LinkEnd, LinkEnd]:

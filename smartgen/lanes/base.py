@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WriteOp", "coalesce", "MessageKind", "Message", "Completion", "LaneCounters", "Lane"]
+__all__ = ["WriteOp", "coalesce", "MessageKind", "Message", "Landing", "Completion", "LaneCounters", "Lane"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,20 @@ class Message:
     @property
     def payload_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.payload.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """Where the reply to a message belongs: its payload's bytes, in order, fill these byte ranges of host regions
+    ((flat uint8 region, offset, length) each). A lane that can (RDMA) lands the reply there in place and delivers
+    it with meta["landed"] (bytes landed) and no payload; every other lane delivers the payload as usual."""
+
+    request_id: str
+    ranges: Sequence[tuple[torch.Tensor, int, int]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(length for _, _, length in self.ranges)
 
 
 class Completion:
@@ -171,6 +185,7 @@ class Lane(ABC):
 
     name: str
     counters: LaneCounters
+    lands_replies: bool = False  # True: `send` uses a landing to put the reply in place (RDMA)
 
     @abstractmethod
     def register_region(self, name: str, buffer: torch.Tensor) -> None:
@@ -192,8 +207,13 @@ class Lane(ABC):
         """Queues one doorbell batch of writes (coalesced); returns at once."""
 
     @abstractmethod
-    def send(self, message: Message, *, tag: str = "control") -> None:
-        """Queues a message behind everything posted before it on this endpoint."""
+    def send(self, message: Message, *, tag: str = "control", landing: Landing | None = None) -> None:
+        """Queues a message behind everything posted before it on this endpoint; `landing`: where its reply may
+        land in place (a hint: lanes that cannot ignore it)."""
+
+    def drop_landings(self, request_id: str) -> None:
+        """No reply lands in place for this request once this returns (its memory is about to be reused)."""
+        return None  # lanes that never land replies in place have nothing to stop
 
     @abstractmethod
     def recv(self, timeout: float | None = None) -> Message | None:

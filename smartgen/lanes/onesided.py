@@ -37,7 +37,7 @@ from smartgen.lanes.framing import message_frame, recv_message
 from smartgen.lanes.liveness import heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.transport import Segment, SourceCache, Transport, TransportError
+from smartgen.lanes.transport import DeviceMemoryUnsupported, Segment, SourceCache, Transport, TransportError
 from smartgen.lanes.wire import (
     ConnectionClosed,
     FrameType,
@@ -151,12 +151,17 @@ class OneSidedLane(QueuedLane):
 
     # -- the owner's side: regions and acceptance -----------------------------------------
     def register_region(self, name: str, buffer: torch.Tensor) -> None:
+        if buffer.device.type != "cpu" and not self.transport.registers_device_memory(buffer.device):
+            raise DeviceMemoryUnsupported(
+                f"the {self.transport.name} lane cannot register {buffer.device} memory here (region {name!r}): "
+                "stage the pool through host memory (DecodePool(staged=True); `smartgen serve` does so by itself), "
+                "or use a lane that lands in device memory (tcp; rdma with GPUDirect RDMA, see `smartgen info`)"
+            )
         super().register_region(name, buffer)
-        if buffer.device.type != "cpu":
-            raise ValueError(f"{self.transport.name} lane registers host memory only, got a {buffer.device} region")
         handle, key = self.transport.register(buffer)
         self._local_handles.append(handle)
-        meta = {"name": name, "addr": buffer.data_ptr(), "length": buffer.numel(), "key": key}
+        addr = self.transport.region_address(handle, buffer)
+        meta = {"name": name, "addr": addr, "length": buffer.numel(), "key": key}
         self._send_control(FrameType.REGION, "", meta)
 
     def accept(self, request_id: str, extents: ExtentMap | None = None) -> None:
@@ -364,8 +369,11 @@ class OneSidedLane(QueuedLane):
             ):  # started (a peer may hang up first)
                 thread.join(timeout=5)
         # Only now, with no write of ours in flight: the peer can no longer land anything in our regions.
-        self._sources.clear()
+        self._release_registrations()
         self.transport.close()
+
+    def _release_registrations(self) -> None:
+        self._sources.clear()
 
     def _on_broken(self, reason: str) -> None:
         if not self._closed.is_set():
@@ -383,10 +391,12 @@ class OneSidedLane(QueuedLane):
 
 
 def one_sided_factory(
-    make_transport: Callable[[socket.socket, OneSidedTimeouts], Transport],
+    make_transport: Callable[[socket.socket, OneSidedTimeouts], Any],
+    lane_class: Callable[..., OneSidedLane] = OneSidedLane,
 ) -> Callable[..., OneSidedLane]:
     """A lane factory for TcpListener/tcp_connect: a fresh `make_transport(sock, timeouts)` moves the writes, `sock`
-    (authenticated) is the side channel; the transport is closed if the lane does not come up."""
+    (authenticated) is the side channel, `lane_class` the lane made of them; the transport is closed if the lane
+    does not come up."""
 
     def factory(
         sock: socket.socket,
@@ -397,7 +407,7 @@ def one_sided_factory(
     ) -> OneSidedLane:
         transport = make_transport(sock, timeouts)
         try:
-            return OneSidedLane(sock, transport, name, pacer, bulk, timeouts)
+            return lane_class(sock, transport, name, pacer, bulk, timeouts)
         except BaseException:
             transport.close()
             raise

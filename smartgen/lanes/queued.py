@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from smartgen.lanes.base import Completion, Lane, LaneCounters, Message, WriteOp, coalesce
+from smartgen.lanes.base import Completion, Landing, Lane, LaneCounters, Message, WriteOp, coalesce
 from smartgen.lanes.extents import ExtentMap, SlotExtents
 from smartgen.lanes.pacer import Pacer
 
@@ -75,7 +75,7 @@ class QueuedLane(Lane):
         return merged, completion, num_bytes
 
     # -- two-sided messages -----------------------------------------------------------
-    def send(self, message: Message, *, tag: str = "control") -> None:
+    def send(self, message: Message, *, tag: str = "control", landing: Landing | None = None) -> None:
         if self._closed.is_set():
             return
         self.counters.add_message(tag, message.payload_bytes)

@@ -9,11 +9,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["TransportError", "Segment", "Transport", "SourceCache"]
+__all__ = ["TransportError", "DeviceMemoryUnsupported", "Segment", "Transport", "SourceCache"]
 
 
 class TransportError(ConnectionError):
     """The transport failed a write or could not reach the peer; the lane closes with this reason."""
+
+
+class DeviceMemoryUnsupported(ValueError):
+    """A region on a device (a GPU) offered to a transport that registers host memory only here."""
 
 
 class Segment(NamedTuple):
@@ -42,9 +46,21 @@ class Transport(ABC):
     def connect(self, peer: dict[str, Any]) -> None:
         """Connects to the peer described by its LANE_INFO."""
 
+    @classmethod
+    def registers_device_memory(cls, device: torch.device) -> bool:
+        """Whether `register` takes memory on `device` (a GPU) on this host, so writes land there without a copy
+        through host memory; asked before any endpoint exists (the decode node stages its pool when not)."""
+        return False
+
     @abstractmethod
     def register(self, tensor: torch.Tensor) -> tuple[Any, Any]:
-        """Registers a flat uint8 host tensor; returns (local handle, key for the peer, JSON)."""
+        """Registers a flat uint8 tensor (host memory, or device memory where `registers_device_memory` says so);
+        returns (local handle, key for the peer, JSON)."""
+
+    def region_address(self, handle: Any, tensor: torch.Tensor) -> int:
+        """The address the peer's writes give `tensor`'s first byte: its pointer, unless the registration
+        (`handle`) addresses memory otherwise (an RDMA DMA-BUF MR counts from its offset in the dma-buf)."""
+        return tensor.data_ptr()
 
     @abstractmethod
     def deregister(self, handle: Any) -> None:

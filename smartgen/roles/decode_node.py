@@ -9,13 +9,14 @@ import logging
 import uuid
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.policy import Policy
 from smartgen.engine.prefix_cache import PrefixCache
-from smartgen.lanes.backends import lane_factory
+from smartgen.lanes.backends import lands_in_device_memory, lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.rdma.select import RdmaOptions
@@ -29,7 +30,7 @@ from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector
 
-__all__ = ["DecodeNode"]
+__all__ = ["DecodeNode", "staged_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class DecodeNode:
             recompute=limits.on_prefill_failure == "recompute",
             prefix_cache=prefix_cache,
             prefill_timeout=limits.first_token_timeout_s,
+            staged=staged_pool(lane, model.device),
         )
         hello = {
             **node_identity(model, layout, model_name),
@@ -119,6 +121,20 @@ class DecodeNode:
         self.monitoring.close()
         self.runner.close()
         self.engine.close()
+
+
+def staged_pool(lane: str, device: torch.device) -> bool:
+    """Whether the decode pool on `device` must stage through host memory: `lane` cannot land writes in that device's
+    memory (a one-sided lane without a way to register it). Says so once in the log when it must."""
+    staged = not lands_in_device_memory(lane, device)
+    if staged:
+        log.warning(
+            "decode: the %s lane cannot register %s memory here; the KV pool stages through host memory (one "
+            "host->device copy per landed entry, before each layer reads its masks; docs/lanes.md, GPU memory)",
+            lane,
+            device,
+        )
+    return staged
 
 
 def _tcp_connect(

@@ -5,13 +5,22 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from dataclasses import asdict, dataclass
+from enum import IntEnum
 from typing import Any
 
 from smartgen.lanes.rdma.select import MTU_BYTES, negotiate_mtu
 
-__all__ = ["QpInfo", "random_psn", "rtr_settings"]
+__all__ = ["QpInfo", "QpRole", "random_psn", "rtr_settings", "endpoint_meta", "endpoint_infos"]
 
 MAX_24BIT = 2**24
+
+
+class QpRole(IntEnum):
+    """An endpoint's queue pairs: MAIN carries WRITEs and messages in one ordered stream; REPLY carries only the
+    fetch replies that land in place, so its receive queue holds nothing but their scatter lists."""
+
+    MAIN = 0
+    REPLY = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +71,16 @@ def rtr_settings(local: QpInfo, remote: QpInfo) -> dict[str, Any]:
         "sgid_index": local.gid_index,
         "is_global": local.link_layer == 2 or remote.lid == 0,  # RoCE always routes by GID
     }
+
+
+def endpoint_meta(qps: dict[QpRole, QpInfo]) -> dict[str, Any]:
+    """LANE_INFO's body for an endpoint: its queue pairs in role order."""
+    return {"qps": [qps[role].to_meta() for role in QpRole]}
+
+
+def endpoint_infos(meta: dict[str, Any]) -> dict[QpRole, QpInfo]:
+    """The peer's queue pairs from its LANE_INFO; ValueError when one is missing or malformed."""
+    qps = meta.get("qps")
+    if not isinstance(qps, list) or len(qps) != len(QpRole) or not all(isinstance(q, dict) for q in qps):
+        raise ValueError(f"peer sent {qps!r} for its queue pairs, not {len(QpRole)} of them")
+    return {role: QpInfo.from_meta(q) for role, q in zip(QpRole, qps)}

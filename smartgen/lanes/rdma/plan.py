@@ -122,9 +122,15 @@ class SendQueue:
         return self.in_use + len(batch) <= self.depth
 
     def posted(self, batch: Sequence[WriteWR]) -> None:
-        if not self.fits(batch):
-            raise RuntimeError(f"send queue overflow: {self.in_use} + {len(batch)} > {self.depth}")
-        self._posted.extend(wr.wr_id for wr in batch)
+        self.posted_ids([wr.wr_id for wr in batch])
+
+    def posted_ids(self, wr_ids: Sequence[int]) -> None:
+        if self.in_use + len(wr_ids) > self.depth:
+            raise RuntimeError(f"send queue overflow: {self.in_use} + {len(wr_ids)} > {self.depth}")
+        self._posted.extend(wr_ids)
+
+    def holds(self, wr_id: int) -> bool:
+        return wr_id in self._posted
 
     def completed(self, wr_id: int) -> int:
         """A signalled WR completed: retires it and every WR posted before it; returns how many."""
