@@ -49,6 +49,9 @@ def test_exact_topk_with_every_token_equals_dense(family):
         ("topk", {"budget": 0.3}),
         ("quest", {"budget": 0.3, "page_size": 4}),
         ("infinigen", {"budget": 0.3, "alpha": 2.0}),
+        # rows of unequal length per head (adaptive) and budgets that differ by layer (pyramid)
+        ("quest", {"budget": 0.3, "page_size": 4, "head_split": "adaptive", "layer_split": "pyramid"}),
+        ("topk", {"budget": 0.3, "head_split": "adaptive", "floor": 0.0}),
     ],
 )
 @pytest.mark.parametrize("policy", ["partial", "partial+profile+parallel", "smartgen"])

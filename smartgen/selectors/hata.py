@@ -40,6 +40,7 @@ from smartgen.selectors.base import (
     group_max_probability,
     pad_rows,
 )
+from smartgen.selectors.budget_split import check_splits, layer_budget, top_rows
 
 __all__ = [
     "HashWeights",
@@ -137,14 +138,23 @@ class HATASelector(Selector):
         use_norm: bool = True,
         seed: int = 0,
         gqa: str = "max",
+        head_split: str = "even",
+        layer_split: str = "even",
+        slope: float = 0.5,
+        floor: float = 0.2,
     ) -> None:
         """`weights` from `hata_train.train_hash_weights` (or its bytes); None = random ones of `rbit` bits.
 
         `gqa`: how the G query heads of a KV head combine: "max" (each head's estimated logits
         ‖q‖·‖k‖·(1 - 2·Ham/rbit)·scale softmaxed, then the max over the group, as the exact top-k does;
-        without ‖k‖ when `use_norm` is False), or "sum" (HATA's own ΣHam)."""
+        without ‖k‖ when `use_norm` is False), or "sum" (HATA's own ΣHam). `head_split`, `layer_split`,
+        `slope`, `floor`: how the budget spreads over KV heads and layers (budget_split; adaptive needs "max")."""
         super().__init__(info)
         self.gqa = check_gqa("hata", gqa, GQA_RULES)
+        check_splits("hata", head_split, layer_split, slope, floor)
+        if head_split == "adaptive" and gqa != "max":
+            raise ValueError("hata: head_split=adaptive compares tokens across heads, so it needs gqa=max")
+        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if isinstance(weights, bytes | bytearray):
             weights = weights_from_bytes(bytes(weights))
@@ -195,6 +205,7 @@ class HATASelector(Selector):
         rows = []
         for b, n in enumerate(step.prompt_lengths):
             scores = self.scores(step.query[b], metadata[b], step.layer, n)
-            top = scores.topk(budget_tokens(self.budget, n), dim=-1).indices  # [H, k]
-            rows.append(top.sort(dim=-1).values)  # ascending positions, as the other selectors
+            budget = layer_budget(self.budget, step.layer, self.info.num_layers, self.layer_split, self.slope)
+            # ascending positions, as the other selectors
+            rows.append(top_rows(scores, budget_tokens(budget, n), self.head_split, self.floor))
         return pad_rows(rows)  # [B·H, max k]

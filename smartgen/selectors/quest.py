@@ -25,6 +25,9 @@ Choices of ours:
   budget 1.0 selects every token (plain // would drop a page whenever n % page_size != 0).
 - A budget smaller than the last page still yields the last page, so such a row may hold
   more than budget_tokens(budget, n) — as in Quest.
+- `head_split` / `layer_split` (budget_split.py): Ada-KV's adaptive split of a layer's pages over its
+  KV heads (ranked over all heads at once; needs gqa="max", whose scores are probabilities) and
+  PyramidKV's falling budget over layers; both off ("even") by default.
 - `bound_bits=8` ships the bounds in 8 bits, half the bytes of a 16-bit cache's (they cross the
   link before the first decode step, so they cost TTST): per (KV head, channel) an affine grid
   over the prompt's range, page maxima rounded up and minima down (`quantize_bounds`), so each
@@ -47,6 +50,7 @@ from smartgen.selectors.base import (
     group_max_probability,
     pad_rows,
 )
+from smartgen.selectors.budget_split import adaptive_order, check_splits, layer_budget, rows_from_flat
 
 __all__ = ["QuestSelector", "page_bounds", "page_upper_bounds", "quantize_bounds", "dequantize_bounds"]
 
@@ -113,12 +117,26 @@ class QuestSelector(Selector):
     name = "quest"
 
     def __init__(
-        self, info: ModelInfo, budget: float = 0.1, page_size: int = 16, gqa: str = "max", bound_bits: int = 8
+        self,
+        info: ModelInfo,
+        budget: float = 0.1,
+        page_size: int = 16,
+        gqa: str = "max",
+        bound_bits: int = 8,
+        head_split: str = "even",
+        layer_split: str = "even",
+        slope: float = 0.5,
+        floor: float = 0.2,
     ) -> None:
         """`gqa`: a page's score for a KV head is the max over its G query heads of their softmax over the pages
         of bound·d^-0.5 ("max", the exact top-k's rule), or of their raw bounds ("bound"). `bound_bits`: 16
-        keeps the page bounds in the keys' dtype, 8 ships them as outward-rounded 8-bit codes (module docstring)."""
+        keeps the page bounds in the keys' dtype, 8 ships them as outward-rounded 8-bit codes (module docstring).
+        `head_split`, `layer_split`, `slope`, `floor`: how the budget spreads over heads and layers (budget_split)."""
         super().__init__(info)
+        check_splits("quest", head_split, layer_split, slope, floor)
+        if head_split == "adaptive" and gqa != "max":
+            raise ValueError("quest: head_split=adaptive compares pages across heads, so it needs gqa=max")
+        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
         if bound_bits not in BOUND_BITS:
             raise ValueError(f"quest: bound_bits must be one of {', '.join(map(str, BOUND_BITS))}, got {bound_bits}")
         self.bound_bits = bound_bits
@@ -136,14 +154,20 @@ class QuestSelector(Selector):
         dtype = prefill.key.dtype
         return {"page_max": page_max.to(dtype), "page_min": page_min.to(dtype)}  # [H, P, d] each
 
-    def page_budget(self, length: int) -> int:
-        """Pages a prompt of `length` tokens may select, the last page included.
+    def page_budget(self, length: int, layer: int | None = None) -> int:
+        """Pages a prompt of `length` tokens may select per KV head, the last page included (at `layer`, under
+        the layer split; with an adaptive head split, the mean over the layer's heads).
 
         Quest's token_budget // page_size when the last page is full; a partial last page
         counts for its real tokens, so budget 1.0 is every token and no budget is exceeded.
         """
+        budget = (
+            self.budget
+            if layer is None
+            else layer_budget(self.budget, layer, self.info.num_layers, self.layer_split, self.slope)
+        )
         last = length - (-(-length // self.page_size) - 1) * self.page_size  # tokens in the last page
-        return max(1, 1 + (budget_tokens(self.budget, length) - last) // self.page_size)
+        return max(1, 1 + (budget_tokens(budget, length) - last) // self.page_size)
 
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
         return self._select(step, metadata, None)[0]
@@ -153,7 +177,8 @@ class QuestSelector(Selector):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One ranking of the pages, cut at this budget and at `wide`'s: a page's bound does not depend on the
         budget, so the wider pick is the narrower one plus the next pages in rank."""
-        if not isinstance(wide, QuestSelector) or (wide.page_size, wide.gqa) != (self.page_size, self.gqa):
+        same_ranking = ("page_size", "gqa", "head_split", "floor")
+        if not isinstance(wide, QuestSelector) or any(getattr(wide, a) != getattr(self, a) for a in same_ranking):
             return super().select_widened(step, metadata, wide)
         picked, widened = self._select(step, metadata, wide)
         assert widened is not None
@@ -168,8 +193,8 @@ class QuestSelector(Selector):
         rows, wide_rows = [], []
         for b, n in enumerate(step.prompt_lengths):
             page_max, page_min = dequantize_bounds(metadata[b])  # either form: the prefill node's selector chose
-            num_pages, budget = page_max.shape[1], self.page_budget(n)
-            wide_budget = budget if wide is None else max(budget, wide.page_budget(n))
+            num_pages, budget = page_max.shape[1], self.page_budget(n, step.layer)
+            wide_budget = budget if wide is None else max(budget, wide.page_budget(n, step.layer))
             device = page_max.device
             if num_pages <= wide_budget:
                 every = torch.arange(n, device=device).expand(heads, n)
@@ -184,6 +209,12 @@ class QuestSelector(Selector):
                 bounds = group_max_probability(grouped * self.info.head_dim**-0.5)  # [H, P-1]
             else:
                 bounds = grouped.amax(dim=1)  # [H, P-1]
+            if self.head_split == "adaptive":
+                order = adaptive_order(bounds, budget - 1, self.floor)  # flat head · (P-1) + page, best first
+                rows.append(self._flat_page_tokens(order[: heads * (budget - 1)], num_pages, n))
+                if wide is not None and num_pages > wide_budget:
+                    wide_rows.append(self._flat_page_tokens(order[: heads * (wide_budget - 1)], num_pages, n))
+                continue
             # ranked best first, ties by page (a stable sort: topk breaks ties its own way for each k), so the first
             # budget - 1 are this selector's pick whether or not a wider pick is cut from the same ranking
             ranked = bounds.sort(dim=-1, descending=True, stable=True).indices[:, : min(wide_budget, num_pages) - 1]
@@ -191,6 +222,18 @@ class QuestSelector(Selector):
             if wide is not None and num_pages > wide_budget:
                 wide_rows.append(self._page_tokens(ranked, num_pages, n))
         return pad_rows(rows), (pad_rows(wide_rows) if wide is not None else None)  # [B·H, max k] each
+
+    def _flat_page_tokens(self, flat: torch.Tensor, num_pages: int, n: int) -> torch.Tensor:
+        """[H, k] prompt positions, -1 padded, of flat picks (head · (P-1) + page) and every head's last page."""
+        heads, size = self.info.num_kv_heads, self.page_size
+        pages = rows_from_flat(flat, heads, num_pages - 1)  # [H, k_p] ascending, -1 padded
+        offsets = torch.arange(size, device=pages.device)
+        last = torch.arange((num_pages - 1) * size, n, device=pages.device)
+        rows = [torch.cat(((row[row >= 0][:, None] * size + offsets).flatten(), last)) for row in pages]
+        out = torch.full((heads, max(len(r) for r in rows)), -1, dtype=torch.int64, device=pages.device)
+        for h, row in enumerate(rows):
+            out[h, : len(row)] = row
+        return out
 
     def _page_tokens(self, top: torch.Tensor, num_pages: int, n: int) -> torch.Tensor:
         """[H, k] prompt positions of pages `top` [H, k_p] (any order) and the last page, ascending."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
+from smartgen.selectors.budget_split import check_splits, layer_budget, top_rows
 
 __all__ = ["ExactTopKSelector", "kv_head_scores"]
 
@@ -36,10 +37,22 @@ class ExactTopKSelector(Selector):
 
     name = "topk"
 
-    def __init__(self, info: ModelInfo, budget: float = 0.1) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        budget: float = 0.1,
+        head_split: str = "even",
+        layer_split: str = "even",
+        slope: float = 0.5,
+        floor: float = 0.2,
+    ) -> None:
+        """`head_split`, `layer_split`, `slope`, `floor`: how the budget spreads over KV heads and layers
+        (budget_split): the oracle under each split bounds what a selector with that split can keep."""
         super().__init__(info)
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction, not mid-decode
+        check_splits("topk", head_split, layer_split, slope, floor)
         self.budget = budget
+        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
 
     def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
         # contiguous() so the metadata does not pin a larger captured buffer it is a view of
@@ -52,7 +65,7 @@ class ExactTopKSelector(Selector):
         for b, n in enumerate(step.prompt_lengths):
             keys = metadata[b]["keys"][:, :n]  # [H, n, d]
             scores = kv_head_scores(step.query[b], keys)  # [H, n]
-            top = scores.topk(budget_tokens(self.budget, n), dim=-1).indices  # [H, k]
+            budget = layer_budget(self.budget, step.layer, self.info.num_layers, self.layer_split, self.slope)
             # ascending positions keep gathers and transfers as contiguous as the choice allows
-            rows.append(top.sort(dim=-1).values)
+            rows.append(top_rows(scores, budget_tokens(budget, n), self.head_split, self.floor))
         return pad_rows(rows)  # [B·H, max k]
