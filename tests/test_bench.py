@@ -38,7 +38,7 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
     assert data["machine"]["versions"] and data["config"]["schemes"]
     with (out / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    for name in ("ctl.png", "ttst_tbt.png"):
+    for name in ("ctl.png", "steps.png", "ttst_tbt.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     expected = [*SCHEMES.split(","), "smartgen[random]"]
     assert [row["scheme"] for row in rows] == expected
@@ -58,6 +58,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert request["ttst"] >= request["ttft"] > 0
             ctl = request["ctl"]
             assert len(ctl) == 6 and all(b >= a for a, b in zip(ctl, ctl[1:]))
+            union = request["selection_union_bytes"]  # distinct entries selected by each token: grows, within the KV
+            assert len(union) == 6 and all(b >= a for a, b in zip(union, union[1:]))
+            assert 0 < union[-1] <= 4 / 6 * SAMPLE_KV_BYTES_PER_TOKEN * request["prompt_tokens"]
             assert ctl[0] == pytest.approx(request["ttft"]) and ctl[1] == pytest.approx(request["ttst"])
             assert 0.0 <= request["first_step_coverage"] <= 1.0
             assert 0.0 <= request["first_step_wait"] <= request["fetch_wait"] < request["ttst"] + 6 * request["tbt"]
@@ -84,6 +87,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         if summary["scheme"] == "full":
             assert summary["vs_full"]["ttst_speedup"] == pytest.approx(1.0)
         assert summary["ttst_bound"] > 0
+        assert summary["ttst_bound_selection"] >= summary["ttst_bound"]
+        bound = summary["ctl_bound"]
+        assert len(bound) == len(summary["ctl"]) and bound == sorted(bound)
 
 
 def test_bench_refuses_bad_input() -> None:
@@ -219,3 +225,29 @@ def test_the_bundled_models_resolve_by_name() -> None:
         assert (folder / "model.safetensors").stat().st_size <= 25 * 10**6  # what a clone may carry
     with pytest.raises(ValueError, match="sample, sample16 or random:LAYERS"):
         resolve_model("no-such-folder")
+
+
+def test_ttst_bounds_add_only_what_prefill_cannot_hide() -> None:
+    from smartgen.apps.bench.runner import Regime
+    from smartgen.apps.bench.stats import Summary, ctl_bound, ttst_bound
+    from smartgen.lanes.rate import bytes_per_second
+
+    def summary(ttft: float, tbt: float, metadata: float) -> Summary:
+        timing = {"mean": ttft}
+        return Summary(0, "x", 1, 0, timing, timing, {"mean": tbt}, [], None, None, None, None,
+                       {"metadata": metadata}, 0.0, 0.0, None, None)  # fmt: skip
+
+    token_bytes, length, layers = 1000, 1000, 10
+    rate = bytes_per_second(0.008)  # 1 MB/s
+    regime = Regime(0.008, 4.7, length, {}, {}, 0.0, 0.1, token_bytes, layers)
+    full = summary(ttft=0.5, tbt=0.01, metadata=0.0)
+    scheme = summary(ttft=0.5, tbt=0.02, metadata=0.05 * rate)
+    # layers 0-1 (0.2 MB) and metadata (0.05 MB) in the 0.45 s of prefill after layer 0: nothing exposed
+    assert ttst_bound(length, regime, full, scheme) == pytest.approx(0.5 + 0.01)
+    # plus a 20% selection of layers 2-9 (0.16 MB): 0.41 MB in 0.45 s still hides
+    assert ttst_bound(length, regime, full, scheme, selection_budget=0.2) == pytest.approx(0.5 + 0.01)
+    # a 50% selection (0.4 MB): 0.65 MB, 0.2 s past the prefill
+    assert ttst_bound(length, regime, full, scheme, selection_budget=0.5) == pytest.approx(0.5 + 0.2 + 0.01)
+    # per token: all-local steps after the prefill, or the link's time for layers 0-1, metadata and the union
+    scheme.selection_union = [0.0, 0.1e6, 0.15e6, 0.9e6]
+    assert ctl_bound(length, regime, full, scheme) == pytest.approx([0.5, 0.51, 0.52, 1.15])

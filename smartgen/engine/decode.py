@@ -113,6 +113,7 @@ class _Request:
     resume: Future | None = None
     resumed_at: float = 0.0
     overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
+    selected_ever: torch.Tensor | None = None  # [L, n, H] bool: entries any step selected (metrics only)
 
     @property
     def resuming(self) -> bool:
@@ -413,7 +414,7 @@ class DecodeEngine:
             token = request.first_token.result(timeout=timeout)
         except TimeoutError:
             raise RequestFailed(f"no first token for {request_id} within {timeout} s") from None
-        request.metrics.token_times.append(time.monotonic())
+        request.metrics.record_token(time.monotonic())
         request.metrics.state = RequestState.DECODING
         return token
 
@@ -556,6 +557,9 @@ class DecodeEngine:
             rows = slice(b * num_heads, (b + 1) * num_heads)
             row_selected, row_remote = int(local_stop[rows].sum()), int(num_remote[rows].sum())
             request.metrics.count_selection(row_selected, row_remote, layer, int(dropped[rows].sum()))
+            if layer >= DENSE_LAYERS:  # layers 0-1 move whole whatever is selected: the bound counts them apart
+                new = self._newly_selected(request, layer, split.index[rows])
+                request.metrics.count_new_selection(new * entry_bytes)
             selected += row_selected
             remote += row_remote
         self.counters.add_selection(selected, remote)
@@ -577,6 +581,19 @@ class DecodeEngine:
                 time.sleep(0.0002)
                 self.pool.sync_staged(layer, [request.slot])
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
+
+    def _newly_selected(self, request: _Request, layer: int, rows: torch.Tensor) -> int:
+        """How many entries of index rows [H, k] no earlier step of `request` selected; marks them selected."""
+        if request.selected_ever is None:
+            shape = (self.layout.num_layers, request.length, self.layout.num_kv_heads)
+            request.selected_ever = torch.zeros(shape, dtype=torch.bool, device=rows.device)
+        seen = request.selected_ever[layer]
+        heads = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+        valid = (rows >= 0) & (rows < request.length)
+        tokens, heads = rows[valid], heads[valid]
+        new = int((~seen[tokens, heads]).sum())
+        seen[tokens, heads] = True
+        return new
 
     def _rows_where(
         self, requests: list[_Request], device: torch.device, test: Callable[[Policy], bool]
@@ -810,7 +827,7 @@ class DecodeEngine:
         now = time.monotonic()
         for request_id in request_ids:
             request = self._require(request_id)
-            request.metrics.token_times.append(now)
+            request.metrics.record_token(now)
             request.deferred_since = None
         self.release_fully_local(request_ids)
 

@@ -53,6 +53,10 @@ class RequestMetrics:
     first_step_remote: int = 0
     first_step_wait_s: float = 0.0
     fetch_wait_s: float = 0.0
+    # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token
+    # arrived: what the link had to have carried by then (the benchmark's CTL bound)
+    selected_union_bytes: int = 0
+    union_bytes_at_token: list[int] = field(default_factory=list)
 
     @property
     def in_first_step(self) -> bool:
@@ -69,6 +73,15 @@ class RequestMetrics:
         if self.in_first_step and layer >= DENSE_LAYERS:
             self.first_step_selected += selected + dropped
             self.first_step_remote += remote + dropped
+
+    def count_new_selection(self, entry_bytes: int) -> None:
+        """Entries selected for the first time in this request, `entry_bytes` of K and V in all."""
+        self.selected_union_bytes += entry_bytes
+
+    def record_token(self, at: float) -> None:
+        """A token arrived at monotonic time `at`."""
+        self.token_times.append(at)
+        self.union_bytes_at_token.append(self.selected_union_bytes)
 
     def count_fetch_wait(self, seconds: float) -> None:
         self.fetch_wait_s += seconds
@@ -131,6 +144,7 @@ class RequestMetrics:
             "first_step_coverage": self.first_step_coverage,
             "first_step_wait_s": self.first_step_wait_s,
             "fetch_wait_s": self.fetch_wait_s,
+            "selected_union_bytes": self.selected_union_bytes,
             "error": self.error,
         }
 

@@ -317,6 +317,7 @@ class _Generation:
         usage.update({k: v for k, v in (finish.usage if finish else {}).items() if v is not None})
         if not self.return_token_times:
             usage.pop("ctl", None)
+            usage.pop("selection_union_bytes", None)
         if self.stopped:  # tokens generated after the stop string are not part of the answer
             usage["completion_tokens"] = len(times)
         counts = {"prompt_tokens": usage.pop("prompt_tokens"), "completion_tokens": usage.pop("completion_tokens")}

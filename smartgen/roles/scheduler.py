@@ -292,7 +292,9 @@ class DecodeScheduler:
             except Exception:  # monitoring must never fail a request
                 log.exception("finish listener failed")
         # each token's arrival (CTL) goes to the client only when asked for (`return_token_times`)
-        active.handle.put(FinishEvent(reason, error, {**usage, "ctl": metrics.ctl if metrics else None}))
+        # per token: its arrival, and the bytes of distinct entries selected by then (the bench's CTL bound)
+        per_token = {"ctl": metrics.ctl, "selection_union_bytes": metrics.union_bytes_at_token} if metrics else {}
+        active.handle.put(FinishEvent(reason, error, {**usage, **per_token}))
 
     def _fail_waiting(self, reason: str) -> None:
         while True:

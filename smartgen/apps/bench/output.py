@@ -42,6 +42,8 @@ CSV_COLUMNS = (
     "ttft_vs_full",
     "tbt_vs_full",
     "ttst_bound_s",
+    "ttst_bound_selection_s",
+    "tbt_floor_s",
     "on_demand_ratio",
     "first_step_coverage",
     "first_step_wait_s",
@@ -83,6 +85,8 @@ def _row(result: BenchResult, s: Summary) -> dict[str, Any]:
         "ttft_vs_full": s.vs_full.get("ttft"),
         "tbt_vs_full": s.vs_full.get("tbt"),
         "ttst_bound_s": s.ttst_bound,
+        "ttst_bound_selection_s": s.ttst_bound_selection,
+        "tbt_floor_s": s.tbt_floor,
         "on_demand_ratio": s.on_demand_ratio,
         "first_step_coverage": s.first_step_coverage,
         "first_step_wait_s": s.first_step_wait,
@@ -182,12 +186,34 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
         for s in summaries:
             if s.point == index and s.ctl:
                 ax.plot(range(len(s.ctl)), s.ctl, label=s.scheme)
+        bound = _bound_of(summaries, index)
+        if bound:
+            ax.plot(range(len(bound)), bound, "k--", linewidth=1, label="bound (lossless, perfect prediction)")
         ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
         ax.set_xlabel("output token")
         ax.set_ylabel("mean arrival (s)")
         ax.legend(fontsize=6)
     fig.tight_layout()
     written.append(_save(fig, out / "ctl.png", plt))
+    # where TBT goes: the time between consecutive tokens, per output token (a step that waited for the link
+    # stands out above full transfer's all-local steps)
+    fig, axes = plt.subplots(len(points), 1, figsize=(7, 3.2 * len(points)), squeeze=False)
+    for index, ax in enumerate(axes[:, 0]):
+        for s in summaries:
+            if s.point == index and len(s.ctl) > 2:
+                gaps = [1000.0 * (b - a) for a, b in zip(s.ctl[1:], s.ctl[2:])]
+                ax.plot(range(2, len(s.ctl)), gaps, label=s.scheme)
+        bound = _bound_of(summaries, index)
+        if len(bound) > 2:
+            gaps = [1000.0 * (b - a) for a, b in zip(bound[1:], bound[2:])]
+            ax.plot(range(2, len(bound)), gaps, "k--", linewidth=1, label="bound (lossless, perfect prediction)")
+        ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
+        ax.set_xlabel("output token (2 = the second token after TTST)")
+        ax.set_ylabel("time since the previous token (ms)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, out / "steps.png", plt))
     # TTST and TBT bars per scheme and batch size
     batches = sorted({p.batch for p in points})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -204,6 +230,26 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
                 heights.append(sum(values) / len(values) if values else 0.0)
             xs = [i + b_index * width for i in range(len(schemes))]
             axes[m_index].bar(xs, heights, width, label=f"batch {batch}")
+            if metric == "ttst":  # the least TTST the link allows, and with step one's selection sent first
+                for attr, color, label in (
+                    ("ttst_bound", "black", "bound"),
+                    ("ttst_bound_selection", "red", "bound1: step one's selection sent too"),
+                ):
+                    marks = [
+                        (x, getattr(s, attr))
+                        for x, scheme in zip(xs, schemes)
+                        for s in summaries
+                        if s.scheme == scheme and points[s.point].batch == batch and getattr(s, attr) is not None
+                    ]
+                    if marks:
+                        axes[0].scatter(
+                            [x for x, _ in marks],
+                            [b for _, b in marks],
+                            marker="_",
+                            s=200,
+                            color=color,
+                            label=label if b_index == 0 else None,
+                        )
     for ax, metric in zip(axes, ("TTST (s)", "mean TBT (s)")):
         ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(schemes))])
         ax.set_xticklabels(schemes, rotation=45, ha="right", fontsize=7)
@@ -229,6 +275,13 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
         fig.tight_layout()
         written.append(_save(fig, out / "bandwidth.png", plt))
     return written
+
+
+def _bound_of(summaries: list[Summary], point: int) -> list[float]:
+    """The CTL bound drawn for a point: smartgen's, else the first budgeted scheme's that has one."""
+    candidates = [s for s in summaries if s.point == point and s.ctl_bound and s.scheme not in ("full", "quant2")]
+    preferred = [s for s in candidates if s.scheme == "smartgen"] or candidates
+    return preferred[0].ctl_bound if preferred else []
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

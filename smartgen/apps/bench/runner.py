@@ -394,6 +394,7 @@ def _run_group(
                 "ttst": usage.get("ttst"),
                 "tbt": usage.get("tbt"),
                 "ctl": usage.get("ctl") or [],
+                "selection_union_bytes": usage.get("selection_union_bytes") or [],
                 "on_demand_ratio": usage.get("on_demand_ratio"),
                 "fetched_tokens": usage.get("fetched_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),

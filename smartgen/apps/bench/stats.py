@@ -49,6 +49,13 @@ class Summary:
     accuracy: float | None  # mean score, 0-1
     vs_full: dict[str, float | None] = field(default_factory=dict)  # ratios against full transfer
     ttst_bound: float | None = None  # prefill + what prefill cannot hide + one all-local step
+    # the same, with step one's selection also on the decode node first: a perfect step-one prediction's TTST
+    ttst_bound_selection: float | None = None
+    selection_union: list[float] = field(default_factory=list)  # mean bytes of distinct entries selected by token t
+    # the least arrival of token t: all-local steps after the prefill, and the link having carried layers 0-1,
+    # the metadata and every entry selected by then (as a perfect predictor would have sent them, in order)
+    ctl_bound: list[float] = field(default_factory=list)
+    tbt_floor: float | None = None  # the mean TBT if every token came at its ctl_bound
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -71,6 +78,9 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
     ctls = [r["ctl"] for r in ok if r.get("ctl")]
     depth = min((len(c) for c in ctls), default=0)
     ctl = [statistics.fmean(c[t] for c in ctls) for t in range(depth)]
+    unions = [r["selection_union_bytes"] for r in ok if r.get("selection_union_bytes")]
+    width = min((len(u) for u in unions), default=0)
+    union = [statistics.fmean(u[t] for u in unions) for t in range(width)]
     num = max(len(requests), 1)
     paths = {path: sum(g.path_bytes[path] for g in groups) / num for path in groups[0].path_bytes} if groups else {}
     rate = bytes_per_second(regime.link_gbps)
@@ -85,6 +95,7 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         ttst=_stats(values("ttst")),
         tbt=_stats(values("tbt")),
         ctl=ctl,
+        selection_union=union,
         on_demand_ratio=_mean(values("on_demand_ratio")),
         first_step_coverage=_mean(values("first_step_coverage")),
         first_step_wait=_mean(values("first_step_wait")),
@@ -125,23 +136,56 @@ def summarize(result: BenchResult) -> list[Summary]:
                 "accuracy": _ratio(s.accuracy, full.accuracy),
             }
             s.ttst_bound = ttst_bound(point.length, regime, full, s)
+            s.ttst_bound_selection = ttst_bound(point.length, regime, full, s, selection_budget=point.budget)
+            s.ctl_bound = ctl_bound(point.length, regime, full, s)
+            if len(s.ctl_bound) > 2:
+                s.tbt_floor = (s.ctl_bound[-1] - s.ctl_bound[1]) / (len(s.ctl_bound) - 2)
         summaries.extend(per_scheme)
     return summaries
 
 
-def ttst_bound(length: int, regime: Regime, full: Summary, scheme: Summary) -> float | None:
+def ctl_bound(length: int, regime: Regime, full: Summary, scheme: Summary) -> list[float]:
+    """Per output token t, the least arrival any lossless scheme with this selection could reach.
+
+    Token 0 comes after the prefill (full transfer's TTFT). Token t >= 1 comes no earlier than t all-local
+    steps after it (full transfer's TBT each), nor before the link has carried layers 0-1, the selector
+    metadata and every entry steps 1..t selected (`selection_union`), counting from the request's arrival:
+    what a proactive and speculative push that knew every future selection could reach. Empty when the
+    scheme's requests did not report their selections.
+    """
+    prefill, step = full.ttft["mean"], full.tbt["mean"]
+    if prefill is None or step is None or not scheme.selection_union:
+        return []
+    rate = bytes_per_second(regime.link_gbps)
+    layers = regime.num_layers
+    fixed = 2 / layers * regime.kv_bytes_per_token * length + scheme.bytes_per_request.get("metadata", 0.0)
+    bound = [prefill]
+    for t, union in enumerate(scheme.selection_union[1:], start=1):
+        bound.append(max(prefill + t * step, (fixed + union) / rate))
+    return bound
+
+
+def ttst_bound(
+    length: int, regime: Regime, full: Summary, scheme: Summary, selection_budget: float | None = None
+) -> float | None:
     """The least TTST any scheme could reach here: prefill, then what prefill cannot hide, then one all-local step.
 
     Only layers 0-1 and the selector metadata must be on the decode node before its first step;
     the link carries them while layers 1..L-1 prefill, so only what does not fit in that time adds
     to the prefill. Prefill is full transfer's TTFT at this point (it includes queueing in a batch),
     the step its mean TBT (every entry local).
+
+    `selection_budget`: the first step's selection (that share of every layer >= 2) must be there too, as
+    when the proactive set predicts it exactly: the least TTST of a lossless scheme selecting that budget.
     """
     prefill, step = full.ttft["mean"], full.tbt["mean"]
     if prefill is None or step is None:
         return None
     layers = regime.num_layers
     must_move = 2 / layers * regime.kv_bytes_per_token * length + scheme.bytes_per_request.get("metadata", 0.0)
+    if selection_budget is not None:
+        tokens = min(length, selection_budget * length if selection_budget <= 1 else selection_budget)
+        must_move += max(layers - 2, 0) / layers * regime.kv_bytes_per_token * tokens
     hidden = prefill * (layers - 1) / layers
     exposed = max(0.0, must_move / bytes_per_second(regime.link_gbps) - hidden)
     return prefill + exposed + step

@@ -92,8 +92,10 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     waits = _table(
         "where TTST and TBT go: cov1%: the first decode step's selection (layers >= 2) already local; wait1: "
         "that step's wait for the link (ms); wait: each later step's (ms); desc: descriptors posted per request, "
-        "post: ms posting them",
-        ["scheme", "cov1%", "wait1", "wait", "desc", "post"],
+        "post: ms posting them; bound1: least TTST (ms) if the proactive set were exactly the first step's "
+        "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
+        "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound)",
+        ["scheme", "cov1%", "wait1", "wait", "desc", "post", "bound1", "TBT fl"],
     )
     for s in rows:
         waits.add_row(
@@ -103,6 +105,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.wait_per_step),
             f"{s.descriptors_per_request:.0f}",
             _ms(s.posting_s_per_request),
+            _ms(s.ttst_bound_selection),
+            _ms(s.tbt_floor),
         )
     return timings, transfers, waits
 
