@@ -71,7 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--trigram-head",
         action="store_true",
-        help="also hand-initialise a 3-gram induction head (not used for the committed model)",
+        help="also hand-initialise a 3-gram induction head (same as --ngram-head 3)",
+    )
+    p.add_argument(
+        "--ngram-head",
+        type=int,
+        choices=(0, 3, 4),
+        default=0,
+        help="also hand-initialise an n-gram induction head: 3, or 4 (reaches a needle's key past the space "
+        "token before its value; multi-key needles need it)",
     )
     p.add_argument("--phase-steps", type=str, default=None, help="comma-separated steps per phase (replaces the clock)")
     p.add_argument("--log-every", type=int, default=20)
@@ -260,11 +268,12 @@ def main(argv=None) -> None:
     t_start = time.time()
     tokenizer = train_tokenizer(vocab_size=1024, seed=args.seed)
     model = build_model(tokenizer, args)
-    sample_circuits.install(model, seed=args.seed, trigram=args.trigram_head)
+    ngram = args.ngram_head or (3 if args.trigram_head else 0)
+    sample_circuits.install(model, seed=args.seed, ngram=ngram)
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {n_params / 1e6:.2f}M parameters; positional heads' weight on their offset "
-        f"{sample_circuits.positional_head_check(model)}; {copy_report(model)}",
+        f"{sample_circuits.positional_head_check(model, ngram=ngram)}; {copy_report(model)}",
         flush=True,
     )
 
@@ -346,7 +355,7 @@ def main(argv=None) -> None:
         log["total_seconds"] = round(time.time() - t_start, 1)
         save(model, tokenizer, args.out, log, args.save_dtype)
         print(f"== phase {name} done: {entry}; saved to {args.out}", flush=True)
-    log["positional_head_weight_on_offset"] = sample_circuits.positional_head_check(model)
+    log["positional_head_weight_on_offset"] = sample_circuits.positional_head_check(model, ngram=ngram)
     save(model, tokenizer, args.out, log, args.save_dtype)
     print(f"done in {(time.time() - t_start) / 60:.1f} min; {log['positional_head_weight_on_offset']}", flush=True)
 
