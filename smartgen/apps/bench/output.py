@@ -230,26 +230,30 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
                 heights.append(sum(values) / len(values) if values else 0.0)
             xs = [i + b_index * width for i in range(len(schemes))]
             axes[m_index].bar(xs, heights, width, label=f"batch {batch}")
-            if metric == "ttst":  # the least TTST the link allows, and with step one's selection sent first
-                for attr, color, label in (
+            # the least TTST the link allows, with step one's selection sent first, and the TBT floor
+            marked = {
+                "ttst": (
                     ("ttst_bound", "black", "bound"),
-                    ("ttst_bound_selection", "red", "bound1: step one's selection sent too"),
-                ):
-                    marks = [
-                        (x, getattr(s, attr))
-                        for x, scheme in zip(xs, schemes)
-                        for s in summaries
-                        if s.scheme == scheme and points[s.point].batch == batch and getattr(s, attr) is not None
-                    ]
-                    if marks:
-                        axes[0].scatter(
-                            [x for x, _ in marks],
-                            [b for _, b in marks],
-                            marker="_",
-                            s=200,
-                            color=color,
-                            label=label if b_index == 0 else None,
-                        )
+                    ("ttst_bound_selection", "red", "bound1: step one's selection too"),
+                ),
+                "tbt": (("tbt_floor", "black", "TBT fl: every token at its CTL bound"),),
+            }
+            for attr, color, label in marked[metric]:
+                marks = [
+                    (x, getattr(s, attr))
+                    for x, scheme in zip(xs, schemes)
+                    for s in summaries
+                    if s.scheme == scheme and points[s.point].batch == batch and getattr(s, attr) is not None
+                ]
+                if marks:
+                    axes[m_index].scatter(
+                        [x for x, _ in marks],
+                        [b for _, b in marks],
+                        marker="_",
+                        s=200,
+                        color=color,
+                        label=label if b_index == 0 else None,
+                    )
     for ax, metric in zip(axes, ("TTST (s)", "mean TBT (s)")):
         ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(schemes))])
         ax.set_xticklabels(schemes, rotation=45, ha="right", fontsize=7)
