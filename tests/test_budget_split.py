@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smartgen.selectors import ModelInfo, StepQuery, make_selector
-from smartgen.selectors.base import PrefillLayer, budget_tokens
-from smartgen.selectors.budget_split import FIRST_SPARSE_LAYER, adaptive_order, layer_budget, top_rows
+from smartgen.selectors.base import FIRST_SPARSE_LAYER, PrefillLayer, budget_tokens
+from smartgen.selectors.budget_split import adaptive_order, layer_budget, top_rows
 
 INFO = ModelInfo(num_layers=8, num_q_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
 

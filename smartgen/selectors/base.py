@@ -24,7 +24,10 @@ __all__ = [
     "pad_rows",
     "group_max_probability",
     "check_gqa",
+    "FIRST_SPARSE_LAYER",
 ]
+
+FIRST_SPARSE_LAYER = 2  # layers 0 and 1 are dense and never reach a selector (engine.layout.DENSE_LAYERS)
 
 LayerMetadata = dict[str, torch.Tensor]
 

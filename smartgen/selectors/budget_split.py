@@ -14,14 +14,16 @@ Both splits keep the total: the same KV bytes per decode step cross the link, on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from smartgen.selectors.base import FIRST_SPARSE_LAYER
 
 __all__ = [
     "HEAD_SPLITS",
     "LAYER_SPLITS",
-    "FIRST_SPARSE_LAYER",
-    "check_splits",
+    "BudgetSplit",
     "layer_budget",
     "top_rows",
     "adaptive_order",
@@ -30,19 +32,41 @@ __all__ = [
 
 HEAD_SPLITS = ("even", "adaptive")
 LAYER_SPLITS = ("even", "pyramid")
-FIRST_SPARSE_LAYER = 2  # layers 0 and 1 are dense (engine.layout.DENSE_LAYERS)
 
 
-def check_splits(name: str, head_split: str, layer_split: str, slope: float, floor: float) -> None:
-    """One-line ValueErrors for split parameters a user got wrong."""
-    if head_split not in HEAD_SPLITS:
-        raise ValueError(f"{name}: head_split must be one of {', '.join(HEAD_SPLITS)}, got {head_split!r}")
-    if layer_split not in LAYER_SPLITS:
-        raise ValueError(f"{name}: layer_split must be one of {', '.join(LAYER_SPLITS)}, got {layer_split!r}")
-    if not 0.0 <= slope < 1.0:
-        raise ValueError(f"{name}: slope must be in [0, 1), got {slope}")
-    if not 0.0 <= floor <= 1.0:
-        raise ValueError(f"{name}: floor must be in [0, 1], got {floor}")
+@dataclass(frozen=True, slots=True)
+class BudgetSplit:
+    """A selector's split parameters, checked once; `budget` and `rows` apply them."""
+
+    head_split: str = "even"
+    layer_split: str = "even"
+    slope: float = 0.5
+    floor: float = 0.2
+
+    @classmethod
+    def checked(
+        cls, name: str, head_split: str, layer_split: str, slope: float, floor: float, gqa: str = "max"
+    ) -> BudgetSplit:
+        """The split, or a one-line ValueError naming selector `name` for parameters a user got wrong."""
+        if head_split not in HEAD_SPLITS:
+            raise ValueError(f"{name}: head_split must be one of {', '.join(HEAD_SPLITS)}, got {head_split!r}")
+        if layer_split not in LAYER_SPLITS:
+            raise ValueError(f"{name}: layer_split must be one of {', '.join(LAYER_SPLITS)}, got {layer_split!r}")
+        if not 0.0 <= slope < 1.0:
+            raise ValueError(f"{name}: slope must be in [0, 1), got {slope}")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"{name}: floor must be in [0, 1], got {floor}")
+        if head_split == "adaptive" and gqa != "max":
+            raise ValueError(f"{name}: head_split=adaptive compares scores across heads, so it needs gqa=max")
+        return cls(head_split, layer_split, slope, floor)
+
+    def budget(self, budget: float, layer: int, num_layers: int) -> float:
+        """The budget of `layer` (`layer_budget`)."""
+        return layer_budget(budget, layer, num_layers, self.layer_split, self.slope)
+
+    def rows(self, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """The picks of scores [H, m] (`top_rows`)."""
+        return top_rows(scores, count, self.head_split, self.floor)
 
 
 def layer_budget(budget: float, layer: int, num_layers: int, layer_split: str, slope: float) -> float:

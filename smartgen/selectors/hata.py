@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from smartgen.selectors.base import (
+    FIRST_SPARSE_LAYER,
     LayerMetadata,
     ModelInfo,
     PrefillLayer,
@@ -40,7 +41,7 @@ from smartgen.selectors.base import (
     group_max_probability,
     pad_rows,
 )
-from smartgen.selectors.budget_split import check_splits, layer_budget, top_rows
+from smartgen.selectors.budget_split import BudgetSplit
 
 __all__ = [
     "HashWeights",
@@ -56,7 +57,6 @@ __all__ = [
     "load_weights",
 ]
 
-FIRST_SPARSE_LAYER = 2
 DEFAULT_RBIT = 128
 GQA_RULES = ("sum", "max")
 
@@ -151,10 +151,7 @@ class HATASelector(Selector):
         `slope`, `floor`: how the budget spreads over KV heads and layers (budget_split; adaptive needs "max")."""
         super().__init__(info)
         self.gqa = check_gqa("hata", gqa, GQA_RULES)
-        check_splits("hata", head_split, layer_split, slope, floor)
-        if head_split == "adaptive" and gqa != "max":
-            raise ValueError("hata: head_split=adaptive compares tokens across heads, so it needs gqa=max")
-        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
+        self.split = BudgetSplit.checked("hata", head_split, layer_split, slope, floor, gqa)
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction
         if isinstance(weights, bytes | bytearray):
             weights = weights_from_bytes(bytes(weights))
@@ -205,7 +202,6 @@ class HATASelector(Selector):
         rows = []
         for b, n in enumerate(step.prompt_lengths):
             scores = self.scores(step.query[b], metadata[b], step.layer, n)
-            budget = layer_budget(self.budget, step.layer, self.info.num_layers, self.layer_split, self.slope)
-            # ascending positions, as the other selectors
-            rows.append(top_rows(scores, budget_tokens(budget, n), self.head_split, self.floor))
+            budget = self.split.budget(self.budget, step.layer, self.info.num_layers)
+            rows.append(self.split.rows(scores, budget_tokens(budget, n)))  # ascending positions, as the others
         return pad_rows(rows)  # [B·H, max k]

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.selectors.base import ModelInfo
-from smartgen.selectors.hata import DEFAULT_RBIT, FIRST_SPARSE_LAYER, HashWeights
+from smartgen.selectors.base import FIRST_SPARSE_LAYER, ModelInfo
+from smartgen.selectors.hata import DEFAULT_RBIT, HashWeights
 
 __all__ = ["HashTrainingConfig", "HashItems", "training_items", "hash_loss", "train_hash_weights"]
 

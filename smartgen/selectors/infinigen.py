@@ -44,6 +44,7 @@ from typing import cast
 import torch
 
 from smartgen.selectors.base import (
+    FIRST_SPARSE_LAYER,
     LayerMetadata,
     ModelInfo,
     PrefillLayer,
@@ -55,8 +56,6 @@ from smartgen.selectors.base import (
 )
 
 __all__ = ["InfiniGenSelector", "QuerySpeculator", "compute_skewing", "rope_from_model", "decoder_layers"]
-
-FIRST_SPARSE_LAYER = 2  # layers 0-1 are dense in InfiniGen and in SmartGen
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

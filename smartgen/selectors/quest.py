@@ -50,7 +50,7 @@ from smartgen.selectors.base import (
     group_max_probability,
     pad_rows,
 )
-from smartgen.selectors.budget_split import adaptive_order, check_splits, layer_budget, rows_from_flat
+from smartgen.selectors.budget_split import BudgetSplit, adaptive_order, rows_from_flat
 
 __all__ = ["QuestSelector", "page_bounds", "page_upper_bounds", "quantize_bounds", "dequantize_bounds"]
 
@@ -133,10 +133,7 @@ class QuestSelector(Selector):
         keeps the page bounds in the keys' dtype, 8 ships them as outward-rounded 8-bit codes (module docstring).
         `head_split`, `layer_split`, `slope`, `floor`: how the budget spreads over heads and layers (budget_split)."""
         super().__init__(info)
-        check_splits("quest", head_split, layer_split, slope, floor)
-        if head_split == "adaptive" and gqa != "max":
-            raise ValueError("quest: head_split=adaptive compares pages across heads, so it needs gqa=max")
-        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
+        self.split = BudgetSplit.checked("quest", head_split, layer_split, slope, floor, gqa)
         if bound_bits not in BOUND_BITS:
             raise ValueError(f"quest: bound_bits must be one of {', '.join(map(str, BOUND_BITS))}, got {bound_bits}")
         self.bound_bits = bound_bits
@@ -161,11 +158,7 @@ class QuestSelector(Selector):
         Quest's token_budget // page_size when the last page is full; a partial last page
         counts for its real tokens, so budget 1.0 is every token and no budget is exceeded.
         """
-        budget = (
-            self.budget
-            if layer is None
-            else layer_budget(self.budget, layer, self.info.num_layers, self.layer_split, self.slope)
-        )
+        budget = self.budget if layer is None else self.split.budget(self.budget, layer, self.info.num_layers)
         last = length - (-(-length // self.page_size) - 1) * self.page_size  # tokens in the last page
         return max(1, 1 + (budget_tokens(budget, length) - last) // self.page_size)
 
@@ -177,8 +170,8 @@ class QuestSelector(Selector):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One ranking of the pages, cut at this budget and at `wide`'s: a page's bound does not depend on the
         budget, so the wider pick is the narrower one plus the next pages in rank."""
-        same_ranking = ("page_size", "gqa", "head_split", "floor")
-        if not isinstance(wide, QuestSelector) or any(getattr(wide, a) != getattr(self, a) for a in same_ranking):
+        ranking = (self.page_size, self.gqa, self.split)
+        if not isinstance(wide, QuestSelector) or (wide.page_size, wide.gqa, wide.split) != ranking:
             return super().select_widened(step, metadata, wide)
         picked, widened = self._select(step, metadata, wide)
         assert widened is not None
@@ -209,8 +202,8 @@ class QuestSelector(Selector):
                 bounds = group_max_probability(grouped * self.info.head_dim**-0.5)  # [H, P-1]
             else:
                 bounds = grouped.amax(dim=1)  # [H, P-1]
-            if self.head_split == "adaptive":
-                order = adaptive_order(bounds, budget - 1, self.floor)  # flat head · (P-1) + page, best first
+            if self.split.head_split == "adaptive":
+                order = adaptive_order(bounds, budget - 1, self.split.floor)  # flat head · (P-1) + page, best first
                 rows.append(self._flat_page_tokens(order[: heads * (budget - 1)], num_pages, n))
                 if wide is not None and num_pages > wide_budget:
                     wide_rows.append(self._flat_page_tokens(order[: heads * (wide_budget - 1)], num_pages, n))

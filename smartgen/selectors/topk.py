@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from smartgen.selectors.base import LayerMetadata, ModelInfo, PrefillLayer, Selector, StepQuery, budget_tokens, pad_rows
-from smartgen.selectors.budget_split import check_splits, layer_budget, top_rows
+from smartgen.selectors.budget_split import BudgetSplit
 
 __all__ = ["ExactTopKSelector", "kv_head_scores"]
 
@@ -50,9 +50,8 @@ class ExactTopKSelector(Selector):
         (budget_split): the oracle under each split bounds what a selector with that split can keep."""
         super().__init__(info)
         budget_tokens(budget, 1)  # rejects a non-positive budget at construction, not mid-decode
-        check_splits("topk", head_split, layer_split, slope, floor)
+        self.split = BudgetSplit.checked("topk", head_split, layer_split, slope, floor)
         self.budget = budget
-        self.head_split, self.layer_split, self.slope, self.floor = head_split, layer_split, slope, floor
 
     def build_metadata(self, prefill: PrefillLayer) -> LayerMetadata:
         # contiguous() so the metadata does not pin a larger captured buffer it is a view of
@@ -65,7 +64,7 @@ class ExactTopKSelector(Selector):
         for b, n in enumerate(step.prompt_lengths):
             keys = metadata[b]["keys"][:, :n]  # [H, n, d]
             scores = kv_head_scores(step.query[b], keys)  # [H, n]
-            budget = layer_budget(self.budget, step.layer, self.info.num_layers, self.layer_split, self.slope)
+            budget = self.split.budget(self.budget, step.layer, self.info.num_layers)
             # ascending positions keep gathers and transfers as contiguous as the choice allows
-            rows.append(top_rows(scores, budget_tokens(budget, n), self.head_split, self.floor))
+            rows.append(self.split.rows(scores, budget_tokens(budget, n)))
         return pad_rows(rows)  # [B·H, max k]

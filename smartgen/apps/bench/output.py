@@ -201,12 +201,12 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
     for index, ax in enumerate(axes[:, 0]):
         for s in summaries:
             if s.point == index and len(s.ctl) > 2:
-                gaps = [1000.0 * (b - a) for a, b in zip(s.ctl[1:], s.ctl[2:])]
-                ax.plot(range(2, len(s.ctl)), gaps, label=s.scheme)
+                ax.plot(range(2, len(s.ctl)), _gaps_ms(s.ctl), label=s.scheme)
         bound = _bound_of(summaries, index)
         if len(bound) > 2:
-            gaps = [1000.0 * (b - a) for a, b in zip(bound[1:], bound[2:])]
-            ax.plot(range(2, len(bound)), gaps, "k--", linewidth=1, label="bound (lossless, perfect prediction)")
+            ax.plot(
+                range(2, len(bound)), _gaps_ms(bound), "k--", linewidth=1, label="bound (lossless, perfect prediction)"
+            )
         ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
         ax.set_xlabel("output token (2 = the second token after TTST)")
         ax.set_ylabel("time since the previous token (ms)")
@@ -279,6 +279,11 @@ def _figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[P
         fig.tight_layout()
         written.append(_save(fig, out / "bandwidth.png", plt))
     return written
+
+
+def _gaps_ms(arrivals: list[float]) -> list[float]:
+    """Milliseconds between consecutive arrivals from the second token on (TBT's gaps)."""
+    return [1000.0 * (b - a) for a, b in zip(arrivals[1:], arrivals[2:])]
 
 
 def _bound_of(summaries: list[Summary], point: int) -> list[float]:
