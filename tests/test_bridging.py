@@ -47,7 +47,7 @@ def _opened(engine: PrefillEngine, layout: KVLayout, rate: float, held_prefix: i
     entry = PrefillStore(layout).open("r", 64)
     unsent = torch.ones(layout.num_layers, 64, layout.num_kv_heads, dtype=torch.bool)  # per (token, KV head)
     unsent[:, 20:30] = False
-    unsent[:, 40, 0] = False  # a fetch brought one head of token 40: it is still to send, so not resendable
+    unsent[:, 40, 0] = False  # a fetch brought one head of token 40: that head may be resent, the other is unsent
     return OpenedRequest(
         "r",
         0,
@@ -72,8 +72,9 @@ def test_the_gap_worth_resending_follows_the_measured_link_rate():
     assert engine._bridge(_opened(engine, layout, token / RUN_COST_S * 0.5)) == (0, None)  # slow: bytes cost more
     tokens, resendable = engine._bridge(_opened(engine, layout, token / RUN_COST_S * 8.5))
     assert tokens == 8 and resendable is not None
-    assert resendable[:, 20:30].all() and not resendable[:, :20].any() and not resendable[:, 30:].any()
-    assert resendable.shape == (layout.num_layers, 64)
+    assert resendable[:, 20:30].all() and not resendable[:, :20].any() and not resendable[:, 30:40].any()
+    assert resendable[:, 40, 0].all() and not resendable[:, 40, 1:].any() and not resendable[:, 41:].any()
+    assert resendable.shape == (layout.num_layers, 64, layout.num_kv_heads)  # per entry, as pushes are
     _, resendable = engine._bridge(_opened(engine, layout, 1e12, held_prefix=25))
     assert resendable is not None and not resendable[:, :25].any() and resendable[:, 25:30].all()
     request = _opened(engine, layout, 1e12)
@@ -81,3 +82,40 @@ def test_the_gap_worth_resending_follows_the_measured_link_rate():
     request.held[3, 22:24] = True  # KV the decode node kept from a lost prefill node: not this node's bytes
     _, resendable = engine._bridge(request)
     assert resendable is not None and not resendable[3, 22:24].any() and resendable[3, 20:22].all()
+
+
+def _apply(ops, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+    for op in ops:
+        dst, src = targets[op.dst], sources[op.src]
+        dst[op.dst_offset : op.dst_offset + op.length].copy_(src[op.src_offset : op.src_offset + op.length])
+
+
+def test_a_push_sends_only_the_heads_no_fetch_sent():
+    """Per-head `unsent`: a token one of whose heads a fetch brought is pushed without that head, and the pool ends
+    with every entry right and every mask byte set."""
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    pool = DecodePool(layout, num_slots=2, max_tokens=128)
+    entry = PrefillStore(layout).open("r", 100)
+    entry.k.copy_(torch.randn_like(entry.k))
+    entry.v.copy_(torch.randn_like(entry.v))
+    unsent = torch.ones(4, 100, 2, dtype=torch.bool)
+    unsent[2, 10:20, 0] = False  # a fetch brought head 0 of tokens 10-19
+    unsent[2, 50, :] = False  # and both heads of token 50
+    ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(2, torch.arange(16))], unsent)
+    head_bytes = layout.token_bytes // 2
+    assert kv_bytes == 2 * (200 - 10 - 2) * head_bytes  # 100 tokens x 2 heads, less what the fetches sent
+    # entries 0..20 (tokens 0-9 both heads, token 10 head 0 is sent) then head 1 of 10-19 one at a time, ...
+    masks = [(op.dst_offset - pool.geometry.mask_offset(2, 1, 0), op.length) for op in ops if op.dst == "mask"]
+    assert masks[0] == (0, 20) and masks[1:10] == [(2 * t + 1, 1) for t in range(10, 19)]
+    assert masks[10] == (39, 61) and masks[11] == (102, 98)  # head 1 of 19 through token 49, then 51 onwards
+    fetched = ~unsent[2]  # what the fetches had landed already
+    pool.k[2, 1, :100][fetched] = entry.k[2][fetched]
+    pool.v[2, 1, :100][fetched] = entry.v[2][fetched]
+    pool.masks.values[2, 1, :100][fetched] = 1
+    _apply(ops, {**entry.byte_views(), "ones": torch.ones(400, dtype=torch.int8).view(torch.uint8)}, pool.byte_views())
+    assert torch.equal(pool.k[2, 1, :100], entry.k[2]) and torch.equal(pool.v[2, 1, :100], entry.v[2])
+    assert bool((pool.masks.values[2, 1, :100] == 1).all()) and not bool(pool.masks.values[2, 1, 100:].any())
+    assert not bool(pool.masks.values[3].any())  # other layers untouched
+    # a whole token's unsent heads are adjacent: with nothing fetched it is the same three descriptors as per token
+    ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(3, torch.arange(16))], torch.ones(4, 100, 2).bool())
+    assert len(ops) == 3 and kv_bytes == 2 * 100 * layout.token_bytes

@@ -9,11 +9,13 @@ from conftest import LANE_KINDS, SOFT_RDMA, lane_available, lane_params, make_li
 
 import smartgen.apps.simulate as simulate_module
 import smartgen.engine.decode as decode_module
+import smartgen.engine.prefill as prefill_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
 from smartgen.engine.decode import DecodeEngine, RequestFailed
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL
+from smartgen.engine.messages import Release
 from smartgen.engine.planning import Planner, speculative_slice_size
 from smartgen.engine.policy import POLICIES, get_policy
 from smartgen.engine.prefill import PrefillEngine
@@ -151,6 +153,18 @@ def _engines(policy_planner, gbps=None):
     return prefill, decode, prefill_end
 
 
+def _prefilled(prefill: PrefillEngine, decode: DecodeEngine, policy, length: int = 200):
+    """Opens a request, prefills every layer of a synthetic cache and waits for its first token: (id, request)."""
+    rid = decode.open(length, policy)
+    request = prefill.next_request(timeout=5)
+    k, v = synthetic_kv(LAYOUT, length, seed=1)
+    for layer in range(LAYOUT.num_layers):
+        prefill.prefill_layer(rid, layer, k[layer], v[layer])
+    prefill.finish_prefill(rid, 0)
+    decode.wait_first_token(rid, timeout=5)
+    return rid, request
+
+
 def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(importance, monkeypatch):
     # slow link: K_r hits the clip's floor, so everything past layers 0-1 goes speculatively
     # the in-process link here is unpaced, so its measured rate would make slices resend short gaps of blocks
@@ -160,14 +174,8 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
     prefill, decode, prefill_end = _engines(planner)
     spy = _Spy(prefill_end.push)
     try:
-        policy = get_policy("smartgen", speculative_ratio=0.1)
-        rid = decode.open(200, policy)
-        request = prefill.next_request(timeout=5)
-        k, v = synthetic_kv(LAYOUT, 200, seed=1)
-        for layer in range(LAYOUT.num_layers):
-            prefill.prefill_layer(rid, layer, k[layer], v[layer])
-        prefill.finish_prefill(rid, 0)
-        decode.wait_first_token(rid, timeout=5)
+        policy = get_policy("smartgen-paper", speculative_ratio=0.1)  # a slice per notice, none chained
+        rid, request = _prefilled(prefill, decode, policy)
         decode.begin_layer(2, [rid])  # in the first decode step: no idle notice, speculation waits
         time.sleep(0.05)
         assert not [tag for tag, _ in spy.batches if tag == "speculative"]
@@ -202,6 +210,57 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("release_early", [False, True])
+def test_chained_speculation_needs_one_notice_and_stops_at_release(importance, monkeypatch, release_early):
+    """smartgen chains its slices: after the first idle notice, each landed slice is followed by the next (in the
+    plan's order, each what the link moves in CHAIN_WINDOW_S) with no further notice, until everything is
+    sent; a RELEASE stops the chain."""
+    monkeypatch.setattr("smartgen.engine.prefill.RUN_COST_S", 0.0)
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
+    prefill, decode, prefill_end = _engines(planner)
+    spy = _Spy(prefill_end.push)
+    try:
+        assert get_policy("smartgen").chain and not get_policy("smartgen-paper").chain
+        rid, request = _prefilled(prefill, decode, get_policy("smartgen"))
+        decode.end_step([rid])
+        spy.lane.flush(5)
+        block_bytes = 2 * LAYOUT.token_bytes * 13  # K and V of the largest block (200 tokens in 16)
+        request.link_rate = 3.2 * block_bytes / prefill_module.CHAIN_WINDOW_S  # a chained slice: 3 blocks
+        decode.begin_layer(2, [rid])  # the only notice: its slice is one block (no window yet), then the chain
+        if release_early:
+            _wait(lambda: len([t for t, _ in spy.batches if t == "speculative"]) >= 3)
+            decode._release(decode._require(rid), Release(rid))
+            _wait(lambda: rid not in prefill.store)
+            time.sleep(0.1)
+            count = len(spy.batches)
+            time.sleep(0.2)
+            assert len(spy.batches) == count, "a released request's chain stops"
+            assert not request.speculation_done
+            return
+        _wait(lambda: request.speculation_done)
+        prefill._chainer.submit(lambda: None).result(5)  # the chain's last push is posted
+        spec = [ops for tag, ops in spy.batches if tag == "speculative"]
+        order = request.plan.speculative_order.tolist()
+        assert len(spec) > 2, "one notice, then slices chained on their own"
+        chained = [b for i in range(1, len(order), 3) for b in sorted(order[i : i + 3])]
+        assert [b for ops in spec for b in sorted(_blocks_of(ops, decode, request))] == order[:1] + chained
+        prefill_end.push.flush(5)
+        assert decode.hint_factor([rid]) > 0 and decode.prefetch_wanted([rid])
+        assert decode.release_fully_local([rid]) == [rid]
+        # all local: no wider ranking for hints, no speculated selection to prefetch (they cost step time)
+        assert decode.hint_factor([rid]) == 0 and not decode.prefetch_wanted([rid])
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _wait(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def _blocks_of(ops, decode, request):

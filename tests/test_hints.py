@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
+import smartgen.engine.prefill as prefill_module
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.messages import Idle, MessageError
 from smartgen.engine.planning import Planner
@@ -28,13 +29,13 @@ def _run(scheme: str, record: list | None = None, fetches: list | None = None) -
     with InprocPipeline(model, policy, "quest", {"budget": 0.25}, gbps=0.02, prefill_seconds_per_token=1e-5) as p:
         if record is not None:
             engine = p.prefill_engine
-            push_hinted = engine.push_hinted
+            note_hints = engine.note_hints
 
             def recorded(request, hints):
                 record.append((request.length, hints.clone()))
-                return push_hinted(request, hints)
+                return note_hints(request, hints)
 
-            engine.push_hinted = recorded  # type: ignore[method-assign]
+            engine.note_hints = recorded  # type: ignore[method-assign]
         if fetches is not None:
             decode = p.decode_engine
             send, prefetch = decode._send_fetches, decode.prefetch
@@ -112,7 +113,7 @@ def test_bad_hints_are_refused():
     entry.layers_ready = layout.num_layers
     request = OpenedRequest("r", 0, 64, get_policy("smartgen-paper+hints"), None, None, None, entry, torch.ones(1))  # type: ignore[arg-type]
     with pytest.raises(MessageError, match="outside"):
-        engine.push_hinted(request, torch.tensor([4 * 64]))
+        engine.note_hints(request, torch.tensor([4 * 64]))
 
 
 def test_prefetch_fetches_ahead_and_changes_no_token():
@@ -136,3 +137,36 @@ def test_policy_prefetch_cannot_drop_remote():
         Policy("x", proactive=ProactiveMode.BUDGET, speculative=False, drop_remote=True, prefetch=True)
     assert get_policy("smartgen").prefetch and get_policy("smartgen").hints > 0
     assert not get_policy("smartgen-paper").prefetch and not get_policy("smartgen-paper+hints").prefetch
+
+
+def test_hints_go_newest_first_as_much_as_a_window_moves():
+    """Queued hints are pushed newest notice first, only tokens still unsent, as many as the link moves in the
+    window since the last notice; the rest waits for the next window; a window the fetches used pushes none."""
+    layout = KVLayout(4, 2, 8, num_blocks=16)
+    engine = PrefillEngine(layout, Planner(4, 16))
+    entry = PrefillStore(layout).open("r", 64)
+    entry.layers_ready = layout.num_layers
+    unsent = torch.ones(4, 64, 2, dtype=torch.bool)
+    request = OpenedRequest("r", 0, 64, get_policy("smartgen"), None, None, None, entry, torch.ones(1), unsent=unsent)  # type: ignore[arg-type]
+    pushed: list = []
+
+    def push(req, wants, tag):
+        assert tag == "speculative"
+        pushed.append([(layer, want.nonzero().flatten().tolist()) for layer, want in wants])
+        return 1
+
+    engine._push_tokens = push  # type: ignore[method-assign]
+    engine.note_hints(request, torch.tensor([2 * 64 + 1, 2 * 64 + 2, 2 * 64 + 3]))  # an older notice
+    engine.note_hints(request, torch.tensor([3 * 64 + 10, 3 * 64 + 11]))  # the newest
+    unsent[3, 11] = False  # a fetch sent token 11 of layer 3
+    request.link_rate = 2 * (2 * layout.token_bytes) / 0.01  # a 10 ms window moves two tokens
+    assert engine._take_hinted(request, 0.01, 0) == 1
+    assert pushed[-1] == [(2, [1]), (3, [10])]  # the newest notice's unsent token, then the older one's first
+    assert engine._take_hinted(request, 0.01, 10**6) == 0 and len(pushed) == 1  # fetches took the window
+    assert engine._take_hinted(request, 0.01, 0) == 1 and pushed[-1] == [(2, [2, 3])]
+    assert engine._take_hinted(request, 0.01, 0) is None  # nothing hinted is left: the plan's order goes next
+    engine.note_hints(request, torch.tensor([64 + 5, 64 + 6, 64 + 7]))
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [5, 6, 7])]  # no window yet: whole
+    for _ in range(prefill_module.MAX_HINT_NOTICES + 5):
+        engine.note_hints(request, torch.tensor([7]))
+    assert len(request.hint_queue) == prefill_module.MAX_HINT_NOTICES  # the oldest are dropped

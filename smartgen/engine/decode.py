@@ -482,8 +482,12 @@ class DecodeEngine:
                 request.link.control.send(msg.Idle(request_id, layer, hints).pack())
 
     def hint_factor(self, request_ids: list[str]) -> float:
-        """The widest hint ratio among these requests' policies (0: none hints)."""
-        return max((self._require_any(rid).policy.hints for rid in request_ids), default=0.0)
+        """The widest hint ratio among these requests' policies (0: none hints). A request whose KV is all local
+        hints nothing: the wider ranking and its mask lookups would cost step time for nothing."""
+        return max(
+            (r.policy.hints for r in map(self._require_any, request_ids) if not r.released),
+            default=0.0,
+        )
 
     def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
         """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
@@ -680,7 +684,8 @@ class DecodeEngine:
 
     @staticmethod
     def _prefetches(request: _Request) -> bool:
-        return request.policy.prefetch and not request.metrics.in_first_step
+        """Its policy prefetches, it is past its first step, and it still has remote KV (not released)."""
+        return request.policy.prefetch and not request.metrics.in_first_step and not request.released
 
     def prefetch(self, layer: int, request_ids: list[str], index: torch.Tensor) -> None:
         """Fetches now the remote entries of a speculated index ([B·H, k], layer l+1's selection guessed while layer

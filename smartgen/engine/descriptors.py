@@ -87,11 +87,11 @@ def block_write_ops(
     """Descriptors for pushing `layer_blocks` [(layer, block ids)] of one request into a pool slot.
 
     All data descriptors come before all mask descriptors, so in one in-order batch no mask
-    entry turns local before its bytes are in. With `unsent` ([L, n] bool, or [L, n, H] per KV head, where a
-    token is unsent while any of its heads is) only its True tokens are written, every head of each:
+    entry turns local before its bytes are in. With `unsent` ([L, n] bool, or [L, n, H] per KV head) only its
+    True tokens (entries) are written:
     a token the decode node already holds (its prefix cache) or was already sent (a
-    fetch, an earlier push) never crosses the link twice, except gaps of at most `bridge_tokens` tokens
-    that `resendable` ([L, n] bool) allows, which are sent again to save descriptors (`bridge_runs`).
+    fetch, an earlier push) never crosses the link twice (per head with [L, n, H]), except gaps of at most
+    `bridge_tokens` tokens that `resendable` ([L, n] bool, or [L, n, H] with a per-head `unsent`) allows, which are sent again to save descriptors (`bridge_runs`).
     Returns (ops, KV bytes).
     """
     return token_write_ops(
@@ -122,30 +122,35 @@ def token_write_ops(
     bridge_tokens: int = 0,
     resendable: torch.Tensor | None = None,
 ) -> tuple[list[WriteOp], int]:
-    """`block_write_ops` for any tokens: [(layer, [n] bool wanted)], each maximal run one K, V and mask write."""
+    """`block_write_ops` for any tokens: [(layer, [n] bool wanted)], each maximal run one K, V and mask write.
+
+    With a per-head `unsent` ([L, n, H]) the runs are of (token, head) entries: a token's heads are adjacent in
+    K, V and the mask, so entry t * H + h sits at that many head widths from the layer's start, and a push sends
+    only the heads no fetch sent (measured: pushing whole tokens resent every head a fetch had brought, 4 of the
+    20 MiB a 16-layer request's link carried). `bridge_tokens` counts tokens either way."""
     token_bytes = geometry.layout.token_bytes
     heads = geometry.layout.num_kv_heads  # mask bytes per token
     data: list[WriteOp] = []
     masks: list[WriteOp] = []
     kv_bytes = 0
     for layer, want in layer_wants:
-        if unsent is not None:
-            layer_unsent = unsent[layer] if unsent.dim() == 2 else unsent[layer].any(dim=-1)
-            spans = token_runs(want & layer_unsent)
-            if bridge_tokens > 0 and resendable is not None:
-                spans = bridge_runs(spans, bridge_tokens, resendable[layer])
-        else:
+        per_head = unsent is not None and unsent.dim() == 3
+        units = heads if per_head else 1  # runs are counted in tokens, or in (token, head) entries
+        if unsent is None:
             spans = token_runs(want)
-        for start_tok, stop_tok in spans:
-            num_bytes = (stop_tok - start_tok) * token_bytes
-            src = entry.kv_offset(layer, start_tok)
-            dst = geometry.kv_offset(layer, slot, start_tok)
+        else:
+            wanted = (want[:, None] & unsent[layer]).flatten() if per_head else want & unsent[layer]
+            spans = token_runs(wanted)
+            if bridge_tokens > 0 and resendable is not None:
+                spans = bridge_runs(spans, bridge_tokens * units, resendable[layer].flatten())
+        unit_bytes, unit_mask = token_bytes // units, heads // units
+        src_base, dst_base = entry.kv_offset(layer, 0), geometry.kv_offset(layer, slot, 0)
+        mask_base = geometry.mask_offset(layer, slot, 0)
+        for start, stop in spans:
+            num_bytes = (stop - start) * unit_bytes
+            src, dst = src_base + start * unit_bytes, dst_base + start * unit_bytes
             data.append(WriteOp("k", "k", src, dst, num_bytes))
             data.append(WriteOp("v", "v", src, dst, num_bytes))
-            masks.append(
-                WriteOp(
-                    ONES_SOURCE, "mask", 0, geometry.mask_offset(layer, slot, start_tok), (stop_tok - start_tok) * heads
-                )
-            )
+            masks.append(WriteOp(ONES_SOURCE, "mask", 0, mask_base + start * unit_mask, (stop - start) * unit_mask))
             kv_bytes += 2 * num_bytes
     return data + masks, kv_bytes

@@ -61,6 +61,8 @@ class Policy:
     prefetch: while layer l computes, layer l+1's selection is speculated from layer l's attention input
     (InfiniGen's query speculation, any query-based selector) and its remote entries are fetched; layer l+1
     then selects with its own query as always and fetches only what the speculation missed. Exact.
+    chain: with speculation, each speculative slice that lands is followed by the next at once, not at the next
+    idle notice, so the link carries speculative bytes whenever no fetch reply wants it (fetches go first).
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -74,6 +76,7 @@ class Policy:
     quantize_bits: int = 0
     hints: float = 0.0
     prefetch: bool = False
+    chain: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -88,6 +91,8 @@ class Policy:
             raise ValueError(
                 f"hints must be >= 0 and need speculation, got {self.hints} (speculative={self.speculative})"
             )
+        if self.chain and not self.speculative:
+            raise ValueError("chained speculation needs speculation")
         if self.prefetch and self.drop_remote:
             raise ValueError("a policy that drops remote entries fetches nothing, so it cannot prefetch")
         if self.drop_remote and self.speculative:
@@ -121,7 +126,15 @@ POLICIES: dict[str, Policy] = {
         Policy("smartgen-paper", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
         Policy("smartgen-paper+hints", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5),
         # ours, the default: the paper's paths with hints and prefetch (docs/bench.md: better TBT, same TTST)
-        Policy("smartgen", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5, prefetch=True),
+        Policy(
+            "smartgen",
+            proactive=ProactiveMode.BUDGET,
+            parallel=True,
+            speculative=True,
+            hints=0.5,
+            prefetch=True,
+            chain=True,
+        ),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2
