@@ -38,8 +38,9 @@ def bench(
             help="Schemes, comma-separated (full is required: every ratio is against it): full, partial, "
             "partial+profile, partial+profile+parallel, smartgen-paper (the paper's three paths: proactive push, "
             "parallel fetch, speculative push), smartgen-paper+hints (speculation led by what the selector ranks "
-            "just past its budget), smartgen (ours: hints, and layer l+1's selection speculated and fetched while "
-            "layer l computes), proactive-only, quant2 (full transfer of 2-bit quantized KV, KIVI/HACK-like: lossy).",
+            "just past its budget), smartgen (ours: hints; layer l+1's selection speculated and fetched while "
+            "layer l computes; each speculative slice followed by the next as it lands, so the link never idles "
+            "while KV is left to send), proactive-only, quant2 (full transfer of 2-bit quantized KV, KIVI/HACK-like: lossy).",
             rich_help_panel=PANEL_WORK,
         ),
     ] = "full,partial,partial+profile,partial+profile+parallel,smartgen-paper,smartgen,proactive-only,quant2",

@@ -240,7 +240,7 @@ def test_chained_speculation_needs_one_notice_and_stops_at_release(importance, m
             assert not request.speculation_done
             return
         _wait(lambda: request.speculation_done)
-        prefill._chainer.submit(lambda: None).result(5)  # the chain's last push is posted
+        prefill._speculation.submit(lambda: None).result(5)  # the chain's last push is posted
         spec = [ops for tag, ops in spy.batches if tag == "speculative"]
         order = request.plan.speculative_order.tolist()
         assert len(spec) > 2, "one notice, then slices chained on their own"

@@ -166,7 +166,12 @@ def test_hints_go_newest_first_as_much_as_a_window_moves():
     assert engine._take_hinted(request, 0.01, 0) == 1 and pushed[-1] == [(2, [2, 3])]
     assert engine._take_hinted(request, 0.01, 0) is None  # nothing hinted is left: the plan's order goes next
     engine.note_hints(request, torch.tensor([64 + 5, 64 + 6, 64 + 7]))
-    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [5, 6, 7])]  # no window yet: whole
+    # the first notice (no window yet): what the link moves in one chained slice (the rate's 10 ms: two tokens)
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [5, 6])]
+    request.link_rate = 0.0
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [7])]  # no rate measured: all of it
+    engine.note_hints(request, torch.tensor([64 + 8, 64 + 9, 64 + 10]))
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [8, 9, 10])]
     for _ in range(prefill_module.MAX_HINT_NOTICES + 5):
         engine.note_hints(request, torch.tensor([7]))
     assert len(request.hint_queue) == prefill_module.MAX_HINT_NOTICES  # the oldest are dropped

@@ -148,8 +148,10 @@ class PrefillEngine:
         self._threads: list[threading.Thread] = []
         self._links: list[LinkEnd] = []
         self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quant-pack")  # quant2's layers, in order
-        # pushes the next speculative slice when one lands (`_chain`); the lock keeps it and idle notices apart
-        self._chainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-chain")
+        # plans and posts every speculative slice (an idle notice's, `push_speculative`, and a chained one's,
+        # `_chain`), off the thread that serves fetches: planning a slice of scattered tokens takes milliseconds
+        # that a fetch must not queue behind. The lock keeps direct calls (tests, tools) and this thread apart.
+        self._speculation = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculation")
         self._spec_lock = threading.RLock()
 
     # -- connections ------------------------------------------------------------------
@@ -169,7 +171,7 @@ class PrefillEngine:
 
     def close(self) -> None:
         self._packer.shutdown(wait=False, cancel_futures=True)
-        self._chainer.shutdown(wait=False, cancel_futures=True)
+        self._speculation.shutdown(wait=False, cancel_futures=True)
         for link in self.links:
             link.close()
         for thread in self._threads:
@@ -232,7 +234,7 @@ class PrefillEngine:
                 if request is not None:
                     if message.hints is not None:
                         self.note_hints(request, message.hints)
-                    self.push_speculative(request)
+                    self._submit_speculation(self._speculate_on_notice, request)
             case msg.Release() | msg.Abort():
                 self.release(message.request_id)
             case _:
@@ -519,13 +521,16 @@ class PrefillEngine:
         assert request.unsent is not None
         unsent = request.unsent.any(dim=-1).flatten()
         token_cost = 2 * self.layout.token_bytes
+        room: int | None
         if window > 0 and request.link_rate > 0:
             budget = request.link_rate * window - fetched
             if fetched and budget <= 0:
                 return 0  # the window went to fetches: nothing is idle to speculate with
             room = max(1, int(budget // token_cost))
         else:
-            room = None  # no window or no rate yet: this notice's hints, whole
+            # no rate yet: this notice's hints, whole; no window yet (the first notice, which brings the hints the
+            # first step gathered: on 32 layers 1.5 MiB, half a second of link): one chained slice's worth
+            room = None if request.link_rate <= 0 else max(1, int(request.link_rate * CHAIN_WINDOW_S // token_cost))
         taken: list[torch.Tensor] = []
         while request.hint_queue and (room is None or room > 0):
             ids = request.hint_queue.pop()
@@ -594,10 +599,22 @@ class PrefillEngine:
         return kv_bytes
 
     def _submit_chain(self, request: OpenedRequest) -> None:
+        self._submit_speculation(self._chain, request)
+
+    def _submit_speculation(self, work: Callable[[OpenedRequest], object], request: OpenedRequest) -> None:
         try:
-            self._chainer.submit(self._chain, request)
+            self._speculation.submit(work, request)
         except RuntimeError:  # the engine is closing
             pass
+
+    def _speculate_on_notice(self, request: OpenedRequest) -> None:
+        """An idle notice's slice, on the speculation thread; a failure there stops it, never the node."""
+        if self._get(request.request_id) is not request:
+            return  # released meanwhile
+        try:
+            self.push_speculative(request)
+        except Exception:
+            log.exception("prefill: speculation for %s failed", request.request_id)
 
     def _bridge(self, request: OpenedRequest) -> tuple[int, torch.Tensor | None]:
         """Longest gap of already-sent tokens a speculative run sends again rather than split around it, and
