@@ -153,6 +153,7 @@ class PrefillEngine:
         # that a fetch must not queue behind. The lock keeps direct calls (tests, tools) and this thread apart.
         self._speculation = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculation")
         self._spec_lock = threading.RLock()
+        self._hint_lock = threading.Lock()  # hint queues: filled by the serving thread, taken by speculation
 
     # -- connections ------------------------------------------------------------------
     def attach(self, link: LinkEnd, geometry: PoolGeometry) -> None:
@@ -509,8 +510,9 @@ class PrefillEngine:
         length, num_layers = request.length, self.layout.num_layers
         if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length:
             raise msg.MessageError(f"IDLE: hints outside the {num_layers} x {length} prompt of {request.request_id!r}")
-        request.hint_queue.append(hints)
-        del request.hint_queue[:-MAX_HINT_NOTICES]
+        with self._hint_lock:  # the speculation thread takes from the queue meanwhile
+            request.hint_queue.append(hints)
+            del request.hint_queue[:-MAX_HINT_NOTICES]
 
     def _take_hinted(self, request: OpenedRequest, window: float, fetched: int) -> int | None:
         """Pushes hinted tokens still unsent, newest notice first, as many as one idle window of the link moves
@@ -532,16 +534,17 @@ class PrefillEngine:
             # first step gathered: on 32 layers 1.5 MiB, half a second of link): one chained slice's worth
             room = None if request.link_rate <= 0 else max(1, int(request.link_rate * CHAIN_WINDOW_S // token_cost))
         taken: list[torch.Tensor] = []
-        while request.hint_queue and (room is None or room > 0):
-            ids = request.hint_queue.pop()
-            ids = ids[unsent[ids]]
-            if room is not None and ids.numel() > room:
-                request.hint_queue.append(ids[room:])  # the rest stays newest, for the next window
-                ids = ids[:room]
-            taken.append(ids)
-            if room is None:
-                break
-            room -= ids.numel()
+        with self._hint_lock:
+            while request.hint_queue and (room is None or room > 0):
+                ids = request.hint_queue.pop()
+                ids = ids[unsent[ids]]
+                if room is not None and ids.numel() > room:
+                    request.hint_queue.append(ids[room:])  # the rest stays newest, for the next window
+                    ids = ids[:room]
+                taken.append(ids)
+                if room is None:
+                    break
+                room -= ids.numel()
         ids = torch.cat(taken) if taken else torch.empty(0, dtype=torch.int64)
         if not ids.numel():
             return None
