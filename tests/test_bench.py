@@ -251,3 +251,17 @@ def test_ttst_bounds_add_only_what_prefill_cannot_hide() -> None:
     # per token: all-local steps after the prefill, or the link's time for layers 0-1, metadata and the union
     scheme.selection_union = [0.0, 0.1e6, 0.15e6, 0.9e6]
     assert ctl_bound(length, regime, full, scheme) == pytest.approx([0.5, 0.51, 0.52, 1.15])
+    # a batch of two on one prefill node: both requests' bytes cross the one link
+    assert ttst_bound(length, regime, full, scheme, sharing=2) == pytest.approx(0.5 + 0.05 + 0.01)  # 0.5 MB
+    assert ctl_bound(length, regime, full, scheme, sharing=2) == pytest.approx([0.5, 0.7, 0.8, 2.3])
+
+
+def test_a_batch_shares_its_prefill_nodes_links() -> None:
+    from smartgen.apps.bench.config import Point
+    from smartgen.apps.bench.stats import link_sharing
+
+    def point(batch: int, nodes: int) -> Point:
+        return Point(batch, 1024, 4.7, 256, 0.1, 0.1, nodes)
+
+    assert [link_sharing(point(b, 1)) for b in (1, 2, 4)] == [1, 2, 4]
+    assert link_sharing(point(4, 2)) == 2 and link_sharing(point(3, 2)) == 2 and link_sharing(point(1, 4)) == 1

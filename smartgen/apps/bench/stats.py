@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
+from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.runner import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
 
@@ -135,23 +137,32 @@ def summarize(result: BenchResult) -> list[Summary]:
                 "tbt": _ratio(s.tbt["mean"], full.tbt["mean"]),  # > 1: slower than full transfer
                 "accuracy": _ratio(s.accuracy, full.accuracy),
             }
-            s.ttst_bound = ttst_bound(point.length, regime, full, s)
-            s.ttst_bound_selection = ttst_bound(point.length, regime, full, s, selection_budget=point.budget)
-            s.ctl_bound = ctl_bound(point.length, regime, full, s)
+            sharing = link_sharing(point)
+            s.ttst_bound = ttst_bound(point.length, regime, full, s, sharing=sharing)
+            s.ttst_bound_selection = ttst_bound(
+                point.length, regime, full, s, selection_budget=point.budget, sharing=sharing
+            )
+            s.ctl_bound = ctl_bound(point.length, regime, full, s, sharing=sharing)
             if len(s.ctl_bound) > 2:
                 s.tbt_floor = (s.ctl_bound[-1] - s.ctl_bound[1]) / (len(s.ctl_bound) - 2)
         summaries.extend(per_scheme)
     return summaries
 
 
-def ctl_bound(length: int, regime: Regime, full: Summary, scheme: Summary) -> list[float]:
+def link_sharing(point: Point) -> int:
+    """Requests of one round that share a prefill node's link: the batch spread over the prefill nodes."""
+    return max(1, math.ceil(point.batch / max(point.prefill_nodes, 1)))
+
+
+def ctl_bound(length: int, regime: Regime, full: Summary, scheme: Summary, sharing: int = 1) -> list[float]:
     """Per output token t, the least arrival any lossless scheme with this selection could reach.
 
     Token 0 comes after the prefill (full transfer's TTFT). Token t >= 1 comes no earlier than t all-local
     steps after it (full transfer's TBT each), nor before the link has carried layers 0-1, the selector
     metadata and every entry steps 1..t selected (`selection_union`), counting from the request's arrival:
-    what a proactive and speculative push that knew every future selection could reach. Empty when the
-    scheme's requests did not report their selections.
+    what a proactive and speculative push that knew every future selection could reach. `sharing` requests
+    (a batch on one prefill node) each need that much of the one link. Empty when the scheme's requests did
+    not report their selections.
     """
     prefill, step = full.ttft["mean"], full.tbt["mean"]
     if prefill is None or step is None or not scheme.selection_union:
@@ -161,12 +172,17 @@ def ctl_bound(length: int, regime: Regime, full: Summary, scheme: Summary) -> li
     fixed = 2 / layers * regime.kv_bytes_per_token * length + scheme.bytes_per_request.get("metadata", 0.0)
     bound = [prefill]
     for t, union in enumerate(scheme.selection_union[1:], start=1):
-        bound.append(max(prefill + t * step, (fixed + union) / rate))
+        bound.append(max(prefill + t * step, sharing * (fixed + union) / rate))
     return bound
 
 
 def ttst_bound(
-    length: int, regime: Regime, full: Summary, scheme: Summary, selection_budget: float | None = None
+    length: int,
+    regime: Regime,
+    full: Summary,
+    scheme: Summary,
+    selection_budget: float | None = None,
+    sharing: int = 1,
 ) -> float | None:
     """The least TTST any scheme could reach here: prefill, then what prefill cannot hide, then one all-local step.
 
@@ -177,6 +193,7 @@ def ttst_bound(
 
     `selection_budget`: the first step's selection (that share of every layer >= 2) must be there too, as
     when the proactive set predicts it exactly: the least TTST of a lossless scheme selecting that budget.
+    `sharing`: requests of a batch whose bytes cross the same link (each needs its own).
     """
     prefill, step = full.ttft["mean"], full.tbt["mean"]
     if prefill is None or step is None:
@@ -187,5 +204,5 @@ def ttst_bound(
         tokens = min(length, selection_budget * length if selection_budget <= 1 else selection_budget)
         must_move += max(layers - 2, 0) / layers * regime.kv_bytes_per_token * tokens
     hidden = prefill * (layers - 1) / layers
-    exposed = max(0.0, must_move / bytes_per_second(regime.link_gbps) - hidden)
+    exposed = max(0.0, sharing * must_move / bytes_per_second(regime.link_gbps) - hidden)
     return prefill + exposed + step
