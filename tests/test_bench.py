@@ -96,6 +96,7 @@ def test_bench_refuses_bad_input() -> None:
     for args, message in [
         (["--schemes", "smartgen"], "must include full"),
         (["--schemes", "full,warp"], "unknown scheme"),
+        (["--strategies", "optimal"], "future selections"),
         (["--batch", "two"], "comma-separated whole numbers"),
         (["--budget", "1.5"], "shares of the prompt"),
         (["--model", "random:x"], "random:LAYERS"),

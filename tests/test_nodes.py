@@ -83,6 +83,9 @@ def test_refusals_are_clear(cluster):
         decode.scheduler.submit(_prompt(1, 250), GenerationParams(max_tokens=10))
     with pytest.raises(ServiceError, match="unknown scheme"):
         decode.scheduler.submit(_prompt(1, 20), GenerationParams(scheme="fastest"))
+    with pytest.raises(ServiceError, match="future selections") as unservable:  # was a 500 from the prefill node
+        decode.scheduler.submit(_prompt(1, 20), GenerationParams(scheme="smartgen[optimal]"))
+    assert unservable.value.status == 400
     with pytest.raises(ServiceError, match="empty"):
         decode.scheduler.submit([], GenerationParams())
     # a scheduler whose loop is not running: its bounded queue fills and then refuses with 503 and the reason

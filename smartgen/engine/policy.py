@@ -7,7 +7,7 @@ from enum import Enum
 
 from smartgen.engine.planning import STRATEGIES
 
-__all__ = ["Policy", "POLICIES", "get_policy", "split_label", "ProactiveMode", "Strategy"]
+__all__ = ["Policy", "POLICIES", "get_policy", "check_servable", "split_label", "ProactiveMode", "Strategy"]
 
 
 class _Named(str, Enum):
@@ -166,3 +166,15 @@ def split_label(label: str) -> tuple[str, str | None]:
         name, _, strategy = label[:-1].partition("[")
         return name, strategy
     return label, None
+
+
+def check_servable(policy: Policy) -> Policy:
+    """`policy`, if a serving node can run it; a ValueError saying why not otherwise. The optimal proactive set is
+    the blocks the request's own decode steps will select: the simulator replays them, a serving node cannot
+    know them (asked for, the prefill node failed the request and the client got a 500)."""
+    if policy.proactive == ProactiveMode.BUDGET and policy.strategy == Strategy.OPTIMAL:
+        raise ValueError(
+            "the optimal proactive set needs the request's own future selections, which a serving node cannot "
+            "know; `smartgen simulate --strategy optimal` runs it"
+        )
+    return policy

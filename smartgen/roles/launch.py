@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from smartgen.engine.policy import get_policy
+from smartgen.engine.policy import check_servable, get_policy
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
@@ -188,7 +188,7 @@ def build_decode_node(
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer from {settings.model}: {exc}") from exc
     # budgeted schemes ask for the "profile" strategy; a prefill node without a profile falls back to its own
-    policy = get_policy(scheme, speculative_ratio=speculative_ratio)
+    policy = check_servable(get_policy(scheme, speculative_ratio=speculative_ratio))
     return DecodeNode(
         model,
         tokenizer,

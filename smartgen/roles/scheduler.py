@@ -29,7 +29,7 @@ import torch
 
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.metrics import RequestMetrics
-from smartgen.engine.policy import Policy, get_policy, split_label
+from smartgen.engine.policy import Policy, check_servable, get_policy, split_label
 from smartgen.roles.admission import RequestLimits, check_request
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.runtime.decode import DecodeRunner
@@ -100,6 +100,7 @@ class DecodeScheduler:
                 policy = policy.with_strategy(self.default_policy.strategy)
             if policy.speculative:  # the node's --speculative-ratio holds for every scheme that speculates
                 policy = replace(policy, speculative_ratio=self.default_policy.speculative_ratio)
+            check_servable(policy)
             sampler = Sampler(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
         except ValueError as exc:
             raise ServiceError(str(exc)) from None

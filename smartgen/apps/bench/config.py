@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from smartgen.engine.policy import get_policy
+from smartgen.engine.policy import check_servable, get_policy
 
 __all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "lane_words"]
 
@@ -97,7 +97,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for scheme in self.all_schemes:
-            get_policy(scheme)  # unknown schemes and strategies fail before any node starts
+            check_servable(get_policy(scheme))  # unknown or unservable ones fail before any node starts
         if self.reps < 1:
             raise ValueError("--reps must be at least 1")
         if self.output_tokens < 3:
