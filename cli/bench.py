@@ -21,6 +21,7 @@ PANEL_LOAD = "Load mode"
 
 NORMAL = {"lengths": "2048", "blocks": "1024", "output_tokens": "64", "reps": "3"}
 QUICK = {"lengths": "1024", "blocks": "256", "output_tokens": "16", "reps": "1"}
+DEFAULT_STRATEGY_OPTION = "random,sequential,streaming,optimal"
 
 
 def bench(
@@ -47,11 +48,13 @@ def bench(
     strategies: Annotated[
         str,
         typer.Option(
-            help="Second comparison: SmartGen with these proactive-set strategies (random, sequential, streaming); "
-            "empty = none.",
+            help="Second comparison: SmartGen with these proactive-set strategies (random, sequential, streaming, "
+            "query: the prompt's last query; optimal: the blocks full transfer's run of the same prompt selected, "
+            "replayed, the best any proactive set could do; left out of the default in load mode and prefix "
+            "sweeps, which have no such run); empty = none.",
             rich_help_panel=PANEL_WORK,
         ),
-    ] = "random,sequential,streaming",
+    ] = DEFAULT_STRATEGY_OPTION,
     selector: Annotated[str, typer.Option(help="KV selector: quest, infinigen, topk.", rich_help_panel=PANEL_WORK)] = (
         "quest"
     ),
@@ -218,6 +221,8 @@ def bench(
     blocks = blocks or defaults["blocks"]
     output_tokens = output_tokens or int(defaults["output_tokens"])
     reps = reps or int(defaults["reps"])
+    if strategies == DEFAULT_STRATEGY_OPTION and (load_rate is not None or prefix_hit):
+        strategies = strategies.replace(",optimal", "")  # no full-transfer run of the same prompt to replay
     try:
         config = BenchConfig(
             model=model,

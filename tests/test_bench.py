@@ -26,7 +26,7 @@ SAMPLE_KV_BYTES_PER_TOKEN = 2 * 6 * 2 * 32 * 4  # K and V, 6 layers, 2 KV heads,
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench") / "out"
     command = [sys.executable, "-m", "smartgen", "bench", "--quick", "--lengths", "512", "--output-tokens", "6"]
-    command += ["--blocks", "64", "--schemes", SCHEMES, "--strategies", "random", "--out", str(out)]
+    command += ["--blocks", "64", "--schemes", SCHEMES, "--strategies", "random,optimal", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
@@ -40,7 +40,7 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
         rows = list(csv.DictReader(handle))
     for name in ("ctl.png", "steps.png", "ttst_tbt.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    expected = [*SCHEMES.split(","), "smartgen[random]"]
+    expected = [*SCHEMES.split(","), "smartgen[random]", "smartgen[optimal]"]
     assert [row["scheme"] for row in rows] == expected
     for scheme in expected:  # the table on the terminal shows every scheme, whole
         assert scheme in stdout
@@ -96,7 +96,7 @@ def test_bench_refuses_bad_input() -> None:
     for args, message in [
         (["--schemes", "smartgen"], "must include full"),
         (["--schemes", "full,warp"], "unknown scheme"),
-        (["--strategies", "optimal"], "future selections"),
+        (["--strategies", "optimal", "--load-rate", "1"], "load mode has not"),
         (["--batch", "two"], "comma-separated whole numbers"),
         (["--budget", "1.5"], "shares of the prompt"),
         (["--model", "random:x"], "random:LAYERS"),
@@ -119,7 +119,12 @@ def test_points_cover_every_sweep_and_group_by_nodes() -> None:
     keys = [p.node_key() for p in points]
     assert keys == sorted(keys, key=keys.index)  # points sharing nodes are adjacent
     assert Point(1, 512, 4.7, 1024, 0.2, 0.1, 1).label("stall").startswith("batch 1, 512 tokens, stall 4.7x")
-    assert config.all_schemes[-3:] == ("smartgen[random]", "smartgen[sequential]", "smartgen[streaming]")
+    assert config.all_schemes[-4:] == (
+        "smartgen[random]",
+        "smartgen[sequential]",
+        "smartgen[streaming]",
+        "smartgen[optimal]",
+    )
 
 
 def test_percentile() -> None:

@@ -505,3 +505,41 @@ def test_last_query_attention_is_the_best_head_per_token():
     ).amax(dim=0)
     assert torch.allclose(scores, expected)
     assert scores.shape == (10,)
+
+
+def test_the_optimal_set_comes_with_open_and_pushes_the_most_selected_blocks(importance):
+    """A request that brings a recorded run's selection counts (OPEN's `oracle_counts`) is planned with them: its
+    proactive set past layers 0-1 is the blocks whose tokens those counts rank highest."""
+    from smartgen.engine.layout import token_blocks
+
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-3, 1e-3)  # K_r above the floor
+    prefill, decode, _ = _engines(planner)
+    length = 160
+    counts = torch.zeros(LAYOUT.num_layers, length, dtype=torch.int32)
+    blocks = token_blocks(length, LAYOUT.num_blocks)
+    favourite = {2: {3, 11}, 3: {0, 7, 15}}
+    for layer, chosen in favourite.items():
+        for block in chosen:
+            counts[layer, blocks == block] = 5 + block  # the others stay at 0
+    try:
+        decode.open(length, get_policy("smartgen[optimal]"), oracle_counts=counts)
+        request = prefill.next_request(timeout=5)
+        budget = planner.budget(length, "budget") - 2 * LAYOUT.num_blocks
+        assert budget >= 5  # room for every favourite block
+        for layer, chosen in favourite.items():
+            assert chosen <= set(request.plan.proactive_blocks(layer).tolist())
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_open_refuses_oracle_counts_of_the_wrong_shape():
+    from smartgen.engine.messages import MessageError, Open, unpack
+
+    good = Open("r", 0, 10, "smartgen", "optimal", 0.1, oracle_counts=torch.ones(4, 10, dtype=torch.int32))
+    assert torch.equal(unpack(good.pack()).oracle_counts, torch.ones(4, 10, dtype=torch.int32))
+    for bad in (torch.ones(4, 9, dtype=torch.int32), torch.ones(4, 10), -torch.ones(4, 10, dtype=torch.int32)):
+        message = good.pack()
+        message.payload["oracle_counts"] = bad
+        with pytest.raises(MessageError, match="oracle_counts"):
+            unpack(message)

@@ -46,6 +46,12 @@ CASES = [
     ({"prompt": "hi", "max_tokens": 100000}, 413, "context of 512 tokens"),
     ({"prompt": "x" * 70000}, 413, "over the 65536-byte limit"),
     ({"messages": []}, 400, "messages"),
+    ({"prompt": [5, 6], "scheme": "smartgen[optimal]"}, 400, "future selections"),
+    ({"prompt": [5, 6], "scheme": "smartgen[optimal]", "proactive_counts": [[1, 2]]}, 400, "proactive_counts must be"),
+    ({"prompt": [5, 6], "scheme": "smartgen[optimal]", "proactive_counts": [[-1, 0]]}, 400, "proactive_counts"),
+    ({"prompt": [5, 6], "scheme": "smartgen[optimal]", "proactive_counts": "all"}, 400, "proactive_counts"),
+    ({"prompt": [5, 6], "scheme": "full", "proactive_counts": [[0, 0]]}, 400, "for the optimal proactive set"),
+    ({"prompt": "hi", "return_selection_counts": "yes"}, 400, "return_selection_counts"),
 ]
 
 

@@ -132,3 +132,34 @@ def test_stopping_a_decode_node_closes_its_link_to_every_prefill_node():
     finally:
         for node in prefills:
             node.stop()
+
+
+def test_the_optimal_set_replays_a_recorded_run(cluster):
+    """usage.selection_counts of a run, sent back as proactive_counts, plans the "optimal" proactive set: the same
+    tokens come out, and a bad replay is refused with the reason (400) before anything is queued."""
+    _, decode = cluster
+    prompt = _prompt(7, 80)
+    layers = decode.engine.layout.num_layers
+
+    def run(params):
+        events = list(decode.scheduler.submit(prompt, params).events(timeout=60))
+        assert isinstance(events[-1], FinishEvent) and events[-1].error is None, events[-1]
+        return [e.token_id for e in events[:-1]], events[-1].usage
+
+    tokens, usage = run(GenerationParams(max_tokens=6, scheme="full", return_selection_counts=True))
+    counts = usage["selection_counts"]
+    assert len(counts) == layers and all(len(row) == len(prompt) for row in counts)
+    assert not any(counts[0]) and not any(counts[1])  # layers 0-1 move whole: nothing to predict there
+    assert sum(map(sum, counts[2:])) > 0
+    assert max(map(max, counts[2:])) <= 5 * decode.engine.layout.num_kv_heads  # 5 decode steps, every head
+    replayed, usage = run(GenerationParams(max_tokens=6, scheme="smartgen[optimal]", proactive_counts=counts))
+    assert replayed == tokens and usage["scheme"] == "smartgen[optimal]"
+    assert "selection_counts" not in usage  # only when asked for
+    for params, message in [
+        (GenerationParams(scheme="smartgen[optimal]", proactive_counts=counts[:-1]), "proactive_counts must be"),
+        (GenerationParams(scheme="smartgen[optimal]", proactive_counts=[r[:-1] for r in counts]), "one per prompt"),
+        (GenerationParams(scheme="smartgen", proactive_counts=counts), "for the optimal proactive set"),
+    ]:
+        with pytest.raises(ServiceError, match=message) as refused:
+            decode.scheduler.submit(prompt, params)
+        assert refused.value.status == 400

@@ -113,7 +113,6 @@ class _Request:
     resume: Future | None = None
     resumed_at: float = 0.0
     overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
-    selected_ever: torch.Tensor | None = None  # [L, n, H] bool: entries any step selected (metrics only)
 
     @property
     def resuming(self) -> bool:
@@ -331,11 +330,13 @@ class DecodeEngine:
         request_id: str | None = None,
         prompt_ids: torch.Tensor | None = None,
         arrival: float | None = None,
+        oracle_counts: torch.Tensor | None = None,
     ) -> str:
         """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
 
         `prompt_ids` travel with OPEN when the prefill node runs a model (serving). `arrival`
         (time.monotonic(), default now) is when the request arrived: its TTFT and TTST count from it.
+        `oracle_counts` ([L, n]): a recorded run's selection counts, for the "optimal" proactive set.
         """
         request_id = request_id or uuid.uuid4().hex
         link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
@@ -351,6 +352,7 @@ class DecodeEngine:
             policy.speculative_ratio,
             prompt_ids,
             held_prefix=held,
+            oracle_counts=oracle_counts,
         )
         request = _Request(
             request_id,
@@ -587,16 +589,18 @@ class DecodeEngine:
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
 
     def _newly_selected(self, request: _Request, layer: int, rows: torch.Tensor) -> int:
-        """How many entries of index rows [H, k] no earlier step of `request` selected; marks them selected."""
-        if request.selected_ever is None:
+        """How many entries of index rows [H, k] no earlier step of `request` selected; counts the selection of
+        each (`RequestMetrics.selection_counts`)."""
+        counts = request.metrics.selection_counts
+        if counts is None:
             shape = (self.layout.num_layers, request.length, self.layout.num_kv_heads)
-            request.selected_ever = torch.zeros(shape, dtype=torch.bool, device=rows.device)
-        seen = request.selected_ever[layer]
+            counts = request.metrics.selection_counts = torch.zeros(shape, dtype=torch.int32)
         heads = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
         valid = (rows >= 0) & (rows < request.length)
-        tokens, heads = rows[valid], heads[valid]
-        new = int((~seen[tokens, heads]).sum())
-        seen[tokens, heads] = True
+        tokens, heads = rows[valid].cpu(), heads[valid].cpu()
+        seen = counts[layer]
+        new = int((seen[tokens, heads] == 0).sum())
+        seen.index_put_((tokens, heads), torch.ones(len(tokens), dtype=torch.int32), accumulate=True)
         return new
 
     def _rows_where(

@@ -94,6 +94,9 @@ class Open:
     # leading prompt tokens the decode node's prefix cache already put in the slot: never pushed (a count, not
     # a mask, so a cache hit costs OPEN nothing)
     held_prefix: int = 0
+    # [L, n] int32: how often the request's own decode steps select each token (a recorded run of the same
+    # prompt): the "optimal" proactive set, which only a replay can know
+    oracle_counts: torch.Tensor | None = None
 
     def pack(self) -> Message:
         meta: dict[str, Any] = {
@@ -109,6 +112,8 @@ class Open:
         payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
         if self.held is not None:
             payload["held"] = self.held.to(torch.uint8).cpu().contiguous()
+        if self.oracle_counts is not None:
+            payload["oracle_counts"] = self.oracle_counts.to(torch.int32).cpu().contiguous()
         return Message(self.KIND, self.request_id, meta, payload)
 
     @classmethod
@@ -125,6 +130,7 @@ class Open:
             _held(message.payload.get("held"), meta.get("length")),
             _field(meta, "resumed", bool, what) if "resumed" in meta else False,
             _field(meta, "held_prefix", int, what) if "held_prefix" in meta else 0,
+            _oracle_counts(message.payload.get("oracle_counts"), meta.get("length")),
         )
 
 
@@ -136,6 +142,20 @@ def _held(held: torch.Tensor | None, length: object) -> torch.Tensor | None:
     if held.dtype != torch.uint8 or held.dim() != 2 or held.shape[1] != length:
         raise MessageError(f"OPEN: 'held' must be uint8 [layers, {length}], got {held.dtype} {list(held.shape)}")
     return held.bool()
+
+
+def _oracle_counts(counts: torch.Tensor | None, length: object) -> torch.Tensor | None:
+    """OPEN's `oracle_counts` as [L, n] int32 of counts >= 0; anything else is refused (the layer count is the
+    prefill engine's to check)."""
+    if counts is None:
+        return None
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != length:
+        raise MessageError(
+            f"OPEN: 'oracle_counts' must be int32 [layers, {length}], got {counts.dtype} {list(counts.shape)}"
+        )
+    if counts.numel() and int(counts.min()) < 0:
+        raise MessageError("OPEN: 'oracle_counts' must not be negative")
+    return counts
 
 
 @dataclass(frozen=True, slots=True)

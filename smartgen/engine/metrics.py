@@ -8,9 +8,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smartgen.engine.layout import DENSE_LAYERS
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
 
@@ -57,6 +60,9 @@ class RequestMetrics:
     # arrived: what the link had to have carried by then (the benchmark's CTL bound)
     selected_union_bytes: int = 0
     union_bytes_at_token: list[int] = field(default_factory=list)
+    # [L, n, H] int32: how many steps selected each (layer >= 2, token, KV head) entry: after the fact, the
+    # request's own "optimal" proactive set (the benchmark replays it with `proactive_counts`)
+    selection_counts: torch.Tensor | None = None
 
     @property
     def in_first_step(self) -> bool:

@@ -168,13 +168,15 @@ def split_label(label: str) -> tuple[str, str | None]:
     return label, None
 
 
-def check_servable(policy: Policy) -> Policy:
+def check_servable(policy: Policy, *, oracle: bool = False) -> Policy:
     """`policy`, if a serving node can run it; a ValueError saying why not otherwise. The optimal proactive set is
-    the blocks the request's own decode steps will select: the simulator replays them, a serving node cannot
-    know them (asked for, the prefill node failed the request and the client got a 500)."""
-    if policy.proactive == ProactiveMode.BUDGET and policy.strategy == Strategy.OPTIMAL:
+    the blocks the request's own decode steps will select: the simulator replays them, and a serving node runs it
+    only for a request that brings them (`oracle`: the selection counts of a recorded run of the same prompt,
+    the API's `proactive_counts`)."""
+    if policy.proactive == ProactiveMode.BUDGET and policy.strategy == Strategy.OPTIMAL and not oracle:
         raise ValueError(
             "the optimal proactive set needs the request's own future selections, which a serving node cannot "
-            "know; `smartgen simulate --strategy optimal` runs it"
+            "know: send them as `proactive_counts` (a recorded run's usage.selection_counts, asked for with "
+            "`return_selection_counts`), or run `smartgen simulate --strategy optimal`"
         )
     return policy

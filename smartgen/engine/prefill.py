@@ -261,15 +261,20 @@ class PrefillEngine:
             raise Overloaded(f"prefill node is busy: {self.max_queue} requests already queued; try again later")
         if message.held is not None and message.held.shape[0] != self.layout.num_layers:
             raise msg.MessageError(f"OPEN: 'held' has {message.held.shape[0]} layers, not {self.layout.num_layers}")
+        if message.oracle_counts is not None and message.oracle_counts.shape[0] != self.layout.num_layers:
+            raise msg.MessageError(
+                f"OPEN: 'oracle_counts' has {message.oracle_counts.shape[0]} layers, not {self.layout.num_layers}"
+            )
         policy = get_policy(message.scheme, message.strategy, message.speculative_ratio)
         length = message.length
         if not 0 <= message.held_prefix <= length:
             raise msg.MessageError(f"OPEN: {message.held_prefix} held tokens of a {length}-token prompt")
+        oracle = self.oracle_counts.pop(message.request_id, None)
         plan = self.planner.plan(
             length,
             policy.proactive,
             policy.strategy,
-            self.oracle_counts.pop(message.request_id, None),
+            message.oracle_counts if message.oracle_counts is not None else oracle,
             held=message.held_prefix,
         )
         try:

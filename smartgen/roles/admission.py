@@ -12,7 +12,7 @@ from typing import Any
 
 from smartgen.roles.service import GenerationParams, ServiceError
 
-__all__ = ["RequestLimits", "check_request"]
+__all__ = ["RequestLimits", "check_request", "oracle_counts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +52,20 @@ def check_request(prompt_ids: list[int], params: GenerationParams, limits: Reque
             f"{limits.slot_tokens} tokens a pool slot holds",
             413,
         )
+
+
+def oracle_counts(counts: list[list[int]], num_layers: int, prompt_tokens: int) -> Any:
+    """A request's `proactive_counts` ([layers][prompt tokens] of counts >= 0, as a recorded run's
+    usage.selection_counts gives them) as an int32 tensor; a ServiceError (400) naming what is wrong otherwise."""
+    import torch
+
+    if len(counts) != num_layers or any(len(row) != prompt_tokens for row in counts):
+        shape = f"{len(counts)} x {sorted({len(row) for row in counts})}"
+        raise ServiceError(
+            f"proactive_counts must be {num_layers} lists (one per layer) of {prompt_tokens} counts (one per prompt "
+            f"token), got {shape}: send the usage.selection_counts of a run of this same prompt on this model"
+        )
+    tensor = torch.tensor(counts, dtype=torch.int64) if num_layers else torch.zeros(0, prompt_tokens)
+    if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) > 2**31 - 1):
+        raise ServiceError("proactive_counts must hold counts between 0 and 2**31 - 1")
+    return tensor.to(torch.int32)

@@ -66,6 +66,10 @@ class _Sampling(BaseModel):
     scheme: str | None = None
     ignore_eos: bool = False
     return_token_times: bool = False  # usage.ctl: each token's arrival, seconds from the request's (benchmarks)
+    # usage.selection_counts: [layers][prompt tokens], how many steps selected each token (summed over KV heads)
+    return_selection_counts: bool = False
+    # a recorded run's selection_counts, for scheme "...[optimal]": the proactive set that run says was needed
+    proactive_counts: list[list[Annotated[int, Field(ge=0)]]] | None = None
     stop_token_ids: list[int] | None = None
 
 
@@ -172,6 +176,8 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
         ignore_eos=body.ignore_eos,
         stop_token_ids=list(body.stop_token_ids or []),
         scheme=body.scheme,
+        proactive_counts=body.proactive_counts,
+        return_selection_counts=body.return_selection_counts,
     )
     if max_tokens is not None:  # else the service's default
         params.max_tokens = max_tokens

@@ -30,7 +30,7 @@ import torch
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy, check_servable, get_policy, split_label
-from smartgen.roles.admission import RequestLimits, check_request
+from smartgen.roles.admission import RequestLimits, check_request, oracle_counts
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
@@ -46,6 +46,7 @@ class _Active:
     handle: RequestHandle
     request: DriverRequest
     text: str = ""
+    selection_counts: bool = False  # usage.selection_counts asked for
 
 
 class DecodeScheduler:
@@ -100,7 +101,12 @@ class DecodeScheduler:
                 policy = policy.with_strategy(self.default_policy.strategy)
             if policy.speculative:  # the node's --speculative-ratio holds for every scheme that speculates
                 policy = replace(policy, speculative_ratio=self.default_policy.speculative_ratio)
-            check_servable(policy)
+            check_servable(policy, oracle=params.proactive_counts is not None)
+            if params.proactive_counts is not None and policy.strategy != "optimal":
+                raise ValueError(f"proactive_counts is for the optimal proactive set, not scheme {policy.label!r}")
+            oracle = None
+            if params.proactive_counts is not None:
+                oracle = oracle_counts(params.proactive_counts, self.engine.layout.num_layers, len(prompt_ids))
             sampler = Sampler(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
         except ValueError as exc:
             raise ServiceError(str(exc)) from None
@@ -117,8 +123,9 @@ class DecodeScheduler:
             stop=self._stop_check(params),
             arrival=handle.created,
         )
+        request.oracle_counts = oracle
         try:
-            self._waiting.put_nowait(_Active(handle, request))
+            self._waiting.put_nowait(_Active(handle, request, selection_counts=params.return_selection_counts))
         except queue.Full:
             raise ServiceError(
                 f"overloaded: {self._waiting.maxsize} requests already wait for one of the "
@@ -295,6 +302,10 @@ class DecodeScheduler:
         # each token's arrival (CTL) goes to the client only when asked for (`return_token_times`)
         # per token: its arrival, and the bytes of distinct entries selected by then (the bench's CTL bound)
         per_token = {"ctl": metrics.ctl, "selection_union_bytes": metrics.union_bytes_at_token} if metrics else {}
+        if active.selection_counts:
+            per_token["selection_counts"] = _selection_counts(
+                metrics, self.engine.layout.num_layers, active.handle.prompt_tokens
+            )
         active.handle.put(FinishEvent(reason, error, {**usage, **per_token}))
 
     def _fail_waiting(self, reason: str) -> None:
@@ -304,3 +315,12 @@ class DecodeScheduler:
             except queue.Empty:
                 break
             self._finish(active, "error", reason, None)
+
+
+def _selection_counts(metrics: RequestMetrics | None, num_layers: int, prompt_tokens: int) -> list[list[int]]:
+    """usage.selection_counts: how many decode steps selected each prompt token, per layer, summed over KV heads
+    ([layers][prompt tokens]; layers 0-1, always moved whole, and a request that never selected are all zeros)."""
+    counts = metrics.selection_counts if metrics is not None else None
+    if counts is None:
+        return [[0] * prompt_tokens for _ in range(num_layers)]
+    return counts.sum(dim=2).tolist()

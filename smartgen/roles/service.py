@@ -33,6 +33,9 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     ignore_eos: bool = False
     scheme: str | None = None  # transfer policy for this request (default: the node's --scheme)
+    # [layers][prompt tokens]: a recorded run's selection counts, the "optimal" proactive set (benchmarks)
+    proactive_counts: list[list[int]] | None = None
+    return_selection_counts: bool = False  # usage.selection_counts: [layers][prompt tokens], summed over KV heads
 
 
 @dataclass(slots=True)

@@ -49,6 +49,7 @@ class DriverRequest:
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # [V] per decoded token, when kept
     opened: float = 0.0
+    oracle_counts: torch.Tensor | None = None  # [L, n]: a recorded run's selection counts (the "optimal" set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,7 @@ class DecodeDriver:
                 request_id=request.request_id,
                 prompt_ids=request.prompt_ids,
                 arrival=request.arrival,
+                oracle_counts=request.oracle_counts,
             )
         except (PoolFull, RuntimeError) as exc:
             metrics = RequestMetrics(request.request_id, request.prompt_ids.numel(), created=request.arrival)

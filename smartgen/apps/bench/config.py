@@ -23,7 +23,7 @@ DEFAULT_SCHEMES = (
 )
 # the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
 # selections, which a serving node cannot know; `smartgen simulate --strategy optimal` runs it)
-DEFAULT_STRATEGIES = ("random", "sequential", "streaming")
+DEFAULT_STRATEGIES = ("random", "sequential", "streaming", "optimal")
 PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
 
@@ -97,7 +97,8 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for scheme in self.all_schemes:
-            check_servable(get_policy(scheme))  # unknown or unservable ones fail before any node starts
+            # unknown or unservable ones fail before any node starts; the optimal set is replayed from full's run
+            check_servable(get_policy(scheme), oracle=True)
         if self.reps < 1:
             raise ValueError("--reps must be at least 1")
         if self.output_tokens < 3:
@@ -133,6 +134,16 @@ class BenchConfig:
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
         self.load_spec()  # its own checks
+        if self.needs_oracle and self.load_rate is not None:
+            raise ValueError(
+                "the optimal strategy replays full transfer's run of the same prompt, which load mode has not: "
+                "leave it out of --strategies with --load-rate"
+            )
+        if self.needs_oracle and self.prefix_hit:
+            raise ValueError(
+                "the optimal strategy replays full transfer's run of the same prompt, and a --prefix-hit point "
+                "gives every scheme prompts of its own: leave it out of --strategies with --prefix-hit"
+            )
 
     def load_spec(self) -> Any:
         """The load mode's LoadSpec, or None when the run is in rounds."""
@@ -146,6 +157,11 @@ class BenchConfig:
     def all_schemes(self) -> tuple[str, ...]:
         """The schemes, then SmartGen with each other proactive-set strategy."""
         return self.schemes + tuple(f"smartgen[{s}]" for s in self.strategies if s != "profile")
+
+    @property
+    def needs_oracle(self) -> bool:
+        """Whether a scheme runs the optimal proactive set, which replays full transfer's selections."""
+        return "optimal" in self.strategies
 
     @property
     def link_mode(self) -> str:

@@ -169,11 +169,20 @@ def run_bench(
                     _request(cluster.url, warm, "full", 4)
                 for rep in range(config.warmup + config.reps):
                     batch_prompts = prompts.batch(point, rep)
+                    recorded: list[Any] | None = None  # full transfer's selection counts, per prompt of the round
                     for s, scheme in enumerate(config.all_schemes):
                         samples = batch_prompts if point.prefix_hit is None else prompts.prefixed(point, rep, s)
                         # a prefix point's prompts are cut and spliced: their answers are not the task's
                         scored = trained and point.prefix_hit is None
-                        group = _run_group(cluster, config, i, point, scheme, rep, samples, prompts, scored)
+                        # the optimal set replays what full transfer's run of the same prompts selected (greedy
+                        # decoding over exact KV selects the same entries under every exact scheme)
+                        record = scheme == "full" and config.needs_oracle
+                        oracles = recorded if _is_optimal(scheme) else None
+                        group, counts = _run_group(
+                            cluster, config, i, point, scheme, rep, samples, prompts, scored, record, oracles
+                        )
+                        if record:
+                            recorded = counts
                         result.groups.append(group)
                         done += 1
                         if progress:
@@ -323,7 +332,9 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
     )
 
 
-def _request(url: str, prompt: str | list[int], scheme: str, max_tokens: int) -> dict[str, Any]:
+def _request(
+    url: str, prompt: str | list[int], scheme: str, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -331,8 +342,15 @@ def _request(url: str, prompt: str | list[int], scheme: str, max_tokens: int) ->
         "ignore_eos": True,
         "scheme": scheme,
         "return_token_times": True,
+        **(extra or {}),
     }
     return post_json(f"{url}/v1/completions", body)
+
+
+def _is_optimal(scheme: str) -> bool:
+    from smartgen.engine.policy import split_label
+
+    return split_label(scheme)[1] == "optimal"
 
 
 def _totals(status: dict[str, Any]) -> dict[str, float]:
@@ -359,14 +377,26 @@ def _run_group(
     samples: list[Any],
     prompts: _Prompts,
     trained: bool,
-) -> Group:
+    record: bool = False,
+    oracles: list[Any] | None = None,
+) -> tuple[Group, list[Any]]:
+    """One round of one scheme; with `record`, also each request's usage.selection_counts (None where it failed),
+    which `oracles` hands to the optimal strategy's requests of the same prompts."""
     before = _totals(cluster.status())
     answers: list[dict[str, Any] | None] = [None] * len(samples)
     errors: list[str | None] = [None] * len(samples)
+    if _is_optimal(scheme) and oracles is None:
+        oracles = [None] * len(samples)
 
     def one(i: int) -> None:
+        extra: dict[str, Any] = {"return_selection_counts": True} if record else {}
+        if oracles is not None:
+            if oracles[i] is None:
+                errors[i] = "no recorded selection to replay: this prompt's full-transfer run failed"
+                return
+            extra["proactive_counts"] = oracles[i]
         try:
-            answers[i] = _request(cluster.url, samples[i].prompt, scheme, config.output_tokens)
+            answers[i] = _request(cluster.url, samples[i].prompt, scheme, config.output_tokens, extra)
         except Exception as exc:  # a failed request is a result, not a crash of the benchmark
             errors[i] = str(exc)
 
@@ -407,6 +437,7 @@ def _run_group(
                 "error": None,
             }
         )
+    counts = [answer["usage"].get("selection_counts") if answer else None for answer in answers]
     return Group(
         point=index,
         scheme=scheme,
@@ -418,7 +449,7 @@ def _run_group(
         descriptors=int(after["descriptors"] - before["descriptors"]),
         posting_s=after["posting_s"] - before["posting_s"],
         link_bytes=int(after["link_bytes"] - before["link_bytes"]),
-    )
+    ), counts
 
 
 def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:
