@@ -165,6 +165,14 @@ def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
         # functional lower bound (20 ms of wire time), never an upper bound: the machine is shared
         assert time.monotonic() - started >= 0.019
         assert int(region.sum()) == 200_000
+        # the link was busy for the wire time; posting the one descriptor took a sliver of it, counted apart
+        deadline = time.monotonic() + 5  # the sending thread counts its time just after the batch completes
+        while not (counts := prefill.push.counters.snapshot())["posting_seconds"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counts["busy_seconds"] >= 0.019
+        assert counts["posting_seconds"] > 0
+        if lane_kind in ("inproc", "tcp"):  # a one-sided transport's write may take longer than the pacer's wait
+            assert counts["posting_seconds"] < counts["busy_seconds"]
     finally:
         prefill.close()
         decode.close()

@@ -138,7 +138,12 @@ class Completion:
 
 
 class LaneCounters:
-    """Bytes, descriptors and messages one endpoint sent, by tag (path), and its busy time."""
+    """Bytes, descriptors and messages one endpoint sent, by tag (path), and its busy time.
+
+    busy_seconds: the sending thread's time on each item, pacer waits included (how long the link was taken);
+    posting_seconds: the lane's own work moving WRITE batches (framing and send calls, the transport's writes, the
+    copy into the peer's memory), pacer waits excluded: what the descriptors themselves cost.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -147,6 +152,7 @@ class LaneCounters:
         self.num_batches = 0
         self.num_messages = 0
         self.busy_seconds = 0.0
+        self.posting_seconds = 0.0
 
     def add_batch(self, tag: str, num_bytes: int, num_descriptors: int) -> None:
         with self._lock:
@@ -163,6 +169,10 @@ class LaneCounters:
         with self._lock:
             self.busy_seconds += seconds
 
+    def add_posting(self, seconds: float) -> None:
+        with self._lock:
+            self.posting_seconds += seconds
+
     @property
     def bytes_sent(self) -> int:
         with self._lock:
@@ -177,6 +187,7 @@ class LaneCounters:
                 "num_batches": self.num_batches,
                 "num_messages": self.num_messages,
                 "busy_seconds": self.busy_seconds,
+                "posting_seconds": self.posting_seconds,
             }
 
 

@@ -263,7 +263,9 @@ class OneSidedLane(QueuedLane):
         if self._closed.is_set():
             self._fail(item)
         elif isinstance(item, _Chunk):
+            started = time.monotonic()
             self._write_chunk(item)
+            self.counters.add_posting(time.monotonic() - started)
         elif isinstance(item, Message):
             meta, parts = message_frame(item)
             with self._send_lock:

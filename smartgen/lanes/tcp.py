@@ -130,9 +130,11 @@ class TcpLane(QueuedLane):
             completion.set(False)
 
     # -- threads ----------------------------------------------------------------------
-    def _paced_send(self, parts: list[memoryview]) -> None:
+    def _paced_send(self, parts: list[memoryview]) -> float:
         """Sends frames (headers and payload parts, in order) a chunk at a time, booking the pacer before each chunk;
-        the parts of a chunk (headers, scattered blocks, several small frames) go out in one system call."""
+        the parts of a chunk (headers, scattered blocks, several small frames) go out in one system call. Returns
+        the seconds spent in those calls (the pacer's waits left out)."""
+        sending = 0.0
         for chunk in _chunks(parts, self._pacer.chunk_bytes()):
             if self.bulk:
                 self._pacer.wait_no_urgent(timeout=1.0)
@@ -140,7 +142,10 @@ class TcpLane(QueuedLane):
             remaining = due - time.monotonic()
             if remaining > 0:
                 self._closed.wait(remaining)
+            started = time.monotonic()
             send_views(self._sock, chunk)
+            sending += time.monotonic() - started
+        return sending
 
     def _transmit_loop(self) -> None:
         held: object = None  # an item taken off the outbox while gathering WRITEs, sent next
@@ -154,9 +159,10 @@ class TcpLane(QueuedLane):
                 if isinstance(item, _Batch):
                     batches, held = self._gather(item)
                     parts = self._write_frames(batches, stamp)
+                    framing = time.monotonic() - started
                     # The send lock covers whole frames: ACKs from the receive thread share the socket.
                     with self._send_lock:
-                        self._paced_send(parts)
+                        self.counters.add_posting(framing + self._paced_send(parts))
                 elif isinstance(item, Message):
                     self._send_message(item, stamp)
                 self.counters.add_busy(time.monotonic() - started)

@@ -362,7 +362,7 @@ def _totals(status: dict[str, Any]) -> dict[str, float]:
             totals[f"bytes.{path}"] += node["paths"]["bytes"].get(path, 0)
         for link in node["links"]:
             totals["descriptors"] += link["push"]["num_descriptors"]
-            totals["posting_s"] += link["push"]["busy_seconds"]
+            totals["posting_s"] += link["push"]["posting_seconds"]  # pacer waits excluded
             totals["link_bytes"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     return totals
 
