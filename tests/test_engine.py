@@ -543,3 +543,25 @@ def test_open_refuses_oracle_counts_of_the_wrong_shape():
         message.payload["oracle_counts"] = bad
         with pytest.raises(MessageError, match="oracle_counts"):
             unpack(message)
+
+
+def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
+    """A layer whose KV has all landed has nothing to push ahead or fetch early: asked about that layer, the engine
+    wants neither the wider ranking nor the speculated selection, while another layer still remote wants both."""
+    from smartgen.engine.mask import REMOTE
+
+    # a link far slower than prefill: K_r is the floor, so layers 2+ stay remote (no notice is sent: no speculation)
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        decode.end_step([rid])  # past the first decode step, where prefetch starts
+        slot = decode.slot_of(rid)
+        values = decode.pool.masks.values
+        assert bool((values[2, slot, :120] == REMOTE).any()) and bool((values[3, slot, :120] == REMOTE).any())
+        values[2, slot, :120] = LOCAL  # layer 2 landed whole
+        assert not decode.prefetch_wanted([rid], 2) and decode.hint_factor([rid], 2) == 0
+        assert decode.prefetch_wanted([rid], 3) and decode.hint_factor([rid], 3) > 0
+        assert decode.prefetch_wanted([rid]) and decode.hint_factor([rid]) > 0  # any layer: the request's view
+    finally:
+        decode.close()
+        prefill.close()

@@ -483,13 +483,22 @@ class DecodeEngine:
                 request.hints = []
                 request.link.control.send(msg.Idle(request_id, layer, hints).pack())
 
-    def hint_factor(self, request_ids: list[str]) -> float:
+    def hint_factor(self, request_ids: list[str], layer: int | None = None) -> float:
         """The widest hint ratio among these requests' policies (0: none hints). A request whose KV is all local
-        hints nothing: the wider ranking and its mask lookups would cost step time for nothing."""
+        hints nothing: the wider ranking and its mask lookups would cost step time for nothing; with `layer`, nor
+        does one whose KV of that layer is all local (there is nothing left to push ahead there)."""
         return max(
-            (r.policy.hints for r in map(self._require_any, request_ids) if not r.released),
+            (
+                r.policy.hints
+                for r in map(self._require_any, request_ids)
+                if not r.released and (layer is None or self._has_remote(r, layer))
+            ),
             default=0.0,
         )
+
+    def _has_remote(self, request: _Request, layer: int) -> bool:
+        """Whether any (token, head) entry of the request's prompt in `layer` is still remote."""
+        return bool((self.pool.masks.values[layer, request.slot, : request.length] == REMOTE).any())
 
     def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
         """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
@@ -681,10 +690,15 @@ class DecodeEngine:
         k, v = self._reply_regions
         return Landing(request.request_id, [(k, o, n) for o, n in ranges] + [(v, o, n) for o, n in ranges])
 
-    def prefetch_wanted(self, request_ids: list[str]) -> bool:
+    def prefetch_wanted(self, request_ids: list[str], layer: int | None = None) -> bool:
         """Whether any of these requests prefetches now: its policy does, and it is past its first decode step,
-        where the link, not compute, is what the step waits for, and a wrong guess's bytes only delay it."""
-        return any(self._prefetches(self._require_any(rid)) for rid in request_ids)
+        where the link, not compute, is what the step waits for, and a wrong guess's bytes only delay it. With
+        `layer` (the one to prefetch), only a request with remote KV left in it: speculating a selection of a
+        layer that is all local would cost the step a selector pass for no fetch."""
+        return any(
+            self._prefetches(request) and (layer is None or self._has_remote(request, layer))
+            for request in map(self._require_any, request_ids)
+        )
 
     @staticmethod
     def _prefetches(request: _Request) -> bool:

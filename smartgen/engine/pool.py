@@ -233,7 +233,9 @@ class DecodePool:
         its prompt tokens local and clears the flag; returns the layers landed."""
         layout = self.layout
         landed = 0
-        for layer in self.quant_ready[:, slot].nonzero().flatten().tolist():
+        # a copy first: a lane's thread may set a flag meanwhile, and nonzero() on a tensor that changes between its
+        # count and its fill fails an internal assert (seen once in CI: "out_ptr == out_accessor[...]")
+        for layer in self.quant_ready[:, slot].clone().nonzero().flatten().tolist():
             k, v = unpack_layer(  # on K's device: staged, the packed bytes landed on the host
                 self.quant[layer, slot].to(self.k.device),
                 length,

@@ -147,7 +147,7 @@ class _DecodeHandler:
         if next_layer >= runner.num_layers or runner.ranges(next_layer, self.batch) is not None:
             return
         lookahead = runner.selector.lookahead
-        if not lookahead and not runner.engine.prefetch_wanted(self.batch.request_ids):
+        if not lookahead and not runner.engine.prefetch_wanted(self.batch.request_ids, next_layer):
             return
         capture = runner.capture
         assert capture is not None  # DecodeRunner makes one for every sparse selector
@@ -269,7 +269,7 @@ class DecodeRunner:
     def _hint_selector(self, layer: int, batch: DecodeBatch) -> Selector | None:
         """For policies with hints, on a sparse full-attention layer: the selector at (1 + hints) x its budget,
         whose extra picks (what the selector is likely to pick next) the engine has pushed ahead; else None."""
-        factor = self.engine.hint_factor(batch.request_ids)
+        factor = self.engine.hint_factor(batch.request_ids, layer)
         if factor <= 0 or self.ranges(layer, batch) is not None:
             return None
         if factor not in self._widened:
