@@ -85,6 +85,38 @@ def test_a_flagged_layer_lands_dequantized_and_local_and_others_stay_remote():
     assert pool.land_quantized(slot, 300) == 0  # the flag was cleared
 
 
+def test_ready_layers_are_read_safely_while_a_lane_sets_flags():
+    """A lane's receive thread sets quant_ready flags while the decode thread looks for landed layers: nonzero()
+    straight over the changing flags failed an internal assert in CI (and corrupted the heap in a stress run)."""
+    import sys
+    import threading
+
+    layout = KVLayout(num_layers=32, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=8)
+    pool = DecodePool(layout, num_slots=2, max_tokens=64)
+    slot = pool.allocate(32)
+    flags = pool.quant_ready
+    stop = threading.Event()
+
+    def lane() -> None:
+        i = 0
+        while not stop.is_set():
+            flags[i % 32, slot] ^= 1
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # switch often, as the decode node does
+    writer = threading.Thread(target=lane)
+    writer.start()
+    try:
+        for _ in range(20000):
+            layers = pool.ready_layers(slot)
+            assert layers == sorted(set(layers)) and all(0 <= layer < 32 for layer in layers)
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(interval)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_staging_slot_holds_a_packed_layer_of_every_length_up_to_the_slot(dtype):
     # packed size is not monotonic in the length (up to G - 1 keys past a whole group stay exact): a 505-token

@@ -228,14 +228,18 @@ class DecodePool:
             return 0
         return self.staging.sync(layer, slots, self.k, self.v, self.masks)
 
+    def ready_layers(self, slot: int) -> list[int]:
+        """The layers of the slot whose packed bytes are in (flag set), read once. Through a copy: a lane's thread
+        sets flags meanwhile, and nonzero() over a tensor that changes between its count and its fill fails an
+        internal assert (seen once in CI: "out_ptr == out_accessor[...]") or corrupts the heap."""
+        return self.quant_ready[:, slot].clone().nonzero().flatten().tolist()
+
     def land_quantized(self, slot: int, length: int) -> int:
         """Dequantizes every layer of the slot whose packed bytes are in (flag set) into K and V, then marks
         its prompt tokens local and clears the flag; returns the layers landed."""
         layout = self.layout
         landed = 0
-        # a copy first: a lane's thread may set a flag meanwhile, and nonzero() on a tensor that changes between its
-        # count and its fill fails an internal assert (seen once in CI: "out_ptr == out_accessor[...]")
-        for layer in self.quant_ready[:, slot].clone().nonzero().flatten().tolist():
+        for layer in self.ready_layers(slot):
             k, v = unpack_layer(  # on K's device: staged, the packed bytes landed on the host
                 self.quant[layer, slot].to(self.k.device),
                 length,
