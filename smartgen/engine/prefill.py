@@ -269,14 +269,10 @@ class PrefillEngine:
         length = message.length
         if not 0 <= message.held_prefix <= length:
             raise msg.MessageError(f"OPEN: {message.held_prefix} held tokens of a {length}-token prompt")
-        oracle = self.oracle_counts.pop(message.request_id, None)
-        plan = self.planner.plan(
-            length,
-            policy.proactive,
-            policy.strategy,
-            message.oracle_counts if message.oracle_counts is not None else oracle,
-            held=message.held_prefix,
-        )
+        oracle = self.oracle_counts.pop(message.request_id, None)  # the simulator's; a serving request brings its own
+        if message.oracle_counts is not None:
+            oracle = message.oracle_counts
+        plan = self.planner.plan(length, policy.proactive, policy.strategy, oracle, held=message.held_prefix)
         try:
             kv = self.store.open(message.request_id, length)
         except StoreFull as exc:

@@ -65,7 +65,7 @@ def oracle_counts(counts: list[list[int]], num_layers: int, prompt_tokens: int) 
             f"proactive_counts must be {num_layers} lists (one per layer) of {prompt_tokens} counts (one per prompt "
             f"token), got {shape}: send the usage.selection_counts of a run of this same prompt on this model"
         )
-    tensor = torch.tensor(counts, dtype=torch.int64) if num_layers else torch.zeros(0, prompt_tokens)
+    tensor = torch.tensor(counts, dtype=torch.int64)
     if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) > 2**31 - 1):
         raise ServiceError("proactive_counts must hold counts between 0 and 2**31 - 1")
     return tensor.to(torch.int32)

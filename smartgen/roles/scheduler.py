@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 
 
 # The step thread lets the GIL go at every wait inside a step (a fetch, a GPU sync, an emulated layer's sleep), and
-# the node's other threads (lane receivers landing pushes, the prefetch worker, HTTP) then keep it until Python's
-# switch interval (5 ms by default) makes them yield: a 32-layer step on one CPU paid ~18 ms a step for that
-# (py-spy: the step thread waiting for the GIL after its layer's wait), which full transfer, with nothing arriving
-# while it decodes, never pays. At 0.5 ms the step gets it back at once.
+# the node's other threads (lane receivers landing replies and pushes, the prefetch worker, HTTP) may then keep it
+# until Python's switch interval (5 ms by default) makes them yield; py-spy showed the step thread waiting for the
+# GIL after its layers' waits. With 0.5 ms (one run each way, random:32, docs/bench.md 2026-12-02) partial
+# transfer's step beyond its fetch waits fell from 21 to 5 ms over full's; smartgen's did not move.
 STEP_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -112,10 +112,10 @@ class DecodeScheduler:
             if policy.speculative:  # the node's --speculative-ratio holds for every scheme that speculates
                 policy = replace(policy, speculative_ratio=self.default_policy.speculative_ratio)
             check_servable(policy, oracle=params.proactive_counts is not None)
-            if params.proactive_counts is not None and policy.strategy != "optimal":
-                raise ValueError(f"proactive_counts is for the optimal proactive set, not scheme {policy.label!r}")
             oracle = None
             if params.proactive_counts is not None:
+                if policy.strategy != "optimal":
+                    raise ValueError(f"proactive_counts is for the optimal proactive set, not scheme {policy.label!r}")
                 oracle = oracle_counts(params.proactive_counts, self.engine.layout.num_layers, len(prompt_ids))
             sampler = Sampler(params.temperature, params.top_p, params.seed if params.seed is not None else 0)
         except ValueError as exc:
@@ -132,8 +132,8 @@ class DecodeScheduler:
             sampler,
             stop=self._stop_check(params),
             arrival=handle.created,
+            oracle_counts=oracle,
         )
-        request.oracle_counts = oracle
         try:
             self._waiting.put_nowait(_Active(handle, request, selection_counts=params.return_selection_counts))
         except queue.Full:

@@ -92,7 +92,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     waits = _table(
         "where TTST and TBT go: cov1%: the first decode step's selection (layers >= 2) already local; wait1: "
         "that step's wait for the link (ms); wait: each later step's (ms); desc: descriptors posted per request, "
-        "post: ms the lanes spent posting them (framing, send calls, writes; pacer waits left out); bound1: least TTST (ms) if the proactive set were exactly the first step's "
+        "post: ms the lanes spent posting them (framing, send calls, writes; pacer waits left out); bound1: least "
+        "TTST (ms) if the proactive set were exactly the first step's "
         "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
         "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound)",
         ["scheme", "cov1%", "wait1", "wait", "desc", "post", "bound1", "TBT fl"],
