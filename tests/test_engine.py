@@ -565,3 +565,27 @@ def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_layer_found_all_local_is_not_scanned_again_and_a_remote_one_is():
+    """Hints and prefetch ask every layer of every step whether anything is still remote; a layer once found all
+    local is remembered (nothing turns LOCAL back to REMOTE while the request holds its slot), so the mask is not
+    scanned again, while a layer still remote is scanned each time and turns local when its entries land."""
+    from smartgen.engine.mask import REMOTE
+
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        decode.end_step([rid])
+        slot = decode.slot_of(rid)
+        values = decode.pool.masks.values
+        values[2, slot, :120] = LOCAL
+        assert decode.hint_factor([rid], 2) == 0
+        values[2, slot, 0] = REMOTE  # cannot happen in use; here it shows the answer comes from the memo
+        assert decode.hint_factor([rid], 2) == 0 and not decode.prefetch_wanted([rid], 2)
+        assert decode.hint_factor([rid], 3) > 0  # still remote: scanned, not remembered
+        values[3, slot, :120] = LOCAL
+        assert decode.hint_factor([rid], 3) == 0 and not decode.prefetch_wanted([rid], 3)
+    finally:
+        decode.close()
+        prefill.close()
