@@ -10,8 +10,11 @@ import time
 import pytest
 import torch
 from conftest import wait_until
+from hypothesis import given
+from hypothesis import strategies as st
 
 from smartgen.lanes.auth import client_handshake, client_mac
+from smartgen.lanes.checks import _check_each, _well_formed, check_write_ops
 from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.tcp import TcpLane
 from smartgen.lanes.tcp_link import MAX_HANDSHAKES, TcpListener, tcp_connect
@@ -85,6 +88,52 @@ def test_writes_outside_the_requests_slot_are_dropped_and_the_stream_stays_in_sy
     assert int(region.sum()) == 8 and not endpoint.closed
 
 
+def test_one_frame_lands_its_good_descriptors_and_drops_the_rest(lane):
+    """Descriptors are checked one by one: in a frame that mixes good ones with one outside the slot and one into an
+    unknown region, the good ones land byte for byte, the others touch nothing, and the ACK says the WRITE was not
+    applied whole."""
+    endpoint, peer = lane
+    region = endpoint._regions["k"]
+    ops = [["k", SLOT[0], 4], ["k", 0, 4], ["zz", 0, 4], ["k", SLOT[0] + 8, 4], ["k", SLOT[1] - 2, 4]]
+    payload = bytes(range(1, 21))
+    _write(peer, "r", ops, payload)
+    assert _ack(peer) == {"seq": 1, "dropped": [1]}
+    expected = torch.zeros(REGION, dtype=torch.uint8)
+    expected[SLOT[0] : SLOT[0] + 4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    expected[SLOT[0] + 8 : SLOT[0] + 12] = torch.tensor([13, 14, 15, 16], dtype=torch.uint8)
+    assert torch.equal(region, expected)
+    _write(peer, "r", [["k", SLOT[0] + 16, 2]], b"\x07\x07", seq=2)  # the stream is still in step
+    assert _ack(peer) == {"seq": 2, "dropped": []} and int(region[SLOT[0] + 16]) == 7
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["k", "v", "mask"]), st.integers(0, 2**40), st.integers(1, 2**20)), max_size=40),
+    st.integers(-1, 6),
+    st.sampled_from([None, -1, 0, 1.5, True, "7", [1], None]),
+)
+def test_descriptor_checks_in_bulk_accept_and_refuse_exactly_what_one_by_one_checks_do(ops, spoil, bad):
+    """`check_write_ops` checks a whole descriptor list at once (a speculative push lands thousands a step); whatever
+    the list, the bulk pass accepts exactly what the check of each descriptor in turn accepts, returns the same, and
+    where it refuses, the error is that check's reason."""
+    listed = [[dst, offset, length] for dst, offset, length in ops]
+    if listed and 0 <= spoil < 3:  # one field of one descriptor made wrong (or kept, for None)
+        listed[len(listed) // 2][spoil] = bad if bad is not None else listed[len(listed) // 2][spoil]
+    elif listed and spoil == 3:
+        listed[-1] = listed[-1][:2]
+    payload = sum(op[2] for op in listed if len(op) == 3 and type(op[2]) is int) + (1 if spoil == 4 else 0)
+    try:
+        slow: list | str = _check_each(listed, payload)
+    except ConnectionError as exc:
+        slow = str(exc)
+    fast = _well_formed(listed, payload)
+    assert fast == slow if fast is not None else isinstance(slow, str)
+    try:
+        checked: list | str = check_write_ops({"seq": 1, "ops": listed}, payload)
+    except ConnectionError as exc:
+        checked = str(exc)
+    assert checked == slow
+
+
 @pytest.mark.parametrize(
     "frame,reason",
     [
@@ -93,6 +142,10 @@ def test_writes_outside_the_requests_slot_are_dropped_and_the_stream_stays_in_sy
         (lambda s: _write(s, "r", [["k", "64", 8]], b"\0" * 8), "not an integer"),
         (lambda s: _write(s, "r", [["k", 64, True]], b"\0" * 1), "not an integer"),
         (lambda s: _write(s, "r", "all of it", b""), "ops is not a list"),
+        (lambda s: _write(s, "r", [["k", SLOT[0], 8], ["k", 72.0, 8]], b"\0" * 16), "not an integer"),
+        (lambda s: _write(s, "r", [["k", SLOT[0], 8], ["k", 72]], b"\0" * 8), "bad descriptor"),
+        (lambda s: _write(s, "r", [["k", SLOT[0], 8], [5, 72, 8]], b"\0" * 16), "bad descriptor"),
+        (lambda s: _write(s, "r", [["k", SLOT[0], 8], ["k", 72, 0]], b"\0" * 8), "length 0"),
         (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 2, 0) + b"[]"), "meta is a JSON list"),
         (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 3, 0) + b"{{{"), "unreadable"),
         (lambda s: s.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, 5, 0, 2**30, 0)), "too large"),

@@ -247,13 +247,27 @@ class TcpLane(QueuedLane):
         ops = check_write_ops(frame.meta, frame.payload_length)
         reader = self._reader
         with self._apply_lock:
-            applied = frame.request_id in self._accepted
+            accepted = applied = frame.request_id in self._accepted
+            allowed = self._accepted.get(frame.request_id)
+            # per region this frame names: its host byte view, or None (not accepted, unknown, device memory);
+            # a descriptor then costs a bounds check and a bisect, not a region lookup (thousands a frame)
+            views: dict[str, memoryview | None] = {}
             rows: list[memoryview] = []  # host destinations not yet read: filled by one call when the run ends
             for dst, offset, length in ops:
-                region = self._target(frame.request_id, dst, offset, length)
-                if region is not None and region.device.type == "cpu":
-                    rows.append(self._host_view(dst, region)[offset : offset + length])
+                if dst in views:
+                    view = views[dst]
+                else:
+                    region = self._regions.get(dst) if accepted else None
+                    on_host = region is not None and region.device.type == "cpu"
+                    view = views[dst] = self._host_view(dst, region) if region is not None and on_host else None
+                if (
+                    view is not None
+                    and offset + length <= len(view)
+                    and (allowed is None or allowed.allows(dst, offset, length))
+                ):
+                    rows.append(view[offset : offset + length])
                     continue
+                region = self._target(frame.request_id, dst, offset, length)  # refused, or device memory
                 reader.read_into_views(rows)
                 rows = []
                 if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
