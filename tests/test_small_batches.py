@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from smartgen.lanes import WriteOp
 from smartgen.lanes.liveness import Lease, arm, arm_in_kernel
-from smartgen.lanes.reader import BUFFER_BYTES, LOWAT_BYTES, FrameReader
+from smartgen.lanes.reader import BUFFER_BYTES, FrameReader
 from smartgen.lanes.tcp import TcpLane
 from smartgen.lanes.tcp_link import loopback_tcp_link
 from smartgen.lanes.wire import FrameType, header_bytes, recv_header, send_header
@@ -223,32 +223,3 @@ def test_gathered_small_writes_pay_the_pacer_byte_for_byte():
     finally:
         prefill.close()
         decode.close()
-
-
-def test_a_payload_trickling_in_lands_whole_and_the_next_small_frame_is_not_held_back():
-    """A large payload is read with a receive low-water mark (one wake-up per LOWAT_BYTES, not per paced chunk):
-    it must land byte for byte however it trickles in, a payload shorter than the mark must not wait for more
-    bytes than it has, and once it is in the mark is back at 1 byte, so a small frame behind it lands at once."""
-    mine, theirs = _tcp_pair()
-    lane = TcpLane(mine, "trickle")
-    region = torch.zeros(LOWAT_BYTES * 2, dtype=torch.uint8)
-    lane.register_region("k", region)
-    lane.accept("r")
-    try:
-        size = LOWAT_BYTES + 100_000
-        payload = bytes(i % 251 for i in range(size))
-        theirs.sendall(header_bytes(FrameType.WRITE, "r", {"seq": 1, "ops": [["k", 0, size]]}, size))
-        for start in range(0, size, 40_000):  # paced chunks, well under the mark
-            theirs.sendall(payload[start : start + 40_000])
-            time.sleep(0.005)
-        assert _acks(theirs, 1)[-1] == {"seq": 1, "dropped": []}
-        assert bytes(region[:size].numpy()) == payload
-        assert mine.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
-        started = time.monotonic()
-        theirs.sendall(_write_frame("r", 2, size, b"\x05" * 40_000))  # rest > staged bytes, < the mark
-        assert _acks(theirs, 2)[-1] == {"seq": 2, "dropped": []}
-        assert time.monotonic() - started < 5  # held back, it would wait for bytes that never come
-        assert int(region[size]) == 5 and int(region[size + 39_999]) == 5
-    finally:
-        lane.close()
-        theirs.close()

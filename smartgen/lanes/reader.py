@@ -24,8 +24,6 @@ BUFFER_BYTES = 64 * 1024
 # A rest of a payload up to this size is read through the buffer (one call may bring the next frames too);
 # a larger one goes straight into its destination.
 STAGED_BYTES = 16 * 1024
-# a payload read straight into its destination returns once this much of it (or all of it) is in
-LOWAT_BYTES = 256 * 1024
 
 
 class FrameReader:
@@ -39,7 +37,6 @@ class FrameReader:
         self._start = 0  # first unread byte in the buffer
         self._end = 0  # end of the bytes received into it
         self._before_wait = before_wait
-        self._lowat: int | None = getattr(socket, "SO_RCVLOWAT", None)
 
     @property
     def buffered(self) -> int:
@@ -83,15 +80,7 @@ class FrameReader:
                     view = view[self._copy_out(view) :]
             return
         self._wait()
-        # the kernel wakes this thread once LOWAT_BYTES (or the whole rest) are in, not for every paced chunk: a
-        # speculative push arriving over a slow link otherwise costs a wake-up and a readv of every remaining row per
-        # 2 ms chunk, on the decode node's CPU (measured: 15% less receive CPU per MB at 33 Mbit/s). Never more
-        # than the rest is awaited, and the next header read asks for 1 byte again.
-        self._set_lowat(min(sum(view.nbytes for view in rest), LOWAT_BYTES))
-        try:
-            recv_into_views(self._sock, rest)
-        finally:
-            self._set_lowat(1)
+        recv_into_views(self._sock, rest)
 
     def skip(self, length: int) -> None:
         """Reads and drops the next `length` bytes (a refused write's payload), a buffer at a time."""
@@ -137,13 +126,6 @@ class FrameReader:
             if received == 0:
                 raise ConnectionClosed("peer closed the connection")
             self._end += received
-
-    def _set_lowat(self, size: int) -> None:
-        if self._lowat is not None:
-            try:
-                self._sock.setsockopt(socket.SOL_SOCKET, self._lowat, size)
-            except (OSError, AttributeError):  # a stand-in without the option, or the platform refuses it
-                self._lowat = None
 
     def _wait(self) -> None:
         if self.buffered == 0:
