@@ -44,6 +44,8 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
     assert [row["scheme"] for row in rows] == expected
     for scheme in expected:  # the table on the terminal shows every scheme, whole
         assert scheme in stdout
+    assert max(len(line) for line in stdout.splitlines()) <= 80  # piped: 80 columns, folded where needed
+    assert "rng" in stdout and "acc x" in stdout  # the rounds' spread, accuracy against full
     assert all(int(row["failed"]) == 0 for row in rows)
 
 
@@ -82,7 +84,16 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert all(r["first_step_coverage"] == 0.0 for r in group["requests"])
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
+    for group in measured:  # the decode node's requests and notices back to the prefill node are counted
+        assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
+    # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group
+    phases = data["phases"]
+    assert [(p["phase"], p["total"]) for p in phases] == [("model", None), ("pilot", 4), ("rounds", 2 * 10)]
+    assert all(p["done"] == (p["total"] or 0) and p["seconds"] > 0 for p in phases)
     for summary in data["summaries"]:
+        rounds = summary["rounds"]["ttst"]  # one measured round (--quick): no spread, its median the request's
+        assert rounds["per_round"] == [rounds["median"]] and rounds["min"] == rounds["max"] == rounds["median"]
+        assert summary["link_utilisation_back"] > 0
         assert summary["ctl"] == sorted(summary["ctl"])
         if summary["scheme"] == "full":
             assert summary["vs_full"]["ttst_speedup"] == pytest.approx(1.0)

@@ -9,7 +9,7 @@ from typing import Any
 
 from smartgen.engine.policy import check_servable, get_policy
 
-__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "lane_words"]
+__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "DEFAULT_TASKS", "lane_words"]
 
 DEFAULT_SCHEMES = (
     "full",
@@ -24,6 +24,7 @@ DEFAULT_SCHEMES = (
 # the second comparison: SmartGen with other proactive sets ("optimal" needs the request's own future
 # selections, which a serving node cannot know; `smartgen simulate --strategy optimal` runs it)
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming", "optimal")
+DEFAULT_TASKS = ("passkey", "niah_single")
 PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
 
@@ -85,7 +86,7 @@ class BenchConfig:
     output_tokens: int = 64
     reps: int = 3
     warmup: int = 1
-    tasks: tuple[str, ...] = ("passkey", "niah_single")
+    tasks: tuple[str, ...] = DEFAULT_TASKS  # eval-suite tasks the prompts come from, in turn
     seed: int = 0
     # load mode (`--load-rate`): Poisson arrivals for load_duration_s per scheme instead of rounds, goodput under SLOs
     load_rate: float | None = None
@@ -103,6 +104,11 @@ class BenchConfig:
             raise ValueError("--reps must be at least 1")
         if self.output_tokens < 3:
             raise ValueError("--output-tokens must be at least 3 (TBT needs a third token)")
+        from smartgen.apps.evalsuite import TASKS  # the eval suite's task registry
+
+        if not self.tasks or (unknown := [t for t in self.tasks if t not in TASKS]):
+            got = f"unknown: {', '.join(unknown)}" if self.tasks else "none given"
+            raise ValueError(f"--tasks must name some of {', '.join(TASKS)} ({got})")
         if "full" not in self.schemes:
             raise ValueError("the schemes must include full: every ratio is against full transfer")
         checks = {

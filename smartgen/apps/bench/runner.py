@@ -1,8 +1,8 @@
 """Runs a benchmark: a pilot to measure the regime, then every point's schemes, interleaved, on real nodes.
 
 1. The model's profile is made once if the store has none (as the demo does).
-2. Pilot: unpaced nodes serve one full-transfer request per prompt length, which measures the
-   prefill time as served (TTFT) and the all-local step time (TBT).
+2. Pilot: unpaced nodes serve a warm-up and PILOT_RUNS full-transfer requests per prompt length,
+   which measure the prefill time as served (TTFT) and the all-local step time (TBT).
 3. Per group of points sharing node settings: the link rate follows the stall ratio (a full
    transfer of one request takes R x its prefill) or is given in Gbit/s; with a decode-side ratio,
    each decode layer gets emulated compute so that an all-local step's link budget is that share
@@ -12,6 +12,8 @@
 5. A prefix-hit sweep (`prefix_hit`) starts the nodes with their prefix caches on; each point's
    prompts share their first share of tokens (cached by one warm-up request) and continue with
    tokens of their own, so every request hits exactly that prefix and nothing more.
+
+Steps 1, 2 and 3-5 are the phases `progress` sees and results.json records ("model", "pilot", "rounds").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.models import resolve_model
+from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
@@ -67,7 +70,8 @@ class Group:
     path_bytes: dict[str, int]
     descriptors: int
     posting_s: float
-    link_bytes: int
+    link_bytes: int  # sent by the prefill nodes (push and control lanes): the KV's direction
+    link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
 
 
 @dataclass(slots=True)
@@ -81,6 +85,7 @@ class BenchResult:
     loads: list[Any] = field(default_factory=list)  # load mode: a LoadRun per point and scheme
     machine: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # Phases.to_json(): where the run's time went
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +94,7 @@ class BenchResult:
             "trained": self.trained,
             "machine": self.machine,
             "notes": self.notes,
+            "phases": self.phases,
             "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
             "groups": [asdict(g) for g in self.groups],
             "loads": [{**asdict(run), "goodput": run.goodput, "throughput": run.throughput} for run in self.loads],
@@ -111,18 +117,28 @@ def _machine() -> dict[str, Any]:
 def run_bench(
     config: BenchConfig,
     say: Callable[[str], None] = print,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> BenchResult:
-    """Runs every point of `config`; `progress(what, done, total)` after every request group."""
+    """Runs every point of `config`; `progress(what, done, total)` opens each phase (loading and profiling the
+    model: no total; the pilot: its requests; the rounds: one step per request group) and reports every step."""
+    from smartgen.apps.evalsuite import MAX_NEW_TOKENS
     from smartgen.apps.stored_profile import ensure_profile
     from smartgen.runtime.models import kv_layout
+
+    phases = Phases(progress)
+    # no count here: ensure_profile does not report its calibration prompts, so the bar says what runs instead
+    phases.start("model", None, "loading the model (first run: profiling it)")
+
+    def say_too(line: str) -> None:
+        say(line)
+        phases.say(line)
 
     model_path, trained = resolve_model(config.model, config.seed)
     tokenizer = None
     layout = None
     for blocks in sorted(set(config.blocks)):
         _, model, tokenizer = ensure_profile(
-            model_path, config.db, config.selector, config.budget[0], blocks, config.lengths[0], say=say
+            model_path, config.db, config.selector, config.budget[0], blocks, config.lengths[0], say=say_too
         )
         layout = kv_layout(model, num_blocks=blocks)
         del model
@@ -131,13 +147,18 @@ def run_bench(
     result = BenchResult(config, str(model_path), trained, points, [], machine=_machine())
     if not trained:
         result.notes.append("random weights: timings only, accuracy not reported")
+    elif short := [t for t in config.tasks if MAX_NEW_TOKENS[t] > config.output_tokens]:
+        result.notes.append(
+            f"--output-tokens {config.output_tokens} is shorter than the answers of {', '.join(short)} "
+            f"({', '.join(str(MAX_NEW_TOKENS[t]) for t in short)} tokens): their scores read a cut answer"
+        )
     prompts = _Prompts(config, tokenizer)
     say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
-    pilot = _pilot(config, model_path, prompts)
+    phases.start("pilot", len(set(config.lengths)) * (PILOT_RUNS + 1), "pilot: starting unpaced nodes")
+    pilot = _pilot(config, model_path, prompts, phases)
     load = config.load_spec()
     rounds = 1 if load is not None else config.warmup + config.reps
-    total = len(points) * rounds * len(config.all_schemes)
-    done = 0
+    phases.start("rounds", len(points) * rounds * len(config.all_schemes), "starting the paced nodes")
     by_nodes: dict[tuple, list[int]] = {}
     for i, point in enumerate(points):
         by_nodes.setdefault(point.node_key(), []).append(i)
@@ -152,6 +173,7 @@ def run_bench(
             + f", CPUs {regime.cpus}"
         )
         spec = _spec(config, model_path, first, regime)
+        phases.say(f"starting nodes ({first.label(config.link_mode)})")
         with LocalCluster(spec) as cluster:
             for i in indices:
                 regimes[i] = regime
@@ -160,9 +182,7 @@ def run_bench(
                     _request(cluster.url, prompts.sample(config.tasks[0], point.length, config.seed).prompt, "full", 4)
                     for scheme in config.all_schemes:
                         result.loads.append(_run_load(cluster, config, i, point, scheme, prompts, load))
-                        done += 1
-                        if progress:
-                            progress(f"{scheme} under load ({point.label(config.link_mode)})", done, total)
+                        phases.step(f"{scheme} under load ({point.label(config.link_mode)})")
                     continue
                 if point.prefix_hit:
                     warm = prompts.prefixed(point, rep=-1, salt=0)[0].prompt  # puts the shared prefix in the caches
@@ -184,10 +204,10 @@ def run_bench(
                         if record:
                             recorded = counts
                         result.groups.append(group)
-                        done += 1
-                        if progress:
-                            progress(f"{scheme} ({point.label(config.link_mode)})", done, total)
+                        phases.step(f"{scheme} ({point.label(config.link_mode)})")
+    phases.end()
     result.regimes = [regimes[i] for i in range(len(points))]
+    result.phases = phases.to_json()
     return result
 
 
@@ -245,9 +265,9 @@ class _Prompts:
         return score_sample(sample, self.tokenizer.decode(ids))
 
 
-def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int, tuple[float, float]]:
+def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Phases) -> dict[int, tuple[float, float]]:
     """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes: the least of PILOT_RUNS requests
-    after a warm-up one, since on a shared machine other work only ever adds time."""
+    after a warm-up one, since on a shared machine other work only ever adds time. One phase step per request."""
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
@@ -264,7 +284,10 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts) -> dict[int
     with LocalCluster(spec) as cluster:
         for length in sorted(set(config.lengths)):
             sample = prompts.sample(config.tasks[0], length, config.seed)
-            runs = [_request(cluster.url, sample.prompt, "full", PILOT_TOKENS)["usage"] for _ in range(PILOT_RUNS + 1)]
+            runs = []
+            for _ in range(PILOT_RUNS + 1):
+                runs.append(_request(cluster.url, sample.prompt, "full", PILOT_TOKENS)["usage"])
+                phases.step(f"pilot: {length} tokens")
             measured[length] = (min(float(u["ttft"]) for u in runs[1:]), min(float(u["tbt"]) for u in runs[1:]))
     return measured
 
@@ -354,9 +377,12 @@ def _is_optimal(scheme: str) -> bool:
 
 
 def _totals(status: dict[str, Any]) -> dict[str, float]:
-    """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links."""
+    """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links; and the
+    bytes the decode node sent back over its links (`link_bytes_back`)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
-    totals.update(descriptors=0, posting_s=0.0, link_bytes=0)
+    totals.update(descriptors=0, posting_s=0.0, link_bytes=0, link_bytes_back=0)
+    for link in status["decode"].get("links", []):
+        totals["link_bytes_back"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
         for path in TRANSFER_PATHS:
             totals[f"bytes.{path}"] += node["paths"]["bytes"].get(path, 0)
@@ -449,6 +475,7 @@ def _run_group(
         descriptors=int(after["descriptors"] - before["descriptors"]),
         posting_s=after["posting_s"] - before["posting_s"],
         link_bytes=int(after["link_bytes"] - before["link_bytes"]),
+        link_bytes_back=int(after["link_bytes_back"] - before["link_bytes_back"]),
     ), counts
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.runner import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
 
-__all__ = ["Summary", "summarize", "percentile"]
+__all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS"]
+
+ROUND_METRICS = ("ttft", "ttst", "tbt")  # the timings whose spread across measured rounds is reported
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -47,7 +50,7 @@ class Summary:
     bytes_per_request: dict[str, float]  # per path
     descriptors_per_request: float
     posting_s_per_request: float
-    link_utilisation: float | None  # link bytes / (rate x wall time)
+    link_utilisation: float | None  # prefill->decode link bytes / (rate x wall time): the direction KV crosses
     accuracy: float | None  # mean score, 0-1
     vs_full: dict[str, float | None] = field(default_factory=dict)  # ratios against full transfer
     ttst_bound: float | None = None  # prefill + what prefill cannot hide + one all-local step
@@ -58,6 +61,10 @@ class Summary:
     # the metadata and every entry selected by then (as a perfect predictor would have sent them, in order)
     ctl_bound: list[float] = field(default_factory=list)
     tbt_floor: float | None = None  # the mean TBT if every token came at its ctl_bound
+    # per timing (ROUND_METRICS), across measured rounds: each round's median request, their median, min and max
+    rounds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # decode->prefill bytes (fetch requests, idle notices, acks) / (rate x wall time); each way has its own pacer
+    link_utilisation_back: float | None = None
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -67,6 +74,23 @@ def _stats(values: list[float]) -> dict[str, float | None]:
         "p99": percentile(values, 99),
         "min": min(values) if values else None,
         "max": max(values) if values else None,
+    }
+
+
+def round_spread(groups: list[Group], key: str) -> dict[str, Any]:
+    """`key` (ttft, ttst or tbt) across rounds: each round's median over its finished requests (`per_round`, in
+    round order), then the median, min and max of those. One value per round, so a round with a large batch
+    weighs no more than one with a small one, and min-max shows how much a round-to-round difference means."""
+    per_round = []
+    for group in sorted(groups, key=lambda g: g.rep):
+        values = [float(r[key]) for r in group.requests if not r.get("error") and r.get(key) is not None]
+        if values:
+            per_round.append(statistics.median(values))
+    return {
+        "per_round": per_round,
+        "median": statistics.median(per_round) if per_round else None,
+        "min": min(per_round, default=None),
+        "max": max(per_round, default=None),
     }
 
 
@@ -113,6 +137,8 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         posting_s_per_request=sum(g.posting_s for g in groups) / num,
         link_utilisation=sum(g.link_bytes for g in groups) / (rate * wall) if wall > 0 else None,
         accuracy=_mean(scores),
+        rounds={key: round_spread(groups, key) for key in ROUND_METRICS},
+        link_utilisation_back=sum(g.link_bytes_back for g in groups) / (rate * wall) if wall > 0 else None,
     )
 
 
@@ -136,6 +162,9 @@ def summarize(result: BenchResult) -> list[Summary]:
                 "ttst_speedup": _ratio(full.ttst["mean"], s.ttst["mean"]),  # > 1: faster than full transfer
                 "tbt": _ratio(s.tbt["mean"], full.tbt["mean"]),  # > 1: slower than full transfer
                 "accuracy": _ratio(s.accuracy, full.accuracy),
+                # the same two of the rounds' medians, which the terminal shows
+                "ttst_speedup_median": _ratio(full.rounds["ttst"]["median"], s.rounds["ttst"]["median"]),
+                "tbt_median": _ratio(s.rounds["tbt"]["median"], full.rounds["tbt"]["median"]),
             }
             sharing = link_sharing(point)
             s.ttst_bound = ttst_bound(point.length, regime, full, s, sharing=sharing)

@@ -52,29 +52,43 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
+def _spread(s: Summary, key: str) -> str:
+    """The rounds' max - min of `key` in ms; "-" with fewer than two measured rounds (no spread to show)."""
+    rounds = s.rounds.get(key, {})
+    if len(rounds.get("per_round", [])) < 2:
+        return "-"
+    return _ms(rounds["max"] - rounds["min"])
+
+
 def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> tuple[Table, Table, Table]:
-    """(timings, transfers, link waits) of one point; rows in the config's scheme order. Three tables of at
-    most nine columns each: with scheme names whole, that is what 80 columns hold without folding figures."""
+    """(timings, transfers, link waits) of one point; rows in the config's scheme order. At most ten narrow
+    columns each: with scheme names whole, that is what 80 columns hold without folding figures."""
     rows = [s for s in summaries if s.point == point]
     timings = _table(
-        "timings in ms (means; p99: TBT's); x: TTST speed-up and TBT ratio vs full; bound: least TTST possible",
-        ["scheme", "TTFT", "TTST", "TBT", "p99", "TTST x", "TBT x", "bound"],
+        "timings in ms: medians over the measured rounds of each round's median request; rng: the rounds' max - "
+        "min; p99: TBT's over requests; x: TTST speed-up and TBT ratio vs full, of those medians; bound: least "
+        "TTST possible (means, p50 and min-max per request in results.json and summary.csv)",
+        ["scheme", "TTFT", "TTST", "rng", "TBT", "rng", "p99", "TTST x", "TBT x", "bound"],
     )
     for s in rows:
         timings.add_row(
             Text(s.scheme),  # Text: "smartgen[random]" is not markup
-            _ms(s.ttft["mean"]),
-            _ms(s.ttst["mean"]),
-            _ms(s.tbt["mean"]),
+            _ms(s.rounds["ttft"]["median"]),
+            _ms(s.rounds["ttst"]["median"]),
+            _spread(s, "ttst"),
+            _ms(s.rounds["tbt"]["median"]),
+            _spread(s, "tbt"),
             _ms(s.tbt["p99"]),
-            _x(s.vs_full.get("ttst_speedup")),
-            _x(s.vs_full.get("tbt")),
+            _x(s.vs_full.get("ttst_speedup_median")),
+            _x(s.vs_full.get("tbt_median")),
             _ms(s.ttst_bound),
         )
     transfers = _table(
         "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector "
-        "metadata); od%: on-demand ratio; link%: utilisation; acc%: answers right",
-        ["scheme", "push", "fetch", "spec", "meta", "od%", "link%", "acc%"],
+        "metadata); od%: on-demand ratio; link%: utilisation of the prefill -> decode direction (the KV's; the "
+        "other way, link_utilisation_back in the files, is requests and notices); acc%: answers right; acc x: "
+        "accuracy relative to full transfer's",
+        ["scheme", "push", "fetch", "spec", "meta", "od%", "link%", "acc%", "acc x"],
     )
     for s in rows:
         paths = s.bytes_per_request
@@ -88,6 +102,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _pct(s.on_demand_ratio),
             _pct(s.link_utilisation),
             _pct(s.accuracy),
+            _x(s.vs_full.get("accuracy")),
         )
     waits = _table(
         "where TTST and TBT go: cov1%: the first decode step's selection (layers >= 2) already local; wait1: "

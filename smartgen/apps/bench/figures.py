@@ -1,0 +1,178 @@
+"""A benchmark's PNG figures: CTL and step gaps per point, TTST and TBT bars, and the bandwidth sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from smartgen.apps.bench.config import Point
+from smartgen.apps.bench.runner import BenchResult
+from smartgen.apps.bench.stats import Summary
+
+__all__ = ["figures", "bandwidth_series"]
+
+
+def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Path]:
+    """Draws ctl.png, steps.png, ttst_tbt.png and, with several link rates, bandwidth.png under `out`; none
+    without matplotlib (smartgen[plot]). Returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # figures are optional (smartgen[plot]); JSON and CSV hold every number
+        return []
+    written = []
+    schemes = result.config.all_schemes
+    points = result.points
+    # CTL per scheme (the paper's Figure 9), one panel per point
+    fig, axes = plt.subplots(len(points), 1, figsize=(7, 3.2 * len(points)), squeeze=False)
+    for index, ax in enumerate(axes[:, 0]):
+        for s in summaries:
+            if s.point == index and s.ctl:
+                ax.plot(range(len(s.ctl)), s.ctl, label=s.scheme)
+        bound = _bound_of(summaries, index)
+        if bound:
+            ax.plot(range(len(bound)), bound, "k--", linewidth=1, label="bound (lossless, perfect prediction)")
+        ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
+        ax.set_xlabel("output token")
+        ax.set_ylabel("mean arrival (s)")
+        if ax.lines:  # a point whose requests all failed has nothing to name
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, out / "ctl.png", plt))
+    # where TBT goes: the time between consecutive tokens, per output token (a step that waited for the link
+    # stands out above full transfer's all-local steps)
+    fig, axes = plt.subplots(len(points), 1, figsize=(7, 3.2 * len(points)), squeeze=False)
+    for index, ax in enumerate(axes[:, 0]):
+        for s in summaries:
+            if s.point == index and len(s.ctl) > 2:
+                ax.plot(range(2, len(s.ctl)), _gaps_ms(s.ctl), label=s.scheme)
+        bound = _bound_of(summaries, index)
+        if len(bound) > 2:
+            ax.plot(
+                range(2, len(bound)), _gaps_ms(bound), "k--", linewidth=1, label="bound (lossless, perfect prediction)"
+            )
+        ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
+        ax.set_xlabel("output token (2 = the second token after TTST)")
+        ax.set_ylabel("time since the previous token (ms)")
+        ax.set_yscale("log")
+        if ax.lines:  # a point whose requests all failed has nothing to name
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, out / "steps.png", plt))
+    # TTST and TBT bars per scheme and batch size
+    batches = sorted({p.batch for p in points})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(batches), 1)
+    for b_index, batch in enumerate(batches):
+        for m_index, metric in enumerate(("ttst", "tbt")):
+            heights = []
+            for scheme in schemes:
+                values = [
+                    getattr(s, metric)["mean"]
+                    for s in summaries
+                    if s.scheme == scheme and points[s.point].batch == batch and getattr(s, metric)["mean"] is not None
+                ]
+                heights.append(sum(values) / len(values) if values else 0.0)
+            xs = [i + b_index * width for i in range(len(schemes))]
+            axes[m_index].bar(xs, heights, width, label=f"batch {batch}")
+            # the least TTST the link allows, with step one's selection sent first, and the TBT floor
+            marked = {
+                "ttst": (
+                    ("ttst_bound", "black", "bound"),
+                    ("ttst_bound_selection", "red", "bound1: step one's selection too"),
+                ),
+                "tbt": (("tbt_floor", "black", "TBT fl: every token at its CTL bound"),),
+            }
+            for attr, color, label in marked[metric]:
+                marks = [
+                    (x, getattr(s, attr))
+                    for x, scheme in zip(xs, schemes)
+                    for s in summaries
+                    if s.scheme == scheme and points[s.point].batch == batch and getattr(s, attr) is not None
+                ]
+                if marks:
+                    axes[m_index].scatter(
+                        [x for x, _ in marks],
+                        [b for _, b in marks],
+                        marker="_",
+                        s=200,
+                        color=color,
+                        label=label if b_index == 0 else None,
+                    )
+    for ax, metric in zip(axes, ("TTST (s)", "mean TBT (s)")):
+        ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(schemes))])
+        ax.set_xticklabels(schemes, rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(_save(fig, out / "ttst_tbt.png", plt))
+    # the bandwidth sweep: TTST per scheme over link rate, a panel per setting of the other sweeps
+    series = bandwidth_series(result, summaries)
+    if any(len(line) > 1 for panel in series.values() for line in panel.values()):
+        fig, axes = plt.subplots(len(series), 1, figsize=(7, 4 * len(series)), squeeze=False)
+        for ax, (title, lines) in zip(axes[:, 0], series.items()):
+            for scheme, pairs in lines.items():
+                ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", label=scheme)
+            ax.set_title(title, fontsize=8)
+            ax.set_xscale("log")
+            ax.set_xlabel("link (Gbit/s)")
+            ax.set_ylabel("TTST (s)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / "bandwidth.png", plt))
+    return written
+
+
+_SWEEP_WORDS: dict[str, Callable[[Any], str]] = {
+    "batch": lambda v: f"batch {v}",
+    "length": lambda v: f"{v} tokens",
+    "blocks": lambda v: f"M={v}",
+    "budget": lambda v: f"budget {v:g}",
+    "speculative_ratio": lambda v: f"spec {v:g}",
+    "prefill_nodes": lambda v: f"{v} prefill node{'s' * (v > 1)}",
+    "prefix_hit": lambda v: "prefix caches off" if v is None else f"prefix hit {v:.0%}",
+}
+
+
+def bandwidth_series(result: BenchResult, summaries: list[Summary]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """bandwidth.png's data: {panel title: {scheme: [(link Gbit/s, mean TTST s), ...] by rate}}.
+
+    One panel per setting of every sweep but the link's (batch, length, M, ...), so a scheme's line never joins
+    points of two batch sizes; titles name the sweeps that vary ("" when only the link does). Panels and schemes
+    keep the order of the points and summaries.
+    """
+    rest = [replace(p, link=0.0) for p in result.points]  # a point without its link: which panel it is in
+    varying = [f.name for f in fields(Point) if f.name != "link" and len({getattr(r, f.name) for r in rest}) > 1]
+    panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for s in summaries:
+        if s.ttst["mean"] is None:
+            continue
+        title = ", ".join(_SWEEP_WORDS[name](getattr(rest[s.point], name)) for name in varying)
+        line = panels.setdefault(title, {}).setdefault(s.scheme, [])
+        line.append((result.regimes[s.point].link_gbps, s.ttst["mean"]))
+    for lines in panels.values():
+        for line in lines.values():
+            line.sort()
+    return panels
+
+
+def _gaps_ms(arrivals: list[float]) -> list[float]:
+    """Milliseconds between consecutive arrivals from the second token on (TBT's gaps)."""
+    return [1000.0 * (b - a) for a, b in zip(arrivals[1:], arrivals[2:])]
+
+
+def _bound_of(summaries: list[Summary], point: int) -> list[float]:
+    """The CTL bound drawn for a point: smartgen's, else the first budgeted scheme's that has one."""
+    candidates = [s for s in summaries if s.point == point and s.ctl_bound and s.scheme not in ("full", "quant2")]
+    preferred = [s for s in candidates if s.scheme == "smartgen"] or candidates
+    return preferred[0].ctl_bound if preferred else []
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

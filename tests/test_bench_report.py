@@ -1,0 +1,240 @@
+"""What `smartgen bench` reports, on synthetic rounds: medians and spread across rounds, the 80-column tables,
+accuracy against full, the bandwidth figure's series, the phases its progress bar shows, and its --help."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from smartgen.apps.bench.config import BenchConfig, Point
+from smartgen.apps.bench.figures import bandwidth_series
+from smartgen.apps.bench.output import write_outputs
+from smartgen.apps.bench.phases import Phases
+from smartgen.apps.bench.runner import BenchResult, Group, Regime
+from smartgen.apps.bench.stats import summarize
+from smartgen.apps.bench.tables import point_tables
+from smartgen.cli.app import app
+
+runner = CliRunner()
+SCHEMES = ("full", "partial+profile+parallel", "smartgen")
+
+
+def _regime(gbps: float = 0.03) -> Regime:
+    return Regime(gbps, 4.7, 1024, {1024: 0.3}, {1024: 0.008}, 0.0, 0.02, 3072, 6)
+
+
+def _request(ttft: float, ttst: float, tbt: float, score: float | None = 1.0) -> dict:
+    return {"ttft": ttft, "ttst": ttst, "tbt": tbt, "score": score, "error": None, "prompt_tokens": 1024}
+
+
+def _group(scheme: str, rep: int, requests: list[dict], point: int = 0, back: int = 0) -> Group:
+    return Group(point, scheme, rep, rep == 0, 2.0, requests, {"full": 10**6}, 10, 0.001, 10**6, back)
+
+
+def _rounds_result() -> BenchResult:
+    """One warm-up round (rep 0, far off) and three measured ones of a batch of three per scheme; smartgen is
+    twice as fast as full to its second token, half as accurate, and its third round has a failed request."""
+    config = BenchConfig(schemes=SCHEMES, strategies=("sequential",), batch=(3,), reps=3)
+    groups = []
+    for k, scheme in enumerate(config.all_schemes):
+        scale = 0.5 if scheme == "smartgen" else 1.0
+        score = 0.5 if scheme == "smartgen" else 1.0
+        groups.append(_group(scheme, 0, [_request(9.0, 99.0, 9.0)] * 3))  # warm-up: left out of everything
+        for rep, base in ((1, 1.0), (2, 1.4), (3, 1.2)):
+            requests = [_request(0.3, scale * (base + d), 0.010 + 0.001 * rep + d / 100, score) for d in (0, 0.1, 0.5)]
+            if scheme == "smartgen" and rep == 3:
+                requests[0] = {"error": "HTTP Error 500", "task": "passkey"}
+            groups.append(_group(scheme, rep, requests, back=1000 * (k + 1)))
+    return BenchResult(config, "m", True, [Point(3, 1024, 4.7, 256, 0.2, 0.1, 1)], [_regime()], groups)
+
+
+def test_medians_and_spread_are_over_measured_rounds() -> None:
+    result = _rounds_result()
+    summaries = {s.scheme: s for s in summarize(result)}
+    full, ours = summaries["full"], summaries["smartgen"]
+    # each round's median request (1.0 + 0.1, ...), in round order; the warm-up's 99 s nowhere
+    assert full.rounds["ttst"]["per_round"] == pytest.approx([1.1, 1.5, 1.3])
+    assert (full.rounds["ttst"]["median"], full.rounds["ttst"]["min"], full.rounds["ttst"]["max"]) == pytest.approx(
+        (1.3, 1.1, 1.5)
+    )
+    assert full.rounds["tbt"]["per_round"] == pytest.approx([0.012, 0.013, 0.014])
+    # a failed request leaves its round's median to the others: (0.5 * 1.3, 0.5 * 1.7) -> 0.75
+    assert ours.rounds["ttst"]["per_round"] == pytest.approx([0.55, 0.75, 0.75])
+    assert ours.failed == 1 and ours.ttst["max"] < 9
+    assert ours.vs_full["ttst_speedup_median"] == pytest.approx(1.3 / 0.75)
+    assert ours.vs_full["tbt_median"] == pytest.approx(0.013 / 0.013)
+    assert ours.vs_full["accuracy"] == pytest.approx(0.5)
+    # the decode node's bytes back, over the same rate x wall time as the KV's direction
+    rate = 0.03e9 / 8
+    assert full.link_utilisation_back == pytest.approx(3 * 1000 / (rate * 6.0))
+    assert summaries["smartgen[sequential]"].link_utilisation_back == pytest.approx(3 * 4000 / (rate * 6.0))
+
+
+def test_the_files_hold_the_spread_and_the_way_back(tmp_path: Path) -> None:
+    result = _rounds_result()
+    written = write_outputs(result, summarize(result), tmp_path)
+    assert tmp_path / "summary.csv" in written
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = {row["scheme"]: row for row in csv.DictReader(handle)}
+    full = rows["full"]
+    assert int(full["rounds"]) == 3
+    assert float(full["ttst_round_median_s"]) == pytest.approx(1.3)
+    assert (float(full["ttst_round_min_s"]), float(full["ttst_round_max_s"])) == pytest.approx((1.1, 1.5))
+    assert float(full["tbt_round_max_s"]) == pytest.approx(0.014)
+    assert float(rows["smartgen"]["ttst_speedup_median_vs_full"]) == pytest.approx(1.3 / 0.75)
+    assert float(rows["smartgen"]["accuracy_vs_full"]) == pytest.approx(0.5)
+    assert float(full["link_utilisation_back"]) > 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["summaries"][0]["rounds"]["ttst"]["per_round"] == pytest.approx([1.1, 1.5, 1.3])
+
+
+def _render(tables: tuple, width: int) -> list[str]:
+    console = Console(width=width, file=io.StringIO(), record=True)
+    for table in tables:
+        console.print(table)
+    return console.export_text().splitlines()
+
+
+def test_the_tables_show_medians_spread_and_accuracy_vs_full_within_80_columns() -> None:
+    result = _rounds_result()
+    tables = point_tables(result, summarize(result), 0)
+    lines = _render(tables, 80)
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if line.lstrip().startswith("scheme") and "TTST" in line)
+    assert header.split() == ["scheme", "TTFT", "TTST", "rng", "TBT", "rng", "p99", "TTST", "x", "TBT", "x", "bound"]
+    full = next(line.split() for line in lines if line.split()[:1] == ["full"])
+    # TTFT, TTST median 1300 ms, range 1500 - 1100 = 400, TBT median 13 ms, range 2 ms, p99 of the nine
+    # requests' TBTs 17.9 ms, TTST x 1.00 (of medians)
+    assert full[1:7] == ["300", "1300", "400", "13", "2", "18"] and full[7] == "1.00"
+    ours = [line.split() for line in lines if line.split()[:1] == ["smartgen"]]
+    assert ours[0][2:4] == ["750", "200"] and ours[0][7] == f"{1.3 / 0.75:.2f}"
+    acc = ours[1]  # the transfers table: acc% and acc x
+    assert acc[-2:] == ["50.0", "0.50"]
+    assert "(1" in " ".join(acc) and "failed)" in " ".join(acc)  # "smartgen (1 failed)"
+    for scheme in (*SCHEMES, "smartgen[sequential]"):  # names stay whole at any width
+        for width in (80, 60):
+            assert any(line.split()[:1] == [scheme] for line in _render(tables, width))
+    assert not any("…" in line for line in _render(tables, 60))  # narrower: folded, never cut
+
+
+def test_one_round_shows_no_spread() -> None:
+    result = _rounds_result()
+    result.groups = [g for g in result.groups if g.rep in (0, 1)]
+    lines = _render(point_tables(result, summarize(result), 0), 80)
+    full = next(line.split() for line in lines if line.split()[:1] == ["full"])
+    assert full[2:4] == ["1100", "-"]
+
+
+def _sweep(config: BenchConfig) -> tuple[BenchResult, list]:
+    """A result of `config`'s points with no rounds, each summary's mean TTST set to batch + Gbit/s (+ 0.5 for
+    smartgen): a value that says which point and scheme it came from."""
+    points = config.points()
+    result = BenchResult(config, "m", True, points, [_regime(p.link) for p in points])
+    summaries = summarize(result)
+    for s in summaries:
+        point = points[s.point]
+        s.ttst["mean"] = point.batch + point.link + (0.5 if s.scheme == "smartgen" else 0.0)
+    return result, summaries
+
+
+def _flat(pairs: list[tuple[float, float]]) -> list[float]:
+    return [v for pair in pairs for v in pair]
+
+
+def test_bandwidth_lines_never_mix_batch_sizes() -> None:
+    config = BenchConfig(schemes=("full", "smartgen"), strategies=(), batch=(1, 2), link_gbps=(0.1, 0.02, 0.05))
+    series = bandwidth_series(*_sweep(config))
+    assert list(series) == ["batch 1", "batch 2"]
+    for title, batch in (("batch 1", 1), ("batch 2", 2)):
+        assert list(series[title]) == ["full", "smartgen"]
+        rates = (0.02, 0.05, 0.1)  # sorted by rate, each point of this batch once
+        assert _flat(series[title]["full"]) == pytest.approx(_flat([(g, batch + g) for g in rates]))
+        assert _flat(series[title]["smartgen"]) == pytest.approx(_flat([(g, batch + g + 0.5) for g in rates]))
+    # only the link swept: one untitled panel; two sweeps besides it: every combination, both named
+    alone = BenchConfig(schemes=("full",), strategies=(), link_gbps=(0.02, 0.05))
+    assert list(bandwidth_series(*_sweep(alone))) == [""]
+    both = BenchConfig(schemes=("full",), strategies=(), batch=(1, 2), lengths=(512, 1024), link_gbps=(0.02, 0.05))
+    series = bandwidth_series(*_sweep(both))
+    assert sorted(series) == sorted(f"batch {b}, {n} tokens" for b in (1, 2) for n in (512, 1024))
+    assert all(len(line) == 2 for panel in series.values() for line in panel.values())
+
+
+def test_phases_report_a_total_wherever_one_is_known() -> None:
+    seen: list[tuple[str, int, int | None]] = []
+    phases = Phases(lambda what, done, total: seen.append((what, done, total)))
+    phases.start("model", None, "loading the model")
+    phases.say("no profile yet: profiling 8 calibration prompts")
+    phases.start("pilot", 2)
+    phases.step("pilot: 512 tokens")
+    phases.step("pilot: 512 tokens")
+    phases.start("rounds", 3, "starting the paced nodes")
+    phases.say("starting nodes")
+    for _ in range(3):
+        phases.step("full")
+    phases.end()
+    assert seen[:2] == [("loading the model", 0, None), ("no profile yet: profiling 8 calibration prompts", 0, None)]
+    assert seen[2:5] == [("pilot", 0, 2), ("pilot: 512 tokens", 1, 2), ("pilot: 512 tokens", 2, 2)]
+    assert [done for _, done, total in seen[5:]] == [0, 0, 1, 2, 3] and {t for _, _, t in seen[5:]} == {3}
+    recorded = phases.to_json()
+    assert [(p["phase"], p["done"], p["total"]) for p in recorded] == [
+        ("model", 0, None),
+        ("pilot", 2, 2),
+        ("rounds", 3, 3),
+    ]
+    assert all(p["seconds"] >= 0 for p in recorded)
+
+
+def test_the_bar_gives_each_phase_its_own_task() -> None:
+    from smartgen.cli.bench import phase_bar
+
+    console = Console(file=io.StringIO(), width=100)
+    with phase_bar(console) as (bar, progress):
+        progress("loading the model", 0, None)
+        assert [(t.description, t.total) for t in bar.tasks] == [("loading the model", None)]
+        progress("pilot", 0, 4)  # a total now: a new task, whose ETA is the pilot's alone
+        progress("pilot: 512 tokens", 3, 4)
+        [pilot] = bar.tasks
+        assert (pilot.description, pilot.completed, pilot.total) == ("pilot: 512 tokens", 3, 4)
+        progress("starting the paced nodes", 0, 24)  # done drops: the rounds' own task
+        progress("full (batch 1, 512 tokens)", 1, 24)
+        [rounds] = bar.tasks
+        assert rounds.id != pilot.id and (rounds.completed, rounds.total) == (1, 24)
+
+
+def _help(command: str) -> str:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.replace("│", " ").split())
+
+
+def test_bench_help_keeps_every_default() -> None:
+    text = _help("bench")
+    for default in (
+        "prompt lengths in tokens (default 2048; 1024 with --quick)",
+        "KV blocks M per layer (default 1024; 256 with --quick)",
+        "EOS ignored (default 64; 16 with --quick)",
+        "(default 3; 1 with --quick)",
+        "passkey, niah_single, niah_multikey, kv_retrieval, vt",
+        "[default: passkey,niah_single]",
+    ):
+        assert default in text
+    assert " ." not in text  # what rich leaves where it took help text for markup
+
+
+def test_bench_tasks_must_be_eval_suite_tasks() -> None:
+    from smartgen.apps.bench.config import DEFAULT_TASKS
+    from smartgen.cli.bench import DEFAULT_TASKS as CLI_DEFAULT_TASKS
+
+    assert CLI_DEFAULT_TASKS == DEFAULT_TASKS  # the CLI keeps its own copy so --help imports no torch
+    for tasks, says in (("passkey,needles", "unknown: needles"), (",", "none given")):
+        result = runner.invoke(app, ["bench", "--tasks", tasks], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --tasks must name some of passkey, niah_single")
+        assert says in lines[0] and "Traceback" not in result.output + result.stderr
