@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,8 +16,16 @@ from smartgen.sysinfo import SAMPLES_DIR
 from .errors import fail
 from .lists import names
 from .rdma_options import device_option, gid_option, port_option, rdma_flags
+from .simulate import folding_table
+
+if TYPE_CHECKING:  # rich and the demo load only when the command runs, so --help stays fast
+    from rich.console import Console
+    from rich.table import Table
+
+    from smartgen.apps.demo import SchemeResult
 
 DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
+PAPER_STALL_RATIO = 4.7  # smartgen.apps.bench.config.PAPER_STALL_RATIO (here: --help imports no torch)
 
 
 def demo(
@@ -41,8 +50,15 @@ def demo(
     budget: Annotated[float, typer.Option(min=0.01, help="Selection budget as a share of the prompt.")] = 0.2,
     blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.")] = 1024,
     transfer_ratio: Annotated[
-        float, typer.Option(min=0.5, help="Pace the link so a full KV transfer takes this many times the prefill.")
-    ] = 5.0,
+        float,
+        typer.Option(
+            "--stall-ratio",
+            "--transfer-ratio",
+            min=0.5,
+            help="Pace the link so a full KV transfer takes this many times the prefill as served (measured first, "
+            "as `smartgen bench` does; the paper's testbed: about 4.7).",
+        ),
+    ] = PAPER_STALL_RATIO,
     lane: Annotated[
         str,
         typer.Option(
@@ -50,6 +66,14 @@ def demo(
             "`serve --role both` process, the in-process lane paced the same way; see `serve --help`)."
         ),
     ] = "tcp",
+    separate_cpus: Annotated[
+        bool,
+        typer.Option(
+            "--separate-cpus/--shared-cpus",
+            help="Run the prefill node and the decode node on disjoint halves of this machine's CPUs, as on separate "
+            "machines and as `smartgen bench` does (ignored with --lane inproc or one CPU).",
+        ),
+    ] = True,
     rdma_device: Annotated[str | None, device_option("Options")] = None,
     rdma_port: Annotated[int | None, port_option("Options")] = None,
     gid_index: Annotated[int | None, gid_option("Options")] = None,
@@ -64,9 +88,10 @@ def demo(
 ) -> None:
     """Run the main job: two real nodes over a paced loopback link, schemes side by side (a few minutes)."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.text import Text
 
     from smartgen.apps.demo import DemoConfig, run_demo
+    from smartgen.engine.policy import check_servable, get_policy
     from smartgen.lanes.backends import lane_problem
     from smartgen.store import StoreError
 
@@ -75,6 +100,13 @@ def demo(
     lane_flags = rdma_flags(lane, rdma_device, rdma_port, gid_index)  # before: a misplaced option is named first
     if problem := lane_problem(lane):
         fail(problem)
+    if not names(schemes):
+        fail("--schemes is empty")
+    try:
+        for scheme in names(schemes):  # before the model loads and the nodes start
+            check_servable(get_policy(scheme))
+    except ValueError as exc:
+        fail(str(exc))
     console = Console()
     config = DemoConfig(
         model=model,
@@ -89,8 +121,9 @@ def demo(
         transfer_ratio=transfer_ratio,
         lane=lane,
         lane_flags=lane_flags,
+        separate_cpus=separate_cpus,
     )
-    say = lambda line: console.print(f"[dim]{line}[/]")  # noqa: E731
+    say = lambda line: console.print(Text(line, style="dim"))  # noqa: E731  (Text: a line is not markup)
     try:
         if monitor and sys.stdin.isatty() and sys.stdout.isatty():
             results, setup = _run_beside_dashboard(config, say)
@@ -99,15 +132,24 @@ def demo(
                 config.on_nodes = lambda decode, prefill: console.print(
                     f"watch it from another terminal: [bold]{_monitor_command(decode, prefill)}[/]"
                 )
-            results, setup = run_demo(config, say=say)
+            with request_bar(console) as progress:
+                results, setup = run_demo(config, say=say, progress=progress)
     except (RuntimeError, ValueError, OSError, StoreError) as exc:
         fail(str(exc), code=1)
-    table = Table(
-        title=f"{setup['model']}, {setup['prompt_tokens']} prompt tokens, {setup['selector']}, "
-        f"link {setup['link_gbps'] * 1000:.1f} Mbit/s (full transfer {setup['transfer_s']:.2f} s, prefill {setup['prefill_s']:.2f} s)"
+    console.print(results_table(results, setup))
+
+
+def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
+    """The demo's results, one row per scheme; TTST vs first: the first scheme's TTST over this one's."""
+    table = folding_table(
+        f"{setup['model']}, {setup['prompt_tokens']} prompt tokens, {setup['selector']}, link "
+        f"{setup['link_gbps'] * 1000:.1f} Mbit/s (full transfer {setup['transfer_s']:.2f} s, prefill "
+        f"{setup['prefill_s']:.2f} s), stall ratio {setup['regime'].stall_ratio:.2f}, decode-side ratio "
+        f"{setup['regime'].decode_ratio:.3f}",
+        ["scheme", "TTFT ms", "TTST ms", "mean TBT ms", "answers correct", "TTST vs first"],
     )
-    for column in ("scheme", "TTFT ms", "TTST ms", "mean TBT ms", "answers correct", "TTST vs first"):
-        table.add_column(column, justify="left" if column == "scheme" else "right")
+    from rich.text import Text
+
     first = results[0].mean("ttst") if results else None
 
     def ms(value: float | None) -> str:
@@ -117,25 +159,49 @@ def demo(
         ttst = r.mean("ttst")
         correct = f"{sum(r.scores):.0f}/{len(r.scores)}" + (f" ({len(r.errors)} failed)" if r.errors else "")
         table.add_row(
-            r.scheme,
+            Text(r.scheme),  # Text: "smartgen[random]" is not markup
             ms(r.mean("ttft")),
             ms(ttst),
             ms(r.mean("tbt")),
             correct,
             "-" if not (first and ttst) else f"{first / ttst:.2f}x",
         )
-    console.print(table)
-    full = next((r for r in results if r.scheme == "full" and r.mean("tbt")), None)
-    if full is not None:
-        from smartgen.apps.demo import decode_side_ratio
+    return table
 
-        ratio = decode_side_ratio(setup, full.mean("tbt"))
-        console.print(
-            f"regime: stall ratio {setup['stall_ratio']:g} (full transfer / prefill; the paper's testbed: about 4.7), "
-            f"decode-side ratio {ratio:.3f} (what the link moves in one all-local step / one step's selected bytes; "
-            "the paper's: about 0.15; below it every remote entry stalls a step). "
-            "`smartgen bench --decode-ratio 0.15` sets both; docs/bench.md explains them."
-        )
+
+@contextmanager
+def request_bar(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """A transient bar with ETA over the demo's requests, and the `progress(what, done, total)` that drives it;
+    off when the console is not a terminal (piped, CI), where a bar would only add control codes."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = None
+
+        def progress(what: str, done: int, total: int) -> None:
+            nonlocal task
+            if task is None:  # opened by the first request, so the ETA leaves out profiling, pilot and node starts
+                task = bar.add_task(what, total=total)
+            bar.update(task, description=what, completed=done)
+
+        yield progress
 
 
 def _monitor_command(decode: str, prefill: list[str]) -> str:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .errors import fail
 from .lists import names
+
+if TYPE_CHECKING:  # rich and the engine load only when the command runs, so --help stays fast
+    from rich.table import Table
+
+    from smartgen.apps.simulate import SimulationResult
 
 PANEL_WORK = "Workload"
 PANEL_LINK = "Link and compute"
@@ -151,46 +157,65 @@ def simulate(
     with Progress(console=console, transient=True) as progress:
         tasks = {p.name: progress.add_task(p.name, total=steps - 1) for p in chosen}
         results = compare(config, chosen, on_progress=lambda name, step: progress.update(tasks[name], completed=step))
-    console.print(_table(results, total_kv))
+    for table in result_tables(results):
+        console.print(table)
     if any(r.mismatches for r in results):
         fail("some assembled KV differed from the ground truth", code=1)
 
 
-def _table(results, total_kv: int):
+def folding_table(title: str, columns: list[str]) -> Table:
+    """A table whose cells fold onto a second line rather than end in "…" on a narrow or piped console.
+
+    The same settings as the bench's tables (smartgen/apps/bench/tables.py), not imported from there: that helper
+    is private to the bench, and importing it would load the bench runner and the cluster code here.
+    """
+    from rich import box
     from rich.table import Table
 
-    def ms(value):
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True
+    )
+    for i, column in enumerate(columns):
+        # scheme names stay whole (they are what a reader looks up); the figures fold first
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
+    return table
+
+
+def result_tables(results: Sequence[SimulationResult]) -> tuple[Table, Table]:
+    """(timings, transfers) of a comparison, one row per policy in the order run: two narrow tables rather than
+    one of eleven columns, so that 80 columns hold them with scheme names and headers whole."""
+    from rich.text import Text
+
+    def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1e3:.1f}"
 
-    baseline = results[0].mean("ttst")
-    table = Table(title="side by side (means over requests)")
-    for column in (
-        "scheme",
-        "TTFT ms",
-        "TTST ms",
-        "TTST vs first",
-        "mean TBT ms",
-        "proactive MiB",
-        "on-demand MiB",
-        "speculative MiB",
-        "on-demand ratio",
-        "all local",
-        "KV correct",
-    ):
-        table.add_column(column, justify="left" if column == "scheme" else "right")
+    baseline = results[0].mean("ttst") if results else None
+    timings = folding_table(
+        "timings in ms (means over requests); x first: TTST speed-up vs the first scheme; KV ok: every assembled "
+        "KV equal to the ground truth",
+        ["scheme", "TTFT", "TTST", "x first", "TBT", "KV ok"],
+    )
+    transfers = folding_table(
+        "MiB moved per path (push: proactive, fetch: on-demand, spec: speculative); od%: on-demand ratio; "
+        "local: all KV on the decode node at the end",
+        ["scheme", "push", "fetch", "spec", "od%", "local"],
+    )
     for r in results:
         ttst = r.mean("ttst")
-        table.add_row(
-            r.policy,
+        timings.add_row(
+            Text(r.policy),  # Text: "smartgen[random]" is not markup
             ms(r.mean("ttft")),
             ms(ttst),
-            "-" if not (ttst and baseline) else f"{baseline / ttst:.2f}x",
+            "-" if not (ttst and baseline) else f"{baseline / ttst:.2f}",
             ms(r.mean("tbt")),
+            "yes" if r.mismatches == 0 else f"NO ({r.mismatches})",
+        )
+        transfers.add_row(
+            Text(r.policy),
             f"{r.path_bytes['proactive'] / 2**20:.1f}",
             f"{r.path_bytes['on_demand'] / 2**20:.2f}",
             f"{r.path_bytes['speculative'] / 2**20:.1f}",
-            f"{r.on_demand_ratio:.1%}",
+            f"{r.on_demand_ratio:.1%}".removesuffix("%"),
             "yes" if r.all_local else "no",
-            "yes" if r.mismatches == 0 else f"NO ({r.mismatches})",
         )
-    return table
+    return timings, transfers
