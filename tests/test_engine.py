@@ -15,7 +15,7 @@ from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
 from smartgen.engine.decode import DecodeEngine, RequestFailed
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL
-from smartgen.engine.messages import Release
+from smartgen.engine.messages import Idle, Release
 from smartgen.engine.planning import Planner, speculative_slice_size
 from smartgen.engine.policy import POLICIES, get_policy
 from smartgen.engine.prefill import PrefillEngine
@@ -163,6 +163,15 @@ def _prefilled(prefill: PrefillEngine, decode: DecodeEngine, policy, length: int
     prefill.finish_prefill(rid, 0)
     decode.wait_first_token(rid, timeout=5)
     return rid, request
+
+
+def _first_step(decode: DecodeEngine, rid: str) -> None:
+    """A first decode step whose selection meets remote entries in every sparse layer (tokens 100-103, fetched),
+    so the next step prefetches wherever KV is still remote."""
+    index = torch.arange(100, 104).expand(LAYOUT.num_kv_heads, 4).contiguous()
+    for layer in range(2, LAYOUT.num_layers):
+        decode.assemble(layer, [rid], index)
+    decode.end_step([rid])
 
 
 def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(importance, monkeypatch):
@@ -545,6 +554,62 @@ def test_open_refuses_oracle_counts_of_the_wrong_shape():
             unpack(message)
 
 
+@pytest.mark.parametrize(("scheme", "expected"), [("smartgen", [2, 6]), ("smartgen-paper+hints", list(range(2, 10)))])
+def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expected):
+    """The paper's notice goes out at the start of every layer; a policy that chains its slices keeps the link busy
+    by itself and sends one every CHAINED_NOTICE_LAYERS layers (the first at once), each with every hint gathered
+    since the last: no hint is dropped."""
+    assert decode_module.CHAINED_NOTICE_LAYERS == 4
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy(scheme, "streaming"), length=120)
+        decode.end_step([rid])  # speculation starts with the second step
+        request = decode._require(rid)
+        sent = []
+        send = request.link.control.send
+
+        def spy(message, *args, **kwargs):
+            sent.append(message)
+            return send(message, *args, **kwargs)
+
+        request.link.control.send = spy  # type: ignore[method-assign]
+        for layer in range(2, 10):
+            request.hints.append(torch.tensor([layer * 120 + layer]))  # one hinted token per layer
+            decode.begin_layer(layer, [rid])
+        assert [m.meta["layer"] for m in sent] == expected
+        hinted = torch.cat([Idle.unpack(m).hints for m in sent])
+        assert sorted(hinted.tolist()) == [layer * 120 + layer for layer in range(2, expected[-1] + 1)]
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_prefetch_follows_the_layers_whose_last_selection_met_remote_entries():
+    """A layer is prefetched in a step only when it still has remote KV and its selection (or prefetch) in the step
+    before met remote entries: where hints and speculation keep a layer's picks local, a speculated selection
+    would fetch nothing and only take the step's CPU."""
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        slot = decode.slot_of(rid)
+        values = decode.pool.masks.values
+        index = torch.arange(10).expand(LAYOUT.num_kv_heads, 10).contiguous()  # [B·H, k]: tokens 0-9, every head
+        values[3, slot, :10] = LOCAL  # layer 3's picks are local; the rest of it is still remote
+        decode.assemble(2, [rid], index)  # meets remote entries: fetched
+        decode.assemble(3, [rid], index)
+        decode.end_step([rid])
+        assert decode.prefetch_wanted([rid], 2)
+        assert not decode.prefetch_wanted([rid], 3)  # remote KV left, but its last pick was all local
+        values[3, slot, 10:20] = LOCAL
+        decode.assemble(3, [rid], torch.arange(5, 25).expand(LAYOUT.num_kv_heads, 20).contiguous())  # 20-24 remote
+        decode.end_step([rid])
+        assert decode.prefetch_wanted([rid], 3)
+        assert not decode.prefetch_wanted([rid], 2)  # not selected last step
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
     """A layer whose KV has all landed has nothing to push ahead or fetch early: asked about that layer, the engine
     wants neither the wider ranking nor the speculated selection, while another layer still remote wants both."""
@@ -554,7 +619,7 @@ def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
         rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
-        decode.end_step([rid])  # past the first decode step, where prefetch starts
+        _first_step(decode, rid)  # past the first decode step, where prefetch starts
         slot = decode.slot_of(rid)
         values = decode.pool.masks.values
         assert bool((values[2, slot, :120] == REMOTE).any()) and bool((values[3, slot, :120] == REMOTE).any())
@@ -567,25 +632,29 @@ def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
         prefill.close()
 
 
-def test_a_layer_found_all_local_is_not_scanned_again_and_a_remote_one_is():
-    """Hints and prefetch ask every layer of every step whether anything is still remote; a layer once found all
-    local is remembered (nothing turns LOCAL back to REMOTE while the request holds its slot), so the mask is not
-    scanned again, while a layer still remote is scanned each time and turns local when its entries land."""
+def test_remote_layers_are_scanned_once_a_step():
+    """Hints and prefetch ask every layer of every step whether anything is still remote; the first ask of a step
+    scans every layer in one pass and the answers hold for the step (a layer that lands meanwhile is answered
+    again after `end_step`). Nothing turns LOCAL back to REMOTE in use, so a kept answer is stale only the safe
+    way: a remote layer answered remote."""
     from smartgen.engine.mask import REMOTE
 
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
         rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
-        decode.end_step([rid])
+        _first_step(decode, rid)
         slot = decode.slot_of(rid)
         values = decode.pool.masks.values
         values[2, slot, :120] = LOCAL
         assert decode.hint_factor([rid], 2) == 0
-        values[2, slot, 0] = REMOTE  # cannot happen in use; here it shows the answer comes from the memo
+        assert decode.hint_factor([rid], 3) > 0  # still remote
+        values[2, slot, 0] = REMOTE  # cannot happen in use; here it shows the answer is the step's scan
+        values[3, slot, :120] = LOCAL  # layer 3 landed during the step
         assert decode.hint_factor([rid], 2) == 0 and not decode.prefetch_wanted([rid], 2)
-        assert decode.hint_factor([rid], 3) > 0  # still remote: scanned, not remembered
-        values[3, slot, :120] = LOCAL
-        assert decode.hint_factor([rid], 3) == 0 and not decode.prefetch_wanted([rid], 3)
+        assert decode.hint_factor([rid], 3) > 0 and decode.prefetch_wanted([rid], 3)  # the step's answer
+        decode.end_step([rid])
+        assert decode.hint_factor([rid], 3) == 0 and not decode.prefetch_wanted([rid], 3)  # scanned again
+        assert decode.hint_factor([rid], 2) > 0  # the next step sees what the mask says now
     finally:
         decode.close()
         prefill.close()
