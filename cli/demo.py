@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # rich and the demo load only when the command runs, so --hel
 
 DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
 PAPER_STALL_RATIO = 4.7  # smartgen.apps.bench.config.PAPER_STALL_RATIO (here: --help imports no torch)
+PAPER_DECODE_RATIO = 0.15  # smartgen.apps.demo.PAPER_DECODE_RATIO, likewise
+NATIVE = "native"
 
 
 def demo(
@@ -59,6 +62,15 @@ def demo(
             "as `smartgen bench` does; the paper's testbed: about 4.7).",
         ),
     ] = PAPER_STALL_RATIO,
+    decode_ratio: Annotated[
+        str,
+        typer.Option(
+            metavar="<D|native>",
+            help="Set the decode side as `smartgen bench --decode-ratio` does: emulate slower decode compute (a sleep "
+            "per decode layer) so an all-local step's link time moves D x a step's selected bytes (the paper's: "
+            f"about {PAPER_DECODE_RATIO:g}); `{NATIVE}`: this machine's own speed, its ratio reported.",
+        ),
+    ] = f"{PAPER_DECODE_RATIO:g}",
     lane: Annotated[
         str,
         typer.Option(
@@ -102,6 +114,7 @@ def demo(
         fail(problem)
     if not names(schemes):
         fail("--schemes is empty")
+    target_ratio = parse_decode_ratio(decode_ratio)
     try:
         for scheme in names(schemes):  # before the model loads and the nodes start
             check_servable(get_policy(scheme))
@@ -119,6 +132,7 @@ def demo(
         blocks=blocks,
         budget=budget,
         transfer_ratio=transfer_ratio,
+        decode_ratio=target_ratio,
         lane=lane,
         lane_flags=lane_flags,
         separate_cpus=separate_cpus,
@@ -139,13 +153,27 @@ def demo(
     console.print(results_table(results, setup))
 
 
+def parse_decode_ratio(text: str) -> float | None:
+    """`--decode-ratio`'s value: a positive number, or None for `native`; anything else fails in one line."""
+    if text.strip().lower() == NATIVE:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        fail(f"--decode-ratio must be a positive number or '{NATIVE}', got {text!r}")
+    return value
+
+
 def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
     """The demo's results, one row per scheme; TTST vs first: the first scheme's TTST over this one's."""
     table = folding_table(
         f"{setup['model']}, {setup['prompt_tokens']} prompt tokens, {setup['selector']}, link "
         f"{setup['link_gbps'] * 1000:.1f} Mbit/s (full transfer {setup['transfer_s']:.2f} s, prefill "
         f"{setup['prefill_s']:.2f} s), stall ratio {setup['regime'].stall_ratio:.2f}, decode-side ratio "
-        f"{setup['regime'].decode_ratio:.3f}",
+        f"{setup['regime'].decode_ratio:.3f}"
+        + (f" (+{setup['regime'].emulate_layer_ms:.2f} ms/layer emulated)" if setup["regime"].emulate_layer_ms else ""),
         ["scheme", "TTFT ms", "TTST ms", "mean TBT ms", "answers correct", "TTST vs first"],
     )
     from rich.text import Text

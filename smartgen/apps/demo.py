@@ -4,11 +4,14 @@
 2. Pilot: unpaced nodes serve a warm-up and PILOT_RUNS full-transfer requests of a demo prompt, which
    measure the prefill as served (TTFT) and the all-local decode step (TBT), as `smartgen bench` does.
 3. Picks the link rate at which a full KV transfer of the demo prompts takes `transfer_ratio` times
-   that prefill (the paper's testbed: about 4.7x at 25-32 Gbit/s), and says the regime in one line:
-   stall ratio, link, decode-side ratio, CPUs split or shared, lane (and that the decode side runs at
-   this machine's own speed when that puts its ratio far from the paper's).
-4. Starts `smartgen serve --role prefill` and `--role decode` as two processes on 127.0.0.1, on
-   disjoint halves of the CPUs with `separate_cpus` (as the bench does; shared on one CPU or inproc).
+   that prefill (the paper's testbed: about 4.7x at 25-32 Gbit/s); with `decode_ratio`, the sleep per
+   decode layer that brings an all-local step to that decode-side ratio (the paper's: about 0.15), as
+   `smartgen bench --decode-ratio` sets it. Says the regime in one line: stall ratio, link, decode-side
+   ratio, emulated ms per layer, CPUs split or shared, lane (and that the decode side runs at this
+   machine's own speed when that puts its ratio far from the paper's).
+4. Starts `smartgen serve --role prefill` and `--role decode` (with `--emulate-layer-ms` when emulating) as
+   two processes on 127.0.0.1, on disjoint halves of the CPUs with `separate_cpus` (as the bench does;
+   shared on one CPU or inproc).
 5. Sends the same long-context prompts (passkey, needle retrieval) under each scheme, scores the
    answers, and reports every request to `progress`.
 6. Stops both nodes (SIGINT) and returns the side-by-side results.
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from smartgen.apps.bench.config import PAPER_STALL_RATIO, lane_words
+from smartgen.apps.bench.regime import decode_side, emulate_flags
 
 __all__ = ["DemoConfig", "DemoRegime", "SchemeResult", "cpu_words", "demo_regime", "native_note", "run_demo"]
 
@@ -46,6 +50,8 @@ class DemoConfig:
     budget: float = 0.2
     blocks: int = 1024
     transfer_ratio: float = PAPER_STALL_RATIO  # the stall ratio: full transfer / prefill as served
+    # the decode-side ratio to emulate (link bytes per all-local step / selected bytes per step); None: native
+    decode_ratio: float | None = PAPER_DECODE_RATIO
     lane: str = "tcp"
     lane_flags: tuple[str, ...] = ()  # `serve` flags for the lane (--rdma-device ...), given to both nodes
     separate_cpus: bool = True  # the nodes on disjoint halves of the CPUs, as the bench runs them (cluster.py)
@@ -56,6 +62,10 @@ class DemoConfig:
     on_nodes: Callable[[str, list[str]], None] | None = None
     before_stop: Callable[[], None] | None = None
 
+    def __post_init__(self) -> None:
+        if self.decode_ratio is not None and not (0 < self.decode_ratio < math.inf):
+            raise ValueError(f"the decode-side ratio must be a positive number, got {self.decode_ratio}")
+
 
 @dataclass(frozen=True, slots=True)
 class DemoRegime:
@@ -65,13 +75,16 @@ class DemoRegime:
     link_gbps: float
     stall_ratio: float  # full transfer of the mean prompt's KV / its prefill as served
     prefill_s: float  # the mean prompt's prefill as served (pilot)
-    step_s: float  # one all-local decode step as served (pilot)
-    decode_ratio: float  # link bytes in one all-local step / selected bytes of a step
+    step_s: float  # one all-local decode step as served (pilot), before emulation
+    decode_ratio: float  # link bytes in one all-local step, emulation included / selected bytes of a step
     cpus: str  # "shared", or "prefill 0, decode 1"
+    emulate_layer_ms: float = 0.0  # sleep added to every decode layer (`serve --emulate-layer-ms`); 0: native
 
     def __post_init__(self) -> None:
         if min(self.link_gbps, self.stall_ratio, self.prefill_s, self.step_s, self.decode_ratio) <= 0:
             raise ValueError(f"a regime's rates, times and ratios must be positive: {self}")
+        if self.emulate_layer_ms < 0:
+            raise ValueError(f"emulated ms per layer must be >= 0: {self}")
 
     def line(self) -> str:
         """The regime in one line, in the bench's words."""
@@ -80,7 +93,9 @@ class DemoRegime:
             f"{self.stall_ratio:.2f} (full transfer / prefill; the paper's testbed: about {PAPER_STALL_RATIO:g}), "
             f"decode-side ratio {self.decode_ratio:.3f} (link bytes per all-local step / selected bytes per step; "
             f"the paper's: about {PAPER_DECODE_RATIO:g}), prefill {self.prefill_s * 1e3:.0f} ms, "
-            f"step {self.step_s * 1e3:.0f} ms, CPUs {self.cpus}"
+            f"step {self.step_s * 1e3:.0f} ms"
+            + (f" + {self.emulate_layer_ms:.2f} ms/layer emulated" if self.emulate_layer_ms else "")
+            + f", CPUs {self.cpus}"
         )
 
 
@@ -114,38 +129,44 @@ def demo_regime(
     stall_ratio: float,
     lane: str,
     split: tuple[list[int], list[int]] | None,
+    *,
+    num_layers: int,
+    decode_ratio: float | None = None,
 ) -> DemoRegime:
     """The link rate at which `kv_bytes` take `stall_ratio` x `prefill_s`, and the decode-side ratio that rate
-    gives a step of `step_s` against `selected_bytes` (one step's selection past the two layers sent whole)."""
+    gives a step of `step_s` over `num_layers` layers against `selected_bytes` (one step's selection past the two
+    layers sent whole): the native one, or with `decode_ratio` the one the bench's emulation sets."""
     from smartgen.lanes.rate import bytes_per_second, gbps_for
 
     gbps = gbps_for(kv_bytes, stall_ratio * prefill_s)
     rate = bytes_per_second(gbps)
+    side = decode_side(decode_ratio, selected_bytes, rate, step_s, num_layers)
     return DemoRegime(
         lane=lane,
         link_gbps=gbps,
         stall_ratio=kv_bytes / rate / prefill_s,
         prefill_s=prefill_s,
         step_s=step_s,
-        decode_ratio=rate * step_s / selected_bytes,
+        decode_ratio=side.decode_ratio,
         cpus=cpu_words(split),
+        emulate_layer_ms=side.emulate_layer_ms,
     )
 
 
 def native_note(regime: DemoRegime) -> str | None:
     """One line saying the decode side runs at this machine's speed, when that puts the decode-side ratio more
-    than FAR_FACTOR off the paper's (so no one reads the demo's TBT as the paper's regime); else None."""
-    if abs(math.log(regime.decode_ratio / PAPER_DECODE_RATIO)) <= math.log(FAR_FACTOR):
+    than FAR_FACTOR off the paper's (so no one reads the demo's TBT as the paper's regime); else None, and None
+    when the decode side is emulated (the regime line says to which ratio)."""
+    if regime.emulate_layer_ms or abs(math.log(regime.decode_ratio / PAPER_DECODE_RATIO)) <= math.log(FAR_FACTOR):
         return None
-    effect = (
-        "a step's link time moves less of its selection than there, so on-demand fetches stall steps more"
-        if regime.decode_ratio < PAPER_DECODE_RATIO
-        else "a step's link time hides more of its selection than there"
-    )
+    if regime.decode_ratio < PAPER_DECODE_RATIO:
+        effect = "a step's link time moves less of its selection than there, so on-demand fetches stall steps more"
+        how = f" (`--decode-ratio {PAPER_DECODE_RATIO:g}` emulates it)"
+    else:  # emulation only ever slows a step down: no flag brings this ratio down
+        effect, how = "a step's link time hides more of its selection than there", ""
     return (
         f"note: the decode side runs at this machine's own speed, decode-side ratio {regime.decode_ratio:.3f} against "
-        f"the paper's {PAPER_DECODE_RATIO:g}: {effect}; this TBT is not the paper's regime "
-        f"(`smartgen bench --decode-ratio {PAPER_DECODE_RATIO:g}` emulates it)"
+        f"the paper's {PAPER_DECODE_RATIO:g}: {effect}; this TBT is not the paper's regime{how}"
     )
 
 
@@ -206,6 +227,8 @@ def run_demo(
         config.transfer_ratio,
         config.lane,
         node_cpus(config.separate_cpus, config.lane),
+        num_layers=layout.num_layers,
+        decode_ratio=config.decode_ratio,
     )
     say(regime.line())
     if note := native_note(regime):
@@ -223,7 +246,8 @@ def run_demo(
     }
     total = len(config.schemes) * len(samples)
     report = progress or (lambda what, done, total: None)
-    with LocalCluster(replace(spec, link_gbps=regime.link_gbps)) as cluster:
+    paced = replace(spec, link_gbps=regime.link_gbps, decode_extra=emulate_flags(regime.emulate_layer_ms))
+    with LocalCluster(paced) as cluster:
         where = "in one process (inproc lane)" if cluster.colocated else f"over the {config.lane} lane"
         say(f"prefill node and decode node up {where}, OpenAI API on {cluster.url}/v1")
         if config.on_nodes is not None:

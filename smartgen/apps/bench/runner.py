@@ -30,6 +30,7 @@ from typing import Any
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
+from smartgen.apps.bench.regime import decode_side, emulate_flags
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
@@ -306,11 +307,7 @@ def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, flo
     stall = kv / rate / prefill_s
     # what one step could need over the link: the selection of the layers past the always-sent ones
     selected = point.budget * reference * token_bytes * max(layers - 2, 1) / layers
-    emulate_ms = 0.0
-    if config.decode_ratio is not None:
-        target_step = config.decode_ratio * selected / rate
-        emulate_ms = max(0.0, (target_step - step_s) / layers) * 1e3
-    decode_ratio = rate * (step_s + emulate_ms * layers / 1e3) / selected
+    emulate_ms, decode_ratio = decode_side(config.decode_ratio, selected, rate, step_s, layers)
     return Regime(
         link_gbps=gbps,
         stall_ratio=stall,
@@ -334,7 +331,7 @@ def _cpu_words(config: BenchConfig) -> str:
 
 
 def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -> ClusterSpec:
-    extra = ("--emulate-layer-ms", f"{regime.emulate_layer_ms:.4f}") if regime.emulate_layer_ms else ()
+    extra = emulate_flags(regime.emulate_layer_ms)
     return ClusterSpec(
         model=model_path,
         link_gbps=regime.link_gbps,
