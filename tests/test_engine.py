@@ -610,6 +610,23 @@ def test_prefetch_follows_the_layers_whose_last_selection_met_remote_entries():
         prefill.close()
 
 
+def test_dense_layers_local_says_when_layers_0_and_1_have_landed():
+    from smartgen.engine.mask import REMOTE
+
+    prefill, decode, prefill_end = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        prefill_end.push.flush(5)
+        assert decode.dense_layers_local(rid)
+        decode.pool.masks.values[1, decode.slot_of(rid), 5] = REMOTE
+        assert not decode.dense_layers_local(rid)
+        decode._require(rid).metrics.error = "gone"
+        assert decode.dense_layers_local(rid)  # a failed request is let through, to fail in its step
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
     """A layer whose KV has all landed has nothing to push ahead or fetch early: asked about that layer, the engine
     wants neither the wider ranking nor the speculated selection, while another layer still remote wants both."""

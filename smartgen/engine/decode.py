@@ -437,6 +437,16 @@ class DecodeEngine:
     def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
         return self._require(request_id).metadata
 
+    def dense_layers_local(self, request_id: str) -> bool:
+        """Layers 0-1 of the request (pushed whole during its prefill) are all in the pool, or it failed: a request
+        joining a running batch waits for them outside it (a step would wait for them, and the batch with it)."""
+        request = self._require_any(request_id)
+        if request.metrics.error or request.policy.drop_remote:
+            return True
+        self.pool.sync_staged(None, [request.slot])
+        dense = self.pool.masks.values[:DENSE_LAYERS, request.slot, : request.length]
+        return bool((dense == LOCAL).all())
+
     def is_all_local(self, request_id: str) -> bool:
         request = self._require(request_id)
         try:

@@ -165,8 +165,13 @@ class DecodeDriver:
                     events += self._emit(request, self.engine.wait_first_token(rid, timeout=0))
                     if isinstance(events[-1], Finished):
                         continue
-                if request.policy.wait_for_all and not self.engine.is_all_local(rid):
-                    # full transfer: decoding starts when every block is here, within the same bound as the first token
+                # full transfer: decoding starts when every block is here; any other request joins a running batch
+                # once its layers 0-1 are (its first step would wait for them, and every request in the batch with
+                # it), both within the same bound as the first token
+                waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
+                    self.running and not self.engine.dense_layers_local(rid)
+                )
+                if waiting:
                     if time.monotonic() - request.opened > self.prefill_timeout:
                         reason = f"its KV did not arrive within {self.prefill_timeout:g} s"
                         events.append(self._abort(request, reason, "error"))
