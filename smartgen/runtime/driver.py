@@ -4,8 +4,9 @@ requests through it, one `step()` at a time, so every entry point runs the same 
 A request's life in the driver:
 1. `add()`: the engine opens it (pool slot, masks remote, OPEN to a prefill node): prefilling.
 2. `step()` collects FIRST_TOKEN: the first token is emitted (TTFT). Under a wait-for-all
-   policy (full transfer) it waits until every block is local; then it joins the running batch
-   at the step boundary.
+   policy (full transfer) it waits until every block is local, and while other requests are
+   running any other policy waits until its layers 0-1 are (its first step would wait for them,
+   and the whole batch with it); then it joins the running batch at the step boundary.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
