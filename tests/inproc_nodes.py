@@ -17,8 +17,9 @@ from smartgen.selectors import make_selector
 Parts = tuple[Any, Any, Any]  # (model, layout, model_info)
 
 
-def tiny_parts(num_blocks: int = 16) -> Parts:
-    model = model_from_config(tiny_config("llama"))
+def tiny_parts(num_blocks: int = 16, config: Any = None) -> Parts:
+    """The tiny Llama's (or `config`'s) model, layout and model info."""
+    model = model_from_config(config if config is not None else tiny_config("llama"))
     return model, kv_layout(model, num_blocks=num_blocks), model_info(model)
 
 

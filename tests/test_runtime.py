@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import wait_until
-from tiny_models import FAMILIES, tiny_config
+from tiny_models import FAMILIES, hf_greedy, tiny_config
 from transformers import AutoModelForCausalLM
 
 from smartgen.engine.policy import get_policy
@@ -21,15 +21,7 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
 
 
 def _hf(model, prompt: torch.Tensor):
-    out = model.generate(
-        prompt[None],
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[0, prompt.numel() :].tolist(), [logits[0] for logits in out.logits]
+    return hf_greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -172,6 +164,35 @@ def test_a_family_without_what_the_runtime_needs_is_refused_on_every_path():
     ):
         with pytest.raises(ModelLoadError, match="is not supported"):
             entry()
+
+
+def test_a_family_our_attention_cannot_reach_is_refused_before_transformers_builds_it(tmp_path):
+    """Falcon's attention dispatch knows no registered function: building it under "smartgen" dies inside
+    transformers (KeyError). It is refused from its config alone, on every entry point, with the reason."""
+    from transformers import FalconConfig
+    from typer.testing import CliRunner
+
+    from smartgen.cli.app import app
+
+    config = FalconConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True
+    )
+    config.save_pretrained(tmp_path / "falcon")  # a config and no weights: the refusal must not need them
+    reason = "model type 'falcon' is not supported: its decoder layers are not at model.model.layers"
+    with pytest.raises(ModelLoadError, match=reason):
+        model_from_config(config)
+    assert config._attn_implementation != "smartgen"  # the check leaves the caller's config as it was
+    with pytest.raises(ModelLoadError, match=reason):
+        load_model(tmp_path / "falcon")
+    folder = str(tmp_path / "falcon")
+    for args in (
+        ["profile", "--model", folder, "--db", str(tmp_path / "p.db")],
+        ["eval", "--model", folder],
+        ["serve", "--role", "both", "--model", folder, "--http", "127.0.0.1:0"],
+        ["serve", "--role", "prefill", "--model", folder, "--listen", "127.0.0.1:0"],
+    ):
+        result = CliRunner().invoke(app, args, env={"SMARTGEN_SECRET": "s"})
+        assert result.exit_code == 2 and reason in result.output and "Traceback" not in result.output, args
 
 
 def test_a_policy_whose_budget_cannot_be_known_is_refused():

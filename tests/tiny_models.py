@@ -62,6 +62,19 @@ def tiny_config(family: str):
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "gemma2", "granite", "olmo2")
 
 
+def hf_greedy(model, prompt, new_tokens: int):
+    """transformers' own greedy generate of `new_tokens` after `prompt` [n]: (tokens, logits [vocab] per token)."""
+    out = model.generate(
+        prompt[None],
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences[0, prompt.numel() :].tolist(), [logits[0] for logits in out.logits]
+
+
 def save_tiny_model(folder, family: str = "llama", seed: int = 0):
     """A tiny model with a locally trained byte-level BPE tokenizer, saved like a real checkpoint."""
     from pathlib import Path

@@ -146,17 +146,19 @@ class DecodeEngine:
         prefill_timeout: float = 120.0,
         prefix_cache: PrefixCache | None = None,
         staged: bool = False,
+        quantized: bool = True,
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
         `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
         prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
         starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them.
-        `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py)."""
+        `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py).
+        `quantized`: the pool has a staging region for `quant2` requests (False: that scheme is refused)."""
         self.layout = layout
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
-        self.pool = DecodePool(layout, num_slots, max_tokens, device=device, staged=staged)
+        self.pool = DecodePool(layout, num_slots, max_tokens, device=device, staged=staged, quantized=quantized)
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
@@ -350,7 +352,7 @@ class DecodeEngine:
         """
         request_id = request_id or uuid.uuid4().hex
         link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
-        slot = self.pool.allocate(length, max_new_tokens)
+        slot = self.pool.allocate(length, max_new_tokens, quantized=bool(policy.quantize_bits))
         # a quantized transfer lands whole layers (lossy): it neither takes from nor gives to the prefix cache
         held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None and not policy.quantize_bits else 0
         message = msg.Open(

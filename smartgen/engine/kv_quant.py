@@ -4,7 +4,8 @@ Layout, as KIVI does it (REFERENCE.md section 5), for K and V of shape [n, H, d]
 prefill hand-off gives them):
 - keys per channel: each (head, channel) gets groups of G consecutive tokens;
 - values per token: each (token, head) gets groups of G channels (G is cut to d when d < G, as HACK
-  does; it must divide d);
+  does; where G does not divide d, the largest divisor of d below G, at least MIN_VALUE_GROUP: head size 80
+  groups its values by 20, 48 by 24, 112 by 28);
 - asymmetric min/max per group, stored as fp16 (KIVI's storage): zero = min, scale = (max - min) / (2^bits - 1),
   code = clamp(round((x - zero) / scale), 0, 2^bits - 1), x_hat = code · scale + zero;
 - a residual window: the last R tokens stay exact (keys: also the < G tokens left over so that key
@@ -29,10 +30,19 @@ __all__ = [
     "unpack_layer",
     "packed_layer_bytes",
     "SERVING_QUANT",
+    "MIN_VALUE_GROUP",
+    "QuantUnsupported",
+    "quant_unsupported",
 ]
 
 FP16_BYTES = 2
 ALIGN = 16  # every section of a packed layer starts at a multiple of this, so it can be viewed as its dtype
+# below 8 channels a group's fp16 scale and zero cost more than its 2-bit codes save (4 bits a value at 8, 32 at 1)
+MIN_VALUE_GROUP = 8
+
+
+class QuantUnsupported(ValueError):
+    """The quantized scheme cannot group this head size's values; the message says why (other schemes can)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +62,16 @@ class KVQuantConfig:
             raise ValueError(f"residual window must be >= 0 tokens, got {self.residual}")
 
     def value_group(self, head_dim: int) -> int:
-        """Channels per value group: G, cut to d; it must divide d."""
+        """Channels per value group: G, cut to d; where G does not divide d, the largest divisor of d below G
+        (QuantUnsupported when that is under MIN_VALUE_GROUP: head size 74 has only 2 and 37)."""
         group = min(self.group, head_dim)
-        if head_dim % group:
-            raise ValueError(f"value group size {group} must divide the head dim {head_dim}")
+        while head_dim % group:
+            group -= 1
+        if group < min(MIN_VALUE_GROUP, head_dim, self.group):
+            raise QuantUnsupported(
+                f"{self.bits}-bit KV cannot group head size {head_dim}: it has no divisor between "
+                f"{min(MIN_VALUE_GROUP, self.group)} and {min(self.group, head_dim)} to group its values by"
+            )
         return group
 
     def split(self, num_tokens: int) -> tuple[int, int]:
@@ -66,6 +82,15 @@ class KVQuantConfig:
 
 # the scheme `quant2` serves with: KIVI's LongBench setting
 SERVING_QUANT = KVQuantConfig(bits=2, group=32, residual=128)
+
+
+def quant_unsupported(head_dim: int, config: KVQuantConfig = SERVING_QUANT) -> str | None:
+    """Why `config` cannot quantize KV of this head size, or None when it can (the one check `quant2` makes)."""
+    try:
+        config.value_group(head_dim)
+    except QuantUnsupported as exc:
+        return str(exc)
+    return None
 
 
 def _params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

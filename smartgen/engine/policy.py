@@ -5,9 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from smartgen.engine.kv_quant import SERVING_QUANT, quant_unsupported
 from smartgen.engine.planning import STRATEGIES
 
-__all__ = ["Policy", "POLICIES", "get_policy", "check_servable", "split_label", "ProactiveMode", "Strategy"]
+__all__ = [
+    "Policy",
+    "POLICIES",
+    "get_policy",
+    "check_servable",
+    "check_quantizable",
+    "split_label",
+    "ProactiveMode",
+    "Strategy",
+]
 
 
 class _Named(str, Enum):
@@ -168,11 +178,24 @@ def split_label(label: str) -> tuple[str, str | None]:
     return label, None
 
 
-def check_servable(policy: Policy, *, oracle: bool = False) -> Policy:
+def check_quantizable(policy: Policy, head_dim: int) -> Policy:
+    """`policy`, if its KV can cross the link at its bits for this head size (every unquantized scheme can); a
+    ValueError saying why not otherwise."""
+    if policy.quantize_bits:
+        reason = quant_unsupported(head_dim, replace(SERVING_QUANT, bits=policy.quantize_bits))
+        if reason:
+            raise ValueError(f"scheme {policy.label!r} cannot run on this model: {reason}")
+    return policy
+
+
+def check_servable(policy: Policy, *, oracle: bool = False, head_dim: int | None = None) -> Policy:
     """`policy`, if a serving node can run it; a ValueError saying why not otherwise. The optimal proactive set is
     the blocks the request's own decode steps will select: the simulator replays them, and a serving node runs it
     only for a request that brings them (`oracle`: the selection counts of a recorded run of the same prompt,
-    the API's `proactive_counts`)."""
+    the API's `proactive_counts`). `head_dim`: the model's; a quantized scheme must be able to group it (the one
+    scheme that depends on the head size)."""
+    if head_dim is not None:
+        check_quantizable(policy, head_dim)
     if policy.proactive == ProactiveMode.BUDGET and policy.strategy == Strategy.OPTIMAL and not oracle:
         raise ValueError(
             "the optimal proactive set needs the request's own future selections, which a serving node cannot "

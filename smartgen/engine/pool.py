@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes, unpack_layer
+from smartgen.engine.kv_quant import (
+    SERVING_QUANT,
+    QuantUnsupported,
+    packed_layer_bytes,
+    quant_unsupported,
+    unpack_layer,
+)
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL, MaskTable
 from smartgen.engine.staging import HostStaging
@@ -32,11 +38,23 @@ class StoreFull(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class PoolGeometry:
-    """Byte offsets into a decode pool's regions; shared with prefill nodes at the handshake."""
+    """Byte offsets into a decode pool's regions; shared with prefill nodes at the handshake.
+
+    `quantized`: the pool has a staging region for `quant2` (a serving pool does: a request may ask for the scheme);
+    it is empty where the scheme cannot group the head size (`quant_refusal` says why) or the pool was made
+    without one."""
 
     layout: KVLayout
     num_slots: int
     max_tokens: int
+    quantized: bool = True
+
+    @property
+    def quant_refusal(self) -> str | None:
+        """Why this pool cannot take a `quant2` request, or None when it can."""
+        if not self.quantized:
+            return "this decode pool was made without a quantized staging region"
+        return quant_unsupported(self.layout.head_dim)
 
     def kv_offset(self, layer: int, slot: int, token: int) -> int:
         """Byte offset of (layer, slot, token) in the K (or V) region."""
@@ -64,8 +82,11 @@ class PoolGeometry:
 
     @property
     def quant_layer_bytes(self) -> int:
-        """Room for one layer of one slot in the quantized staging region: a full slot packed (`quant2`)."""
+        """Room for one layer of one slot in the quantized staging region: a full slot packed (`quant2`); 0 where the
+        pool takes no `quant2` request (`quant_refusal`)."""
         layout = self.layout
+        if self.quant_refusal is not None:
+            return 0
         # not monotonic in the length: up to G - 1 keys past a whole group stay exact, so a slightly shorter prompt
         # can take more bytes; within each run of G lengths the last is the largest, and each run beats the one before
         first = max(1, self.max_tokens - SERVING_QUANT.group + 1)
@@ -89,8 +110,12 @@ class PoolGeometry:
         layers = range(self.layout.num_layers)
         kv = [(self.kv_offset(layer, slot, 0), self.kv_offset(layer, slot, length)) for layer in layers]
         mask = [(self.mask_offset(layer, slot, 0), self.mask_offset(layer, slot, length)) for layer in layers]
-        packed = packed_layer_bytes(
-            length, self.layout.num_kv_heads, self.layout.head_dim, self.layout.dtype, SERVING_QUANT
+        packed = (
+            0
+            if self.quant_refusal is not None
+            else packed_layer_bytes(
+                length, self.layout.num_kv_heads, self.layout.head_dim, self.layout.dtype, SERVING_QUANT
+            )
         )
         quant = [(self.quant_offset(layer, slot), self.quant_offset(layer, slot) + packed) for layer in layers]
         ready = [(self.ready_offset(layer, slot), self.ready_offset(layer, slot) + 1) for layer in layers]
@@ -118,11 +143,12 @@ class DecodePool:
         max_tokens: int,
         device: str | torch.device = "cpu",
         staged: bool = False,
+        quantized: bool = True,
     ) -> None:
         if num_slots < 1 or max_tokens < 1:
             raise ValueError("a pool needs at least one slot of at least one token")
         self.layout = layout
-        self.geometry = PoolGeometry(layout, num_slots, max_tokens)
+        self.geometry = PoolGeometry(layout, num_slots, max_tokens, quantized)
         shape = (layout.num_layers, num_slots, max_tokens, layout.num_kv_heads, layout.head_dim)
         pin = torch.device(device).type == "cpu" and torch.cuda.is_available()
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device, pin_memory=pin)
@@ -151,8 +177,11 @@ class DecodePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, prompt_length: int, max_new_tokens: int = 0) -> int:
-        """Takes a slot for a prompt of `prompt_length` tokens: its mask says remote, the rest padding."""
+    def allocate(self, prompt_length: int, max_new_tokens: int = 0, quantized: bool = False) -> int:
+        """Takes a slot for a prompt of `prompt_length` tokens: its mask says remote, the rest padding.
+        `quantized`: the request is a `quant2` one (QuantUnsupported, with the reason, where the pool cannot take it)."""
+        if quantized and self.geometry.quant_refusal is not None:
+            raise QuantUnsupported(f"scheme quant2 cannot run here: {self.geometry.quant_refusal}")
         needed = prompt_length + max_new_tokens
         if needed > self.max_tokens:
             raise PoolFull(f"request needs {needed} tokens, a pool slot holds {self.max_tokens}")

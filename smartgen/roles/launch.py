@@ -188,7 +188,7 @@ def build_decode_node(
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer from {settings.model}: {exc}") from exc
     # budgeted schemes ask for the "profile" strategy; a prefill node without a profile falls back to its own
-    policy = check_servable(get_policy(scheme, speculative_ratio=speculative_ratio))
+    policy = check_servable(get_policy(scheme, speculative_ratio=speculative_ratio), head_dim=layout.head_dim)
     return DecodeNode(
         model,
         tokenizer,

@@ -111,7 +111,7 @@ class DecodeScheduler:
                 policy = policy.with_strategy(self.default_policy.strategy)
             if policy.speculative:  # the node's --speculative-ratio holds for every scheme that speculates
                 policy = replace(policy, speculative_ratio=self.default_policy.speculative_ratio)
-            check_servable(policy, oracle=params.proactive_counts is not None)
+            check_servable(policy, oracle=params.proactive_counts is not None, head_dim=self.engine.layout.head_dim)
             oracle = None
             if params.proactive_counts is not None:
                 if policy.strategy != "optimal":

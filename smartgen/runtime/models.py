@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from smartgen.selectors.base import ModelInfo
 __all__ = [
     "TESTED_MODEL_TYPES",
     "check_runnable",
+    "check_config_runnable",
     "ModelLoadError",
     "LayerKinds",
     "load_model",
@@ -56,6 +58,34 @@ def check_runnable(model: torch.nn.Module) -> None:
     and the model loaded with `attn_implementation="smartgen"` (what `load_model` does):
     under sdpa or eager the hook never runs, so the engine would see no KV.
     """
+    _check_structure(model)
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != ATTENTION_NAME:
+        raise ModelLoadError(
+            f"the model attends with {implementation!r}, not through SmartGen's hook: load it with "
+            "smartgen.runtime.models.load_model (or from_pretrained(..., attn_implementation='smartgen') after "
+            "smartgen.runtime.hooks.register())"
+        )
+
+
+def check_config_runnable(config: PretrainedConfig) -> None:
+    """Refuses, with the reason, a config whose model the runtime could not drive, before any weight is made: its
+    family's modules are built on the meta device (no memory, no weights) under eager attention, which every family
+    has, and checked as `check_runnable` checks a model. A family that knows no registered attention function
+    (Falcon, GPT-NeoX) is refused here rather than failing inside transformers."""
+    _check_config(config)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        raise ModelLoadError(
+            f"model type {config.model_type!r} is not supported: transformers cannot build it ({exc})"
+        ) from exc
+    _check_structure(skeleton)
+
+
+def _check_structure(model: torch.nn.Module) -> None:
+    """What `check_runnable` asks of a model's modules, whatever its attention implementation."""
     config = getattr(model, "config", None)
     if config is None:
         raise ModelLoadError(f"{type(model).__name__} is not a transformers model (no config)")
@@ -69,13 +99,6 @@ def check_runnable(model: torch.nn.Module) -> None:
         raise ModelLoadError(f"{name} is not supported: its attention has no q/k/v projections SmartGen can read")
     if getattr(model.model, "rotary_emb", None) is None:
         raise ModelLoadError(f"{name} is not supported: SmartGen needs a rotary position embedding (RoPE)")
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation != ATTENTION_NAME:
-        raise ModelLoadError(
-            f"the model attends with {implementation!r}, not through SmartGen's hook: load it with "
-            "smartgen.runtime.models.load_model (or from_pretrained(..., attn_implementation='smartgen') after "
-            "smartgen.runtime.hooks.register())"
-        )
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
@@ -86,7 +109,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         raise ModelLoadError(f"no model folder at {folder}")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        _check_config(config)
+        check_config_runnable(config)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
         )
@@ -103,7 +126,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of a config (tests, benchmarks), attending through SmartGen's hook."""
     register()
-    _check_config(config)
+    check_config_runnable(config)
     config._attn_implementation = ATTENTION_NAME
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME)

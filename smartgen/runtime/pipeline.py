@@ -21,7 +21,7 @@ from smartgen.engine.decode import DecodeEngine, RequestFailed
 from smartgen.engine.layout import DEFAULT_NUM_BLOCKS
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.planning import Planner
-from smartgen.engine.policy import Policy
+from smartgen.engine.policy import Policy, check_quantizable
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from smartgen.lanes.link import inproc_link
@@ -78,6 +78,7 @@ class InprocPipeline:
         info = model_info(model)
         self.selector = make_selector(selector, info, **(selector_params or {}))
         self.layout = kv_layout(model, num_blocks=num_blocks)
+        check_quantizable(policy, self.layout.head_dim)
         if gbps and not transfer_seconds_per_token:  # the link's own rate, unless measured timings were given
             transfer_seconds_per_token = transfer_seconds(self.layout.kv_bytes(1), gbps)
         _check_timings(policy, importance, prefill_seconds_per_token, transfer_seconds_per_token)
@@ -94,6 +95,7 @@ class InprocPipeline:
             max_tokens=max_tokens,
             device=str(model.device),
             prefix_cache=PrefixCache(decode_cache_bytes, prefix_block_tokens),
+            quantized=bool(policy.quantize_bits),  # this pipeline's one scheme: a staging region only for quant2
         )
         prefill_end, decode_end = inproc_link(gbps)
         self._prefill_link = prefill_end
@@ -154,7 +156,7 @@ class InprocPipeline:
 
     @staticmethod
     def _raise_failure(events: list, errors: list[BaseException]) -> None:
-        failed = [e for e in events if isinstance(e, Finished) and e.reason == "error"]
+        failed = [e for e in events if isinstance(e, Finished) and e.failed]
         if failed:
             if errors:
                 raise errors[0]
