@@ -53,7 +53,8 @@ class FakeService:
         self.tokenizer: FakeTokenizer = FakeTokenizer()
         self.pieces, self.delay = list(REPLY), 0.0
         self.refuse: ServiceError | None = None
-        self.fail_after: int | None = None  # emit FinishEvent("error") after this many tokens
+        self.fail_after: int | None = None  # emit FinishEvent(*failure) after this many tokens
+        self.failure = ("error", "the GPU caught fire")  # (reason, error)
         self.ready = True
         self.submitted: list[tuple[list[int], GenerationParams]] = []
         self.handles: list[RequestHandle] = []
@@ -67,13 +68,18 @@ class FakeService:
         handle = RequestHandle(f"req{len(self.handles)}", len(prompt_ids))
         self.submitted.append((prompt_ids, params))
         self.handles.append(handle)
-        args = (handle, params, list(self.pieces), self.delay, self.fail_after)
+        args = (handle, params, list(self.pieces), self.delay, self.fail_after, self.failure)
         threading.Thread(target=self._run, args=args, daemon=True).start()
         return handle
 
     @staticmethod
     def _run(
-        handle: RequestHandle, params: GenerationParams, pieces: list[str], delay: float, fail_after: int | None
+        handle: RequestHandle,
+        params: GenerationParams,
+        pieces: list[str],
+        delay: float,
+        fail_after: int | None,
+        failure: tuple[str, str],
     ) -> None:
         times: list[float] = []
 
@@ -91,7 +97,7 @@ class FakeService:
 
         for index, text in enumerate(pieces[: params.max_tokens]):
             if index == fail_after:
-                return handle.put(FinishEvent("error", "the GPU caught fire", usage()))
+                return handle.put(FinishEvent(*failure, usage()))
             deadline = time.monotonic() + delay
             while time.monotonic() < deadline and not handle.cancelled:
                 time.sleep(0.005)
@@ -338,6 +344,19 @@ def test_generation_error(live: tuple[FakeService, str]) -> None:
     events = sse_events(post(url, "/v1/completions", {"prompt": "Hi", "stream": True}).text)
     assert [e["choices"][0]["text"] for e in events[:-1]] == REPLY[:2]
     assert "GPU caught fire" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
+
+
+def test_a_lost_prefill_node_is_503_with_the_reason(live: tuple[FakeService, str]) -> None:
+    """The service's "unavailable" (its prefill node lost, or none live) is the client's to retry, not our bug."""
+    service, url = live
+    reason = "prefill node connection lost: peer silent for 3.0 s: lease expired"
+    service.fail_after, service.failure = 2, ("unavailable", reason)
+    response = post(url, "/v1/completions", {"prompt": "Hi"})
+    assert response.status_code == 503
+    assert response.json()["error"] == {"message": reason, "type": "service_unavailable", "code": 503}
+    events = sse_events(post(url, "/v1/completions", {"prompt": "Hi", "stream": True}).text)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == REPLY[:2]
+    assert events[-1]["error"] == {"message": reason, "type": "service_unavailable", "code": 503}
 
 
 # -- stop strings --

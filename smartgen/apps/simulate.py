@@ -259,7 +259,7 @@ def simulate(
 
 def _raise_failed(events: list) -> None:
     for event in events:
-        if isinstance(event, Finished) and event.reason == "error":
+        if isinstance(event, Finished) and event.failed:
             raise RuntimeError(f"simulated request {event.request_id} failed: {event.error}")
 
 

@@ -60,7 +60,7 @@ class RequestFailed(RuntimeError):
 
 
 class LinkLost(RequestFailed):
-    """A fetch's prefill node went away (with `recompute` its request is opened again, not failed)."""
+    """A fetch's prefill node went away (with `recompute` its request is opened again, not failed), or none is live."""
 
 
 class Assembled(NamedTuple):
@@ -117,6 +117,7 @@ class _Request:
     resume: Future | None = None
     resumed_at: float = 0.0
     overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
+    lost: bool = False  # it failed because its prefill node was lost, and no other took it (a 503, not a fault)
     # per layer, whether any prompt entry was remote when this step first asked (None: not asked yet this step)
     remote_layers: list[bool] | None = None
     layers_since_notice: int = 0  # layers begun since its last idle notice (0: none sent yet)
@@ -263,7 +264,7 @@ class DecodeEngine:
         )
         for request in victims:
             if not (self.recompute and self._reopen(request)):
-                self._fail_request(request.request_id, error)
+                self._fail_request(request.request_id, error, lost=True)
         for _fetch_id, future in pending:
             if not future.done():
                 self.counters.add_failure("on_demand")
@@ -308,13 +309,13 @@ class DecodeEngine:
         )
         return True
 
-    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False) -> None:
+    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False, lost: bool = False) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
         if not request.metrics.error:
             request.metrics.error = reason
-            request.overloaded = overloaded
+            request.overloaded, request.lost = overloaded, lost
         if not request.first_token.done():
             request.first_token.set_exception(RequestFailed(reason))
         if request.resuming:
@@ -325,7 +326,7 @@ class DecodeEngine:
         with self._lock:
             live = [link for link in self._links if link.alive]
             if not live:
-                raise RequestFailed("no live prefill node: every link is down (see /health)")
+                raise LinkLost("no live prefill node: every link is down (see /health)")
             load = {id(link): 0 for link in live}
             for request in self._requests.values():
                 if id(request.link) in load:
@@ -390,7 +391,7 @@ class DecodeEngine:
             self._fail_link(link, reason)
             if request.link is link and not request.metrics.error and not (self.recompute and self._reopen(request)):
                 self._fail_request(
-                    request_id, f"prefill node connection lost: {reason}"
+                    request_id, f"prefill node connection lost: {reason}", lost=True
                 )  # the link was dropped just before
         return request_id
 
@@ -465,6 +466,11 @@ class DecodeEngine:
         """The request failed because its prefill node had no room for it (store or queue full)."""
         request = self._requests.get(request_id)
         return request is not None and request.overloaded
+
+    def was_lost(self, request_id: str) -> bool:
+        """The request failed because its prefill node was lost (dead, silent past its lease) and none took it."""
+        request = self._requests.get(request_id)
+        return request is not None and request.lost
 
     def failed(self, request_ids: list[str]) -> list[int]:
         """Indices (into `request_ids`) of requests that failed and must leave the batch."""
@@ -814,7 +820,7 @@ class DecodeEngine:
                 if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
                     request.deferred = True
                 else:
-                    self._fail_request(request.request_id, str(exc))
+                    self._fail_request(request.request_id, str(exc), lost=True)
                 continue
             except RequestFailed as exc:
                 self._fail_request(request.request_id, str(exc))
@@ -854,7 +860,7 @@ class DecodeEngine:
                     self._land_reply(request, layer, entries, future.result(), sent)
                 except LinkLost as exc:
                     if not self.recompute:  # else asked again of the node it is opened on next
-                        self._fail_request(request.request_id, str(exc))
+                        self._fail_request(request.request_id, str(exc), lost=True)
                 except RequestFailed as exc:
                     self._fail_request(request.request_id, str(exc))
             request.late = waiting

@@ -250,7 +250,7 @@ async def _sse(gen: _Generation, head: dict[str, Any], chat: bool, include_usage
 
 @dataclass(slots=True)
 class _Done:
-    reason: str  # OpenAI finish_reason: "stop" | "length"; or the service's "error" | "aborted" | "overloaded"
+    reason: str  # OpenAI finish_reason: "stop" | "length"; or the service's failures (FinishEvent.reason)
     usage: dict[str, Any]
     error: str | None = None
 
@@ -391,8 +391,9 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def _failure_status(reason: str) -> int:
-    """A request the nodes ended: aborted (shutting down) or refused for lack of room is 503 (try again), else 500."""
-    return 503 if reason in ("aborted", "overloaded") else 500
+    """A request the nodes ended: aborted (shutting down), refused for lack of room, or failed because its prefill
+    node was lost (dead, silent past its lease; or none was live) is 503: try again. Anything else is ours: 500."""
+    return 503 if reason in ("aborted", "overloaded", "unavailable") else 500
 
 
 def _error_body(message: str, status: int) -> dict[str, Any]:

@@ -48,7 +48,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class FinishEvent:
-    reason: str  # "stop" | "length" | "error" | "aborted" | "overloaded" (a prefill node had no room: 503)
+    # "stop" | "length" | "error" | "aborted" | "overloaded" (a prefill node had no room: 503) | "unavailable" (its
+    # prefill node was lost, or none was live: 503)
+    reason: str
     error: str | None
     usage: dict[str, Any]  # prompt_tokens, completion_tokens, total_tokens, ttft, ttst, tbt (seconds), scheme
 

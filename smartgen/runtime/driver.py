@@ -11,7 +11,8 @@ A request's life in the driver:
    them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
    prefill node lost, no first token within `prefill_timeout`): the engine finishes or aborts it
-   (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics.
+   (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics and why it failed
+   ("unavailable": its prefill node was lost or none was live; "overloaded": it had no room; else "error").
 
 Timings have one clock and one definition: the engine's `RequestMetrics`, counted from the
 request's arrival (`DriverRequest.arrival`), are what `usage`, `/status` and the benchmarks read.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smartgen.engine.decode import DecodeEngine, RequestFailed
+from smartgen.engine.decode import DecodeEngine, LinkLost, RequestFailed
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy
 from smartgen.engine.pool import PoolFull
@@ -65,8 +66,9 @@ class Token:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A request left the driver: reason "stop", "length", "aborted", "error" or "overloaded" (a prefill node had no
-    room for it: worth a retry later); `error` says why."""
+    """A request left the driver: reason "stop", "length", "aborted", "error", "overloaded" (a prefill node had no
+    room for it) or "unavailable" (its prefill node was lost, or none was live); the last two are worth a retry
+    later. `error` says why."""
 
     request_id: str
     reason: str
@@ -74,6 +76,11 @@ class Finished:
     metrics: RequestMetrics
     tokens: list[int]
     logits: list[torch.Tensor]
+
+    @property
+    def failed(self) -> bool:
+        """It ended short of its tokens by no one's choice (not finished, not cancelled)."""
+        return self.reason in ("error", "overloaded", "unavailable")
 
 
 Event = Token | Finished
@@ -107,7 +114,8 @@ class DecodeDriver:
         except (PoolFull, RuntimeError) as exc:
             metrics = RequestMetrics(request.request_id, request.prompt_ids.numel(), created=request.arrival)
             metrics.error = str(exc)
-            return [Finished(request.request_id, "error", str(exc), metrics, [], [])]
+            kind = "unavailable" if isinstance(exc, LinkLost) else "error"  # no live prefill node to open it on
+            return [Finished(request.request_id, kind, str(exc), metrics, [], [])]
         request.opened = time.monotonic()
         self.prefilling.append(request)
         return []
@@ -180,8 +188,7 @@ class DecodeDriver:
                         still.append(request)
                     continue
             except (RequestFailed, KeyError) as exc:
-                kind = "overloaded" if self.engine.was_overloaded(rid) else "error"
-                events.append(self._abort(request, str(exc), kind))
+                events.append(self._abort(request, str(exc), self._failure(rid)))
                 continue
             self._join_batch(request)
         self.prefilling = still
@@ -195,8 +202,8 @@ class DecodeDriver:
             rid = request.request_id
             if not self.engine.ready_to_resume(rid):
                 still.append(request)
-            elif self.engine.metrics(rid).error:
-                events.append(self._abort(request, self.engine.metrics(rid).error or "fetch failed", "error"))
+            elif error := self.engine.metrics(rid).error:
+                events.append(self._abort(request, error, self._failure(rid)))
             else:
                 self._join_batch(request)
         self.parked = still
@@ -237,7 +244,7 @@ class DecodeDriver:
             for request in victims:
                 rid = request.request_id
                 error = self.engine.metrics(rid).error if self.engine.has_request(rid) else None
-                events.append(self._abort(request, error or "its prefill node failed it", "error"))
+                events.append(self._abort(request, error or "its prefill node failed it", self._failure(rid)))
             if not self.running:
                 return events
             logits = logits[keep]
@@ -290,10 +297,9 @@ class DecodeDriver:
         self._leave_batch(broken)
         events: list[Event] = []
         for request in victims:
-            error = (
-                self.engine.metrics(request.request_id).error if self.engine.has_request(request.request_id) else None
-            )
-            events.append(self._abort(request, error or reason, "error"))
+            rid = request.request_id
+            error = self.engine.metrics(rid).error if self.engine.has_request(rid) else None
+            events.append(self._abort(request, error or reason, self._failure(rid)))
         return events
 
     # -- per request -----------------------------------------------------------------------
@@ -310,6 +316,13 @@ class DecodeDriver:
     def _complete(self, request: DriverRequest, reason: str) -> Finished:
         metrics = self.engine.finish(request.request_id)
         return Finished(request.request_id, reason, None, metrics, request.tokens, request.logits)
+
+    def _failure(self, request_id: str) -> str:
+        """The kind of failure the engine recorded for a request: its prefill node had no room ("overloaded"), was
+        lost with no other to take it ("unavailable"), or anything else ("error")."""
+        if self.engine.was_overloaded(request_id):
+            return "overloaded"
+        return "unavailable" if self.engine.was_lost(request_id) else "error"
 
     def _abort(self, request: DriverRequest, reason: str, kind: str) -> Finished:
         rid = request.request_id
