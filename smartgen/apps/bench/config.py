@@ -9,7 +9,7 @@ from typing import Any
 
 from smartgen.engine.policy import check_servable, get_policy
 
-__all__ = ["BenchConfig", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "DEFAULT_TASKS", "lane_words"]
+__all__ = ["BenchConfig", "LoadSpec", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "DEFAULT_TASKS", "lane_words"]
 
 DEFAULT_SCHEMES = (
     "full",
@@ -58,6 +58,22 @@ class Point:
             f"spec {self.speculative_ratio:g}, {self.prefill_nodes} prefill node{'s' * (self.prefill_nodes > 1)}"
             + ("" if self.prefix_hit is None else f", prefix hit {self.prefix_hit:.0%}")
         )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load mode: Poisson arrivals at `rate` for `duration_s`, and the objectives goodput counts against."""
+
+    rate: float  # requests per second, offered
+    duration_s: float = 30.0  # arrival window
+    slo_ttft_s: float = 2.0
+    slo_tbt_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or not self.duration_s > 0:
+            raise ValueError("--load-rate and --load-duration must be positive")
+        if not self.slo_ttft_s > 0 or not self.slo_tbt_s > 0:
+            raise ValueError("--slo-ttft and --slo-tbt must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +167,8 @@ class BenchConfig:
                 "gives every scheme prompts of its own: leave it out of --strategies with --prefix-hit"
             )
 
-    def load_spec(self) -> Any:
+    def load_spec(self) -> LoadSpec | None:
         """The load mode's LoadSpec, or None when the run is in rounds."""
-        from smartgen.apps.bench.load import LoadSpec  # here: load -> stats -> runner -> config
-
         if self.load_rate is None:
             return None
         return LoadSpec(self.load_rate, self.load_duration_s, self.slo_ttft_s, self.slo_tbt_s)

@@ -15,23 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from smartgen.apps.bench.config import LoadSpec
 from smartgen.apps.bench.stats import percentile
 
 __all__ = ["LoadSpec", "LoadRun", "run_load"]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    rate: float  # requests per second, offered
-    duration_s: float = 30.0  # arrival window
-    slo_ttft_s: float = 2.0
-    slo_tbt_s: float = 0.2
-
-    def __post_init__(self) -> None:
-        if not self.rate > 0 or not self.duration_s > 0:
-            raise ValueError("--load-rate and --load-duration must be positive")
-        if not self.slo_ttft_s > 0 or not self.slo_tbt_s > 0:
-            raise ValueError("--slo-ttft and --slo-tbt must be positive")
 
 
 @dataclass(slots=True)

@@ -23,14 +23,16 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
+from smartgen.apps.bench.load import run_load
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.regime import decode_side, emulate_flags
+from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
@@ -40,66 +42,6 @@ PILOT_RUNS = 3
 PREFIX_BLOCK_TOKENS = 16  # `serve --prefix-block-tokens`' default, which the benchmark's nodes run with
 PREFIX_CACHE_BYTES = "8G"  # per node in a prefix sweep: far more than a run's prompts, so nothing is evicted
 TRANSFER_PATHS = ("full", "proactive", "on_demand", "speculative", "metadata")  # "full": full transfer's pushes
-
-
-@dataclass(slots=True)
-class Regime:
-    """The link and the decode side of one group of points, as set and as measured by the pilot."""
-
-    link_gbps: float
-    stall_ratio: float  # full transfer of one request / its prefill (at the reference length)
-    reference_length: int
-    prefill_s: dict[int, float]  # prompt length -> prefill as served (pilot TTFT)
-    step_s: dict[int, float]  # prompt length -> all-local decode step (pilot TBT, before emulation)
-    emulate_layer_ms: float
-    decode_ratio: float  # link bytes in one all-local step / selected bytes of a step (estimated)
-    kv_bytes_per_token: int
-    num_layers: int
-    cpus: str = "shared"  # which CPUs the nodes ran on: "shared", or "prefill 0, decode 1" (ClusterSpec.separate_cpus)
-
-
-@dataclass(slots=True)
-class Group:
-    """One scheme, one round of one point: a batch of concurrent requests and what the link carried for them."""
-
-    point: int
-    scheme: str
-    rep: int
-    warmup: bool
-    wall_s: float
-    requests: list[dict[str, Any]]
-    path_bytes: dict[str, int]
-    descriptors: int
-    posting_s: float
-    link_bytes: int  # sent by the prefill nodes (push and control lanes): the KV's direction
-    link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
-
-
-@dataclass(slots=True)
-class BenchResult:
-    config: BenchConfig
-    model: str
-    trained: bool
-    points: list[Point]
-    regimes: list[Regime]  # one per point
-    groups: list[Group] = field(default_factory=list)
-    loads: list[Any] = field(default_factory=list)  # load mode: a LoadRun per point and scheme
-    machine: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)  # Phases.to_json(): where the run's time went
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "config": self.config.to_json(),
-            "model": self.model,
-            "trained": self.trained,
-            "machine": self.machine,
-            "notes": self.notes,
-            "phases": self.phases,
-            "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
-            "groups": [asdict(g) for g in self.groups],
-            "loads": [{**asdict(run), "goodput": run.goodput, "throughput": run.throughput} for run in self.loads],
-        }
 
 
 def _machine() -> dict[str, Any]:
@@ -488,8 +430,6 @@ def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:
 def _run_load(
     cluster: LocalCluster, config: BenchConfig, index: int, point: Point, scheme: str, prompts: _Prompts, load: Any
 ) -> Any:
-    from smartgen.apps.bench.load import run_load
-
     tasks = config.tasks
 
     def send(i: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smartgen.apps.bench.config import Point
-from smartgen.apps.bench.runner import BenchResult, Group, Regime
+from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
 
 __all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS"]

@@ -1,0 +1,70 @@
+"""What a benchmark run measured: the regime of each point, each scheme's rounds, and the whole run's record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from smartgen.apps.bench.config import BenchConfig, Point
+
+__all__ = ["BenchResult", "Group", "Regime"]
+
+
+@dataclass(slots=True)
+class Regime:
+    """The link and the decode side of one group of points, as set and as measured by the pilot."""
+
+    link_gbps: float
+    stall_ratio: float  # full transfer of one request / its prefill (at the reference length)
+    reference_length: int
+    prefill_s: dict[int, float]  # prompt length -> prefill as served (pilot TTFT)
+    step_s: dict[int, float]  # prompt length -> all-local decode step (pilot TBT, before emulation)
+    emulate_layer_ms: float
+    decode_ratio: float  # link bytes in one all-local step / selected bytes of a step (estimated)
+    kv_bytes_per_token: int
+    num_layers: int
+    cpus: str = "shared"  # which CPUs the nodes ran on: "shared", or "prefill 0, decode 1" (ClusterSpec.separate_cpus)
+
+
+@dataclass(slots=True)
+class Group:
+    """One scheme, one round of one point: a batch of concurrent requests and what the link carried for them."""
+
+    point: int
+    scheme: str
+    rep: int
+    warmup: bool
+    wall_s: float
+    requests: list[dict[str, Any]]
+    path_bytes: dict[str, int]
+    descriptors: int
+    posting_s: float
+    link_bytes: int  # sent by the prefill nodes (push and control lanes): the KV's direction
+    link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
+
+
+@dataclass(slots=True)
+class BenchResult:
+    config: BenchConfig
+    model: str
+    trained: bool
+    points: list[Point]
+    regimes: list[Regime]  # one per point
+    groups: list[Group] = field(default_factory=list)
+    loads: list[Any] = field(default_factory=list)  # load mode: a LoadRun per point and scheme
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)  # Phases.to_json(): where the run's time went
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_json(),
+            "model": self.model,
+            "trained": self.trained,
+            "machine": self.machine,
+            "notes": self.notes,
+            "phases": self.phases,
+            "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
+            "groups": [asdict(g) for g in self.groups],
+            "loads": [{**asdict(run), "goodput": run.goodput, "throughput": run.throughput} for run in self.loads],
+        }
