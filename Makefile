@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-lanes test-slow lint format demo bench lanes pyverbs-debian clean FORCE
+.PHONY: venv test test-lanes test-slow lint format demo bench gpu-check lanes pyverbs-debian clean FORCE
 
 venv: $(STAMP)
 
@@ -56,6 +56,12 @@ bench: venv
 	$(PY) bench/decode_step.py --lengths 1024,8192
 	$(PY) bench/tcp_lane.py
 	$(PY) bench/lanes.py
+
+# Every CUDA path in one run of under 10 minutes (README, GPU check): the Triton kernels against their references, the
+# decode step against HF, serve --role both with every scheme, the bench, the staged pool's copies, GPUDirect. Without
+# CUDA it says so and runs the CPU half of each check (about 2 minutes here). gpu-check-results/gpu_check.{json,txt}.
+gpu-check: venv
+	$(PY) -m smartgen.apps.gpu_check --out gpu-check-results
 
 # The optional lanes: Mooncake (needs libibverbs1 from Debian) and NIXL, into .venv.
 lanes: venv
