@@ -10,7 +10,6 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from smartgen.apps.bench.config import PAPER_STALL_RATIO, BenchConfig, Point
-from smartgen.apps.bench.regime import decode_side, emulate_flags
 from smartgen.apps.bench.runner import _regime as bench_regime
 from smartgen.apps.cluster import node_cpus
 from smartgen.apps.demo import (
@@ -22,6 +21,7 @@ from smartgen.apps.demo import (
     demo_regime,
     native_note,
 )
+from smartgen.apps.regime import decode_side, emulate_flags
 from smartgen.cli import demo as demo_cli
 from smartgen.cli.app import app
 from smartgen.lanes.rate import bytes_per_second, transfer_seconds

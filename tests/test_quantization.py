@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from smartgen.apps.quantization import KVQuantConfig, KVQuantizer, fp16_kv_bytes, quantize_kv, quantized_kv_bytes
+from smartgen.apps.quantization import KVQuantConfig, KVQuantizer, fp16_kv_bytes, quantize_kv
+from smartgen.engine.kv_quant import packed_layer_bytes
 
 
 def _kv(n=100, heads=2, dim=16, dtype=torch.float32, seed=0):
@@ -115,10 +116,11 @@ def test_transfer_bytes():
     codes = (864 + 872) * 64 * 2 / 8
     params = (27 * 64 + 872 * 2 * 1) * 2 * 2
     residual = (136 + 128) * 64 * 2
-    assert quantized_kv_bytes(1000, 2, 32, cfg) == codes + params + residual
+    # every section of the wire format is a multiple of 16 bytes here: the count is exact
+    assert packed_layer_bytes(1000, 2, 32, torch.float16, cfg) == codes + params + residual
     assert fp16_kv_bytes(1000, 2, 32) == 1000 * 64 * 2 * 2
     # long prompts approach bits/16 plus the scale/zero overhead: 2/16 + 4 bytes per 32 elements / 2 bytes
-    ratio = quantized_kv_bytes(64 * 1024, 8, 128, cfg) / fp16_kv_bytes(64 * 1024, 8, 128)
+    ratio = packed_layer_bytes(64 * 1024, 8, 128, torch.float16, cfg) / fp16_kv_bytes(64 * 1024, 8, 128)
     assert 0.1875 < ratio < 0.19
 
 

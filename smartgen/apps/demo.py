@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from smartgen.apps.bench.config import PAPER_STALL_RATIO, lane_words
-from smartgen.apps.bench.regime import decode_side, emulate_flags
+from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
 __all__ = ["DemoConfig", "DemoRegime", "SchemeResult", "cpu_words", "demo_regime", "native_note", "run_demo"]
 
@@ -136,15 +136,14 @@ def demo_regime(
     """The link rate at which `kv_bytes` take `stall_ratio` x `prefill_s`, and the decode-side ratio that rate
     gives a step of `step_s` over `num_layers` layers against `selected_bytes` (one step's selection past the two
     layers sent whole): the native one, or with `decode_ratio` the one the bench's emulation sets."""
-    from smartgen.lanes.rate import bytes_per_second, gbps_for
+    from smartgen.lanes.rate import bytes_per_second
 
-    gbps = gbps_for(kv_bytes, stall_ratio * prefill_s)
-    rate = bytes_per_second(gbps)
-    side = decode_side(decode_ratio, selected_bytes, rate, step_s, num_layers)
+    link = link_for(kv_bytes, prefill_s, stall_ratio=stall_ratio)
+    side = decode_side(decode_ratio, selected_bytes, bytes_per_second(link.link_gbps), step_s, num_layers)
     return DemoRegime(
         lane=lane,
-        link_gbps=gbps,
-        stall_ratio=kv_bytes / rate / prefill_s,
+        link_gbps=link.link_gbps,
+        stall_ratio=link.stall_ratio,
         prefill_s=prefill_s,
         step_s=step_s,
         decode_ratio=side.decode_ratio,
@@ -205,7 +204,7 @@ def run_demo(
     del model
     kv_bytes = layout.kv_bytes(int(mean_tokens))
     # one decode step's selection over the link: the budget of every layer past the two always sent whole
-    selected_bytes = config.budget * layout.kv_bytes(int(mean_tokens), num_layers=max(layout.num_layers - 2, 1))
+    selected_bytes = step_selected_bytes(config.budget, int(mean_tokens), layout.kv_bytes(1), layout.num_layers)
     spec = ClusterSpec(
         model=config.model,
         lane=config.lane,

@@ -1,32 +1,21 @@
 """KIVI/HACK-like low-bit KV quantization for evaluation: byte counts and the pipeline's `kv_transform`.
 
 The quantization itself (KIVI's layout, fp16 scale and zero per group, the residual window) and its wire
-format live in `smartgen.engine.kv_quant`; this module re-exports the reference. `quantized_kv_bytes`
-counts what a quantized transfer of fp16 KV moves: packed codes, an fp16 scale and zero per group, fp16
-residual (KIVI's storage), the figure the evaluation reports beside accuracy.
+format live in `smartgen.engine.kv_quant`; this module re-exports the reference. The evaluation reports beside
+accuracy what a quantized transfer of fp16 KV moves: `packed_layer_bytes` of fp16 KV, the wire format's own size
+(packed codes, an fp16 scale and zero per group, the fp16 residual: KIVI's storage), the one count of quantized
+KV bytes there is.
 """
 
 from __future__ import annotations
 
 import torch
 
-from smartgen.engine.kv_quant import KVQuantConfig, fake_quantize, quantize_kv
+from smartgen.engine.kv_quant import KVQuantConfig, fake_quantize, packed_layer_bytes, quantize_kv
 
-__all__ = ["KVQuantConfig", "fake_quantize", "quantize_kv", "quantized_kv_bytes", "fp16_kv_bytes", "KVQuantizer"]
+__all__ = ["KVQuantConfig", "fake_quantize", "quantize_kv", "fp16_kv_bytes", "KVQuantizer"]
 
 FP16_BYTES = 2
-
-
-def quantized_kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, config: KVQuantConfig) -> int:
-    """Bytes one layer's K+V take when sent quantized: packed codes + fp16 scale/zero per group + fp16 residual."""
-    num_keys, num_values = config.split(num_tokens)
-    row = num_kv_heads * head_dim  # elements per token
-    codes = (num_keys + num_values) * row * config.bits / 8
-    key_groups = num_keys // config.group * row
-    value_groups = num_values * num_kv_heads * (head_dim // config.value_group(head_dim))
-    params = (key_groups + value_groups) * 2 * FP16_BYTES
-    residual = ((num_tokens - num_keys) + (num_tokens - num_values)) * row * FP16_BYTES
-    return int(codes + params + residual)
 
 
 def fp16_kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int) -> int:
@@ -44,7 +33,7 @@ class KVQuantizer:
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, heads, dim = k.shape
-        self.quantized_bytes += quantized_kv_bytes(n, heads, dim, self.config)
+        self.quantized_bytes += packed_layer_bytes(n, heads, dim, torch.float16, self.config)
         self.fp16_bytes += fp16_kv_bytes(n, heads, dim)
         return quantize_kv(k, v, self.config)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from smartgen.apps.regime import link_for
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv, synthetic_new_token
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.kv_quant import SERVING_QUANT, quantize_kv
@@ -26,7 +27,7 @@ from smartgen.engine.planning import ImportanceAccumulator, Planner
 from smartgen.engine.policy import Policy
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.backends import loopback_link
-from smartgen.lanes.rate import gbps_for, transfer_seconds
+from smartgen.lanes.rate import transfer_seconds
 from smartgen.runtime.decode import DecodeBatch
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Finished
 from smartgen.runtime.prefill_worker import PrefillWorker
@@ -360,10 +361,8 @@ def _count_mismatches(assembled, truths: list[tuple[torch.Tensor, torch.Tensor]]
 def link_rate_for(config: SimulationConfig, transfer_ratio: float) -> float:
     """The Gbit/s at which a full transfer of the batch takes `transfer_ratio` × its prefill time."""
     prefill_seconds = config.prefill_seconds_per_token * max(config.lengths)
-    if prefill_seconds <= 0:
-        raise ValueError("deriving the link rate from a transfer ratio needs a non-zero prefill time")
     total_bytes = sum(config.layout.kv_bytes(n) for n in config.lengths)
-    return gbps_for(total_bytes, transfer_ratio * prefill_seconds)
+    return link_for(total_bytes, prefill_seconds, stall_ratio=transfer_ratio).link_gbps
 
 
 def compare(

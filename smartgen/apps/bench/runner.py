@@ -31,9 +31,9 @@ from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.load import run_load
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
-from smartgen.apps.bench.regime import decode_side, emulate_flags
 from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
+from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -236,23 +236,19 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Pha
 
 
 def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, float]], token_bytes: int, layers: int):
-    from smartgen.lanes.rate import bytes_per_second, gbps_for
+    from smartgen.lanes.rate import bytes_per_second
 
     reference = point.length
     prefill_s, step_s = pilot[reference]
     kv = token_bytes * reference
-    if config.link_mode == "stall":
-        gbps = gbps_for(kv, point.link * prefill_s)
-    else:
-        gbps = point.link
-    rate = bytes_per_second(gbps)
-    stall = kv / rate / prefill_s
-    # what one step could need over the link: the selection of the layers past the always-sent ones
-    selected = point.budget * reference * token_bytes * max(layers - 2, 1) / layers
-    emulate_ms, decode_ratio = decode_side(config.decode_ratio, selected, rate, step_s, layers)
+    stall = config.link_mode == "stall"
+    link = link_for(kv, prefill_s, stall_ratio=point.link if stall else None, gbps=None if stall else point.link)
+    selected = step_selected_bytes(point.budget, reference, token_bytes, layers)
+    side = decode_side(config.decode_ratio, selected, bytes_per_second(link.link_gbps), step_s, layers)
+    emulate_ms, decode_ratio = side
     return Regime(
-        link_gbps=gbps,
-        stall_ratio=stall,
+        link_gbps=link.link_gbps,
+        stall_ratio=link.stall_ratio,
         reference_length=reference,
         prefill_s={n: p for n, (p, _) in pilot.items()},
         step_s={n: s for n, (_, s) in pilot.items()},
