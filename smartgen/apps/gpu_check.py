@@ -135,9 +135,8 @@ def _run_child(check: Check, cuda: bool, seconds: float, workdir: Path) -> tuple
         ended = f"killed past its budget of {seconds:.0f} s"
     finally:
         _kill_group(process)
-    rows = (
-        [Row.from_json(json.loads(line)) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
-    )
+    text = rows_file.read_text() if rows_file.exists() else ""
+    rows = [Row.from_json(json.loads(line)) for line in text[: text.rfind("\n") + 1].splitlines()]  # whole lines
     if ended != "ok":
         rows.append(Row(check.name, "cuda:0" if cuda else "cpu", "-", "-", "fail", note=ended))
     return rows, ended
@@ -153,8 +152,8 @@ def _kill_group(process: subprocess.Popen) -> None:
                 process.poll()  # reaps the child once it exits
                 time.sleep(0.1)
                 os.killpg(process.pid, 0)
-        except ProcessLookupError:
-            return  # nothing of the group is left
+        except (ProcessLookupError, PermissionError):
+            return  # nothing of the group is left (or its id went to a process not ours)
     process.wait()
 
 
