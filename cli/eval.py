@@ -287,6 +287,7 @@ def _run(
     from smartgen.apps.evalsuite import generate_suite
     from smartgen.apps.evaluation import StoreProfiles, evaluate_conditions
     from smartgen.runtime.models import ModelLoadError, load_model
+    from smartgen.selectors import selector_kind
     from smartgen.store import StoreError
     from smartgen.sysinfo import default_db_path
 
@@ -312,11 +313,8 @@ def _run(
         )
     console = Console()
     hata_source = "given" if hata_weights is not None else "trained on calibration-variant prompts"
-    if (
-        hata_weights is None
-        and any(c.selector == "hata" for c in conditions)
-        and (db is not None or default_db_path().exists())
-    ):
+    trains = any(selector_kind(c.selector).needs_training for c in conditions)
+    if hata_weights is None and trains and (db is not None or default_db_path().exists()):
         from smartgen.apps.hash_weights import stored_hash_weights
         from smartgen.store import ProfileStore
 
@@ -337,7 +335,7 @@ def _run(
     console.print(
         f"[bold]smartgen eval[/]: {model_path} · {len(samples)} prompts ({', '.join(tasks)} at {', '.join(map(str, lengths))} tokens) "
         f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
-        + (f" · HATA weights: {hata_source}" if any(c.selector == "hata" for c in conditions) else "")
+        + (f" · HATA weights: {hata_source}" if trains else "")
     )
     columns = (
         TextColumn("{task.description}"),

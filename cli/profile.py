@@ -210,6 +210,7 @@ def _run(
     from smartgen.apps.profiling import CalibrationError, LinkSpec, load_calibration
     from smartgen.apps.profiling import profile as run_profile
     from smartgen.runtime.models import ModelLoadError, load_model
+    from smartgen.selectors import selector_kind
 
     try:
         calibration_set = load_calibration(calibration or _default_calibration())
@@ -237,7 +238,7 @@ def _run(
     )
     params: dict = {"budget": budget}
     weights_id = None
-    if selector == "hata":
+    if selector_kind(selector).needs_training:
         weights_id, params["weights"] = _hash_weights(
             console, store, hf_model, tokenizer, calibration_set, hata, str(model)
         )

@@ -456,3 +456,37 @@ def test_quest_ranks_once_for_its_pick_and_a_wider_one(n, budget, factor, ties):
     assert torch.equal(widened, wide.select(step, metadata))
     for row, wide_row in zip(picked.tolist(), widened.tolist()):  # the wider pick holds the narrower one
         assert set(row) <= set(wide_row)
+
+
+def test_the_contract_says_what_a_selector_needs_before_it_runs():
+    from smartgen.selectors import SELECTORS, selector_class, selector_kind
+
+    kinds = {name: selector_class(name) for name in SELECTORS}
+    assert [n for n, k in kinds.items() if k.needs_training] == ["hata"]
+    assert [n for n, k in kinds.items() if k.needs_warmup] == ["infinigen"]
+    assert [n for n, k in kinds.items() if not k.sparse] == ["dense"]
+    assert {n: k.learned_param for n, k in kinds.items() if k.learned_param} == {"hata": "weights", "infinigen": "skew"}
+    assert selector_kind("hata") is kinds["hata"]
+
+
+def test_nothing_outside_the_selectors_tests_a_selector_s_name():
+    """What a selector needs is the contract's to say (needs_training, needs_warmup, sparse), not a name's."""
+    import ast
+    from pathlib import Path
+
+    from smartgen.selectors import SELECTORS
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for folder in ("smartgen", "cli", "tui", "store"):
+        for path in (root / folder).rglob("*.py"):
+            if "selectors" in path.relative_to(root).parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in SELECTORS]
+                if names and any("selector" in ast.unparse(s) for s in sides):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -32,6 +32,7 @@ from smartgen.apps.quantization import KVQuantConfig, KVQuantizer
 from smartgen.engine.layout import DEFAULT_NUM_BLOCKS, effective_blocks
 from smartgen.engine.policy import Policy, get_policy
 from smartgen.runtime.pipeline import InprocPipeline
+from smartgen.selectors import selector_kind
 
 __all__ = [
     "SCHEMES",
@@ -334,17 +335,18 @@ def evaluate(
     """
     params = dict(selector_params or {})
     options = tuple(sorted((k, v) for k, v in params.items() if k != "budget" and k not in LEARNED_PARAMS))
-    cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if selector != "dense" else ())
+    kind = selector_kind(selector)
+    cond = Condition(scheme, selector, float(params.get("budget", 0.1)), options if kind.sparse else ())
     if (
-        selector == "infinigen"
+        kind.needs_warmup
         and cond.scheme in ("smartgen", "proactive-only")
         and "skew" not in params
         and params.get("skewing", True)
     ):
         params["skew"] = infinigen_warmup(model, tokenizer, samples)
-    if selector == "hata" and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
+    if kind.needs_training and cond.scheme in ("smartgen", "proactive-only") and "weights" not in params:
         params["weights"] = hata_calibration(model, tokenizer, samples)
-    policy, selector_name, params, quantizer = _setup(cond, {} if selector == "dense" else params, quant)
+    policy, selector_name, params, quantizer = _setup(cond, params if kind.sparse else {}, quant)
     if importance is not None and importance.shape[1] != num_blocks:
         raise ValueError(f"importance has {importance.shape[1]} blocks per layer, num_blocks is {num_blocks}")
     run = SchemeRun(cond.label, scheme, selector_name, {k: v for k, v in params.items() if k not in LEARNED_PARAMS})
@@ -453,14 +455,11 @@ def evaluate_conditions(
     total = len(samples) * len(conditions)
     for n, cond in enumerate(conditions):
         params: dict[str, Any] = {"budget": cond.budget, **dict(cond.options)}
-        if (
-            cond.selector == "infinigen"
-            and cond.scheme in ("smartgen", "proactive-only")
-            and params.get("skewing", True)
-        ):
+        kind = selector_kind(cond.selector)
+        if kind.needs_warmup and cond.scheme in ("smartgen", "proactive-only") and params.get("skewing", True):
             skew = skew if skew is not None else infinigen_warmup(model, tokenizer, samples)
             params["skew"] = skew
-        if cond.selector == "hata" and cond.scheme in ("smartgen", "proactive-only"):
+        if kind.needs_training and cond.scheme in ("smartgen", "proactive-only"):
             hata_weights = hata_weights if hata_weights is not None else hata_calibration(model, tokenizer, samples)
             params["weights"] = hata_weights
         source = (

@@ -36,6 +36,7 @@ from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import LayerSink, PrefillOutput
+from smartgen.selectors import selector_kind
 from smartgen.selectors.base import LayerMetadata, PrefillLayer, Selector, StepQuery
 from smartgen.store.profile import Profile
 
@@ -321,15 +322,16 @@ def profile(
         raise ValueError("decode_tokens must be >= 1")
     if link.kind not in ("rate", "inproc") or link.gbps <= 0:
         raise ValueError(f"link must be rate:<gbps> or inproc:<gbps> with a positive rate, got {link.label}")
-    if selector == "dense" or getattr(selector, "name", None) == "dense":
+    kind = selector_kind(selector)
+    if not kind.sparse:
         raise ValueError("the dense selector picks every token: profile a sparse one (quest, infinigen, topk)")
     calibration = prompts if isinstance(prompts, CalibrationSet) else _inline_set(prompts)
     chosen = _assign(tokenize_calibration(tokenizer, calibration), length_ranges, limit)
     params = dict(selector_params or {})
     stored_params = _json_params({k: v for k, v in params.items() if k not in ("skew", "weights")})
-    if selector == "hata":  # learned tensors are named, never stored in the parameters
+    if kind.needs_training:  # learned tensors are named, never stored in the parameters
         stored_params["weights"] = f"store:{weights_id}" if weights_id is not None else "given"
-    if selector == "infinigen":
+    if kind.needs_warmup:
         stored_params["skew"] = "given" if "skew" in params else "calibration[0]"
         if "skew" not in params:
             from smartgen.runtime.prefill import infinigen_skewing

@@ -22,7 +22,7 @@ from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
 from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout, load_model, model_info
-from smartgen.selectors import make_selector
+from smartgen.selectors import make_selector, selector_kind
 from smartgen.sysinfo import default_db_path
 
 __all__ = ["NodeSettings", "build_prefill_node", "build_decode_node", "DTYPES"]
@@ -56,7 +56,7 @@ class NodeSettings:
     db: Path | None = None  # the profile store (HATA's hash weights); None: $SMARTGEN_DB or the default
 
     def selector_params(self) -> dict:
-        return {} if self.selector == "dense" else {"budget": self.budget}
+        return {"budget": self.budget} if selector_kind(self.selector).sparse else {}
 
 
 def _load(settings: NodeSettings, model: PreTrainedModel | None = None):
@@ -65,7 +65,7 @@ def _load(settings: NodeSettings, model: PreTrainedModel | None = None):
         model = load_model(settings.model, DTYPES[settings.dtype], settings.device)
     layout = kv_layout(model, num_blocks=settings.blocks)
     params = settings.selector_params()
-    if settings.selector == "hata":
+    if selector_kind(settings.selector).needs_training:
         params["weights"] = _hash_weights(settings.db, model)
     selector = make_selector(settings.selector, model_info(model), **params)
     return model, layout, selector

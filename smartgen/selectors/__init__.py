@@ -15,6 +15,7 @@ __all__ = [
     "SELECTORS",
     "make_selector",
     "selector_class",
+    "selector_kind",
 ]
 
 SELECTORS = {
@@ -34,6 +35,12 @@ def selector_class(name: str) -> type[Selector]:
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}") from None
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def selector_kind(selector: str | Selector) -> type[Selector]:
+    """A selector's class, from its name or an instance: what the contract says it needs (`needs_training`,
+    `needs_warmup`, `learned_param`, `sparse`), for code outside this package that must not test names."""
+    return selector_class(selector) if isinstance(selector, str) else type(selector)
 
 
 def make_selector(name: str, info: ModelInfo, **params: object) -> Selector:

@@ -12,6 +12,7 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -118,6 +119,15 @@ class Selector(ABC):
     # prefill that reuses a cached prefix, whose queries are never computed, would give other metadata:
     # the prefill node's prefix cache stays out of the way for such a selector.
     reads_prefill_queries: bool = False
+    # What the selector learns before it can run, as the constructor parameter that takes it (never stored among a
+    # profile's parameters): "weights" trained once per model and kept in the profile store (`needs_training`:
+    # HATA's hash weights, made by `smartgen profile --selector <name>`), or "skew" computed from one warm-up prompt
+    # (`needs_warmup`: InfiniGen's offline skewing). None: nothing learned.
+    learned_param: ClassVar[str | None] = None
+    needs_training: ClassVar[bool] = False
+    needs_warmup: ClassVar[bool] = False
+    # False: the selector picks every token (dense): nothing to profile, no budget
+    sparse: ClassVar[bool] = True
 
     def __init__(self, info: ModelInfo) -> None:
         self.info = info

@@ -9,6 +9,7 @@ from smartgen.selectors.base import LayerMetadata, Selector, StepQuery, pad_rows
 
 class DenseSelector(Selector):
     name = "dense"
+    sparse = False
 
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
         heads = self.info.num_kv_heads

@@ -128,6 +128,8 @@ class HATASelector(Selector):
     """HATA's hash-based top-k: learned codes, Hamming distance summed over the GQA group, scaled by ‖k‖."""
 
     name = "hata"
+    learned_param = "weights"
+    needs_training = True
 
     def __init__(
         self,

@@ -125,6 +125,8 @@ class InfiniGenSelector(Selector):
     """InfiniGen's speculative selection: layer l's index from layer l-1's attention input."""
 
     name = "infinigen"
+    learned_param = "skew"
+    needs_warmup = True
     reads_prefill_queries = True
     lookahead = True
 
