@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import signal
-import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -364,10 +362,14 @@ def serve(
     ] = 0.0,
 ) -> None:
     """Run a prefill node, a decode node, or both in one process (--role both), until Ctrl-C (or SIGTERM)."""
-    from smartgen.lanes.tcp_link import parse_address
+    from smartgen.lanes.backends import INPROC
+    from smartgen.lanes.tls import TlsFiles
     from smartgen.lanes.wire import HandshakeError
-    from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build_prefill_node
-    from smartgen.roles.limits import ON_PREFILL_FAILURE, DecodeLimits, PrefillLimits
+    from smartgen.roles.colocated import DecodeSettings
+    from smartgen.roles.launch import NodeSettings
+    from smartgen.roles.limits import DecodeLimits, PrefillLimits
+    from smartgen.roles.node_runner import run_node
+    from smartgen.roles.serve_settings import ServeSettings
     from smartgen.runtime.models import ModelLoadError
 
     waits = {
@@ -384,282 +386,84 @@ def serve(
     for option, value in waits.items():
         if not math.isfinite(value):  # nan passes the range checks and inf means never: neither is a bound
             fail(f"{option} must be a finite number, got {value}")
-
-    if dtype not in DTYPES:
-        fail(f"--dtype must be one of {', '.join(DTYPES)}")
-    if on_prefill_failure not in ON_PREFILL_FAILURE:
-        fail(f"--on-prefill-failure must be one of {', '.join(ON_PREFILL_FAILURE)}, got {on_prefill_failure!r}")
-    from smartgen.lanes.backends import INPROC
-
     lane = lane or (INPROC if role == Role.both else "tcp")
-    if (role == Role.both) != (lane == INPROC):
-        fail(
-            f"--lane {lane} cannot join the nodes of --role both: it runs over the in-process lane (--lane inproc)"
-            if role == Role.both
-            else f"--lane inproc joins a prefill and a decode node in one process: use it with --role both, "
-            f"not --role {role.value}"
-        )
     if role == Role.both:
-        given = [f"--{name}" for name in ("listen", "prefill") if _given(ctx, name)]
-        if given:  # silently ignoring them would leave a user waiting for a connection that never comes
-            fail(
-                f"{' and '.join(given)} {'connect' if len(given) > 1 else 'connects'} separate nodes; --role both runs "
-                "both halves in one process over the in-process lane (leave it out, or run --role prefill and --role decode)"
-            )
-    if role == Role.both and (tls_cert or tls_key or tls_ca):
-        fail("--tls-cert, --tls-key and --tls-ca secure node-to-node sockets; --role both has none")
-    if not secret and not insecure and role != Role.both:  # colocated nodes have no socket between them to guard
-        fail("no shared secret: set $SMARTGEN_SECRET (or --secret) to the same value on both nodes, or pass --insecure")
-    if record is not None and not record.parent.is_dir():
-        fail(f"cannot write --record {record}: folder {record.parent} does not exist")
-    if ready_file is not None and not ready_file.parent.is_dir():
-        fail(f"cannot write --ready-file {ready_file}: folder {ready_file.parent} does not exist")
+        _refuse_socket_options(ctx, tls_cert or tls_key or tls_ca)
     rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
-    from smartgen.lanes.backends import lane_problem
-
-    if problem := lane_problem(lane):
-        fail(problem)
     store_cap = half_of_memory() if max_store_bytes == "auto" else parse_size(max_store_bytes, "--max-store-bytes")
-    from smartgen.lanes.tls import TlsFiles
-
     try:
-        tls = TlsFiles(tls_cert, tls_key, tls_ca) if (tls_cert or tls_key or tls_ca) else None
-        if tls is not None and role == Role.prefill:  # load now: a bad file is a one-line error before the model
-            tls.server_context()
-        elif tls is not None:
-            tls.client_context()
-    except ValueError as exc:
-        fail(str(exc))
-    settings = NodeSettings(
-        model,
-        dtype,
-        device,
-        selector,
-        budget,
-        blocks,
-        secret,
-        link_gbps or None,
-        delay_ms,
-        lane,
-        rdma if lane == "rdma" else None,
-        lease,
-        tls=tls,
-        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),
-        prefix_block_tokens=prefix_block_tokens,
-        db=db,
-    )
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    model_name = model.name
-    try:
-        prefill_limits = PrefillLimits(
+        node = NodeSettings(
+            model,
+            dtype,
+            device,
+            selector,
+            budget,
+            blocks,
+            secret,
+            link_gbps or None,
+            delay_ms,
+            lane,
+            rdma if lane == "rdma" else None,
             lease,
-            handshake_timeout_s=handshake_timeout,
-            confirm_timeout_s=confirm_timeout,
-            write_timeout_s=write_timeout,
-            flush_timeout_s=flush_timeout,
-            max_queue=max_queue,
-            max_store_bytes=store_cap,
+            tls=TlsFiles(tls_cert, tls_key, tls_ca) if (tls_cert or tls_key or tls_ca) else None,
+            prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),
+            prefix_block_tokens=prefix_block_tokens,
+            db=db,
         )
-        limits = DecodeLimits(
+        timeouts = dict(
+            handshake_timeout_s=handshake_timeout, confirm_timeout_s=confirm_timeout, write_timeout_s=write_timeout
+        )
+        decode_limits = DecodeLimits(
             lease,
             first_token_timeout,
             fetch_timeout,
             on_prefill_failure,
             max_body_bytes,
             fetch_stall_s=fetch_stall_ms / 1e3 or None,
-            handshake_timeout_s=handshake_timeout,
-            confirm_timeout_s=confirm_timeout,
-            write_timeout_s=write_timeout,
             queue_timeout_s=queue_timeout,
+            **timeouts,
         )
-        status_address = parse_address(status) if status else None
-        if role == Role.prefill:
-            host, port = parse_address(listen)
-            node, profile_note = build_prefill_node(
-                settings, host, port, db, fallback_strategy, model_name, prefill_limits
-            )
-            _run_prefill(node, profile_note, link_gbps, status_address, ready_file, record)
-        elif role == Role.both:
-            from smartgen.roles.colocated import DecodeSettings, build_colocated_node
-
-            host, port = parse_address(http)
-            decode = DecodeSettings(
-                scheme, speculative_ratio, max_batch, max_tokens, max_waiting, emulate_layer_ms, limits
-            )
-            both, profile_note = build_colocated_node(settings, fallback_strategy, model_name, prefill_limits, decode)
-            _run_both(both, profile_note, link_gbps, status_address, host, port, scheme, ready_file, record, limits)
-        else:
-            addresses = [parse_address(a) for a in prefill.split(",") if a.strip()]
-            host, port = parse_address(http)
-            decode_node = build_decode_node(
-                settings,
-                addresses,
-                scheme,
-                speculative_ratio,
-                model_name,
-                max_batch,
-                max_tokens,
-                max_waiting,
-                emulate_layer_ms=emulate_layer_ms,
-                limits=limits,
-            )
-            _run_decode(decode_node, host, port, prefill, scheme, ready_file, record, limits.max_body_bytes)
+        prefill_limits = PrefillLimits(
+            lease, flush_timeout_s=flush_timeout, max_queue=max_queue, max_store_bytes=store_cap, **timeouts
+        )
+        decode = DecodeSettings(
+            scheme, speculative_ratio, max_batch, max_tokens, max_waiting, emulate_layer_ms, decode_limits
+        )
+        settings = ServeSettings(
+            role.value,
+            node,
+            listen,
+            prefill,
+            http,
+            status,
+            fallback_strategy,
+            decode,
+            prefill_limits,
+            ready_file,
+            record,
+            insecure,
+        )
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+        run_node(settings, say=lambda line: typer.echo(line, err=True))
     except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:
         fail(str(exc))
     except OSError as exc:
         fail(f"network error: {exc}")
 
 
+def _refuse_socket_options(ctx: typer.Context, tls: object) -> None:
+    """--role both has no socket between its halves: options for one, given anyway, would be silently ignored."""
+    given = [f"--{name}" for name in ("listen", "prefill") if _given(ctx, name)]
+    if given:  # ignoring them would leave a user waiting for a connection that never comes
+        fail(
+            f"{' and '.join(given)} {'connect' if len(given) > 1 else 'connects'} separate nodes; --role both runs "
+            "both halves in one process over the in-process lane (leave it out, or run --role prefill and --role decode)"
+        )
+    if tls:
+        fail("--tls-cert, --tls-key and --tls-ca secure node-to-node sockets; --role both has none")
+
+
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether the user set option `name` (on the command line or through its environment variable)."""
     source = ctx.get_parameter_source(name)  # typer's own click enum: compared by name, not by click's class
     return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-
-def _run_prefill(
-    node,
-    profile_note: str,
-    link_gbps: float,
-    status: tuple[str, int] | None,
-    ready_file: Path | None,
-    record: Path | None,
-) -> None:
-    from smartgen.roles.processes import write_ready_file
-    from smartgen.roles.recorder import StatusRecorder
-    from smartgen.roles.status import StatusServer
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    node.start()
-    status_server = StatusServer(*status, node.snapshot, node.monitoring.exposition) if status else None
-    recorder = StatusRecorder(record, "prefill", node.snapshot) if record is not None else None
-    host, port = node.address
-    rate = f"{link_gbps:g} Gbit/s" if link_gbps else "unpaced"
-    typer.echo(
-        f"prefill node listening on {host}:{port} (model {node.identity['model']}, link {rate}, profiles: {profile_note})",
-        err=True,
-    )
-    if ready_file is not None:
-        ready = {"role": "prefill", "listen": f"{host}:{port}"}
-        if status_server is not None:
-            ready["status"] = "{}:{}".format(*status_server.address)
-        write_ready_file(ready_file, ready)
-    stop.wait()
-    typer.echo("prefill node stopping", err=True)
-    if recorder is not None:
-        recorder.close()
-    if status_server is not None:
-        status_server.close()
-    node.stop()
-
-
-def _run_both(
-    node,
-    profile_note: str,
-    link_gbps: float,
-    status: tuple[str, int] | None,
-    host: str,
-    port: int,
-    scheme: str,
-    ready_file: Path | None,
-    record: Path | None,
-    limits,
-) -> None:
-    """The prefill half (and its status endpoint) around the decode half's HTTP server."""
-    from smartgen.roles.status import StatusServer
-
-    node.prefill.start()
-    status_server = None
-    try:
-        if status is not None:
-            status_server = StatusServer(*status, node.prefill.snapshot, node.prefill.monitoring.exposition)
-        rate = f"{link_gbps:g} Gbit/s each way" if link_gbps else "unpaced"
-        where = " (status on {}:{})".format(*status_server.address) if status_server is not None else ""
-        typer.echo(
-            f"prefill node in this process{where}: in-process lane, link {rate}, profiles: {profile_note}", err=True
-        )
-        ready = {"role": "both", "lane": "inproc"}
-        if status_server is not None:
-            ready["status"] = "{}:{}".format(*status_server.address)
-        _run_decode(
-            node.decode,
-            host,
-            port,
-            "in this process",
-            scheme,
-            ready_file,
-            record,
-            limits.max_body_bytes,
-            ready,
-            prefill_snapshot=node.prefill.snapshot,
-        )
-    finally:
-        if status_server is not None:
-            status_server.close()
-        node.prefill.stop()
-        typer.echo("prefill node stopped", err=True)
-
-
-def _run_decode(
-    node,
-    host: str,
-    port: int,
-    prefill: str,
-    scheme: str,
-    ready_file: Path | None,
-    record: Path | None,
-    max_body_bytes: int,
-    ready: dict[str, str] | None = None,
-    prefill_snapshot=None,
-) -> None:
-    """Serves the HTTP API until SIGINT/SIGTERM; `ready`: more entries for the ready file (a colocated node's);
-    `prefill_snapshot`: the colocated prefill half's, recorded beside the decode node's (`--record`)."""
-    import socket
-
-    import uvicorn
-
-    from smartgen.roles.http_api import create_app
-    from smartgen.roles.processes import write_ready_file
-    from smartgen.roles.recorder import StatusRecorder
-
-    app = create_app(node.scheduler, metrics=node.monitoring.exposition, max_body_bytes=max_body_bytes)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:  # fail in-flight requests first, so their streams end
-            threading.Thread(target=node.scheduler.stop, args=("decode node is shutting down",), daemon=True).start()
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3))
-    sock = socket.create_server((host, port))  # bound here, so port 0 works and the ready file can say which
-    host, port = sock.getsockname()[:2]
-    node.start()
-
-    def announce() -> None:
-        while not server.started and not server.should_exit:
-            threading.Event().wait(0.02)
-        if server.started:
-            typer.echo(
-                f"decode node: OpenAI API on http://{host}:{port}/v1 (prefill nodes {prefill}, scheme {scheme})",
-                err=True,
-            )
-            if ready_file is not None:
-                write_ready_file(ready_file, {"role": "decode", **(ready or {}), "http": f"{host}:{port}"})
-
-    threading.Thread(target=announce, name="announce", daemon=True).start()
-    recorder = (
-        StatusRecorder(record, "decode", node.scheduler.status, prefill_snapshot=prefill_snapshot)
-        if record is not None
-        else None
-    )
-    # uvicorn re-raises the signal that stopped it once it has put back the handlers it found; under the default
-    # SIGTERM handler the process would die there, before the nodes below stop and free what they hold
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if recorder is not None:
-            recorder.close()
-        node.stop()
-        typer.echo("decode node stopped", err=True)

@@ -45,7 +45,9 @@ class DecodeLimits:
 
     def __post_init__(self) -> None:
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
-            raise ValueError(f"--on-prefill-failure must be one of {', '.join(ON_PREFILL_FAILURE)}")
+            raise ValueError(
+                f"--on-prefill-failure must be one of {', '.join(ON_PREFILL_FAILURE)}, got {self.on_prefill_failure!r}"
+            )
         _check_seconds(
             self,
             (
