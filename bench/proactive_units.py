@@ -11,7 +11,7 @@ proactive byte budget (a fraction of the KV), four sets over layers >= 2, best f
 - head: (block, KV head) units by the per-head profile;
 - oracle block / oracle head: the same units ranked by this prompt's own step-one picks per byte.
 Prints the share of step one's (token, head) picks each set holds. Counts only, no link, no timing.
-The fractions the bench's regime gives (stall 4.7): about 0.0625 on 16 layers, 0.134 on 32 (docs/bench.md).
+The fractions the bench's regime gives (stall 4.7): about 0.0625 on 16 layers, 0.134 on 32 (docs/results/2026-12-02-per-head-units-decode-cpu.md).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # The step thread lets the GIL go at every wait inside a step (a fetch, a GPU sync, an emulated layer's sleep), and
 # the node's other threads (lane receivers landing replies and pushes, the prefetch worker, HTTP) may then keep it
 # until Python's switch interval (5 ms by default) makes them yield; py-spy showed the step thread waiting for the
-# GIL after its layers' waits. With 0.5 ms (one run each way, random:32, docs/bench.md 2026-12-02) partial
+# GIL after its layers' waits. With 0.5 ms (one run each way, random:32, docs/results/2026-12-02-optimal-proactive-set.md) partial
 # transfer's step beyond its fetch waits fell from 21 to 5 ms over full's; smartgen's did not move.
 STEP_SWITCH_INTERVAL_S = 0.0005
 
