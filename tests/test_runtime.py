@@ -195,6 +195,29 @@ def test_a_family_our_attention_cannot_reach_is_refused_before_transformers_buil
         assert result.exit_code == 2 and reason in result.output and "Traceback" not in result.output, args
 
 
+def test_a_device_this_machine_lacks_is_refused_with_the_reason_on_every_entry_point(tmp_path):
+    from typer.testing import CliRunner
+
+    from smartgen.apps.bench import BenchConfig
+    from smartgen.cli.app import app
+    from smartgen.runtime.models import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ModelLoadError, match="'banana' is not a torch device"):
+        check_device("banana")
+    with pytest.raises(ModelLoadError, match="runs on cpu or cuda devices"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="'cuda:0': this machine has no CUDA device"):
+            load_model(tmp_path, device="cuda:0")  # before the folder is even read
+        with pytest.raises(ValueError, match="--device: device 'cuda': this machine has no CUDA device"):
+            BenchConfig(device="cuda")
+        result = CliRunner().invoke(
+            app, ["serve", "--role", "both", "--model", "samples/sample-model", "--device", "cuda"]
+        )
+        assert result.exit_code == 2 and "no CUDA device" in result.output and "Traceback" not in result.output
+
+
 def test_a_policy_whose_budget_cannot_be_known_is_refused():
     model = model_from_config(tiny_config("llama"))
     with pytest.raises(ValueError, match="plans with a profile: pass importance="):

@@ -59,6 +59,7 @@ class ClusterSpec:
     prefill_cache: str = "0"
     decode_cache: str = "0"
     separate_cpus: bool = False  # prefill nodes and decode node on disjoint CPUs (see the module's docstring)
+    device: str = "cpu"  # `serve --device` of every node (cuda:0: both roles' model and the decode pool on the GPU)
 
 
 def split_cpus() -> tuple[list[int], list[int]] | None:
@@ -136,6 +137,8 @@ class LocalCluster:
         spec = self.spec
         flags = ["--model", str(spec.model), "--blocks", str(spec.blocks), "--lane", spec.lane, *spec.lane_flags]
         flags += ["--selector", spec.selector, "--budget", str(spec.budget)]
+        if spec.device != "cpu":
+            flags += ["--device", spec.device]
         if spec.link_gbps is not None:
             flags += ["--link-gbps", f"{spec.link_gbps:.9f}"]
         return flags

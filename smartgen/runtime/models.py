@@ -18,6 +18,7 @@ __all__ = [
     "TESTED_MODEL_TYPES",
     "check_runnable",
     "check_config_runnable",
+    "check_device",
     "ModelLoadError",
     "LayerKinds",
     "load_model",
@@ -101,8 +102,26 @@ def _check_structure(model: torch.nn.Module) -> None:
         raise ModelLoadError(f"{name} is not supported: SmartGen needs a rotary position embedding (RoPE)")
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch device, if this machine has it; a ModelLoadError saying why not otherwise."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"device {str(device)!r} is not a torch device (cpu, cuda, cuda:1, ...): {exc}") from None
+    if found.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}" + (", a CPU build" if torch.version.cuda is None else "")
+            raise ModelLoadError(f"device {str(device)!r}: this machine has no CUDA device ({build})")
+        if found.index is not None and found.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif found.type != "cpu":
+        raise ModelLoadError(f"device {str(device)!r}: SmartGen runs on cpu or cuda devices")
+    return found
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """A causal LM from a local folder (no network), in eval mode, attending through SmartGen's hook."""
+    check_device(device)
     register()
     folder = Path(path)
     if not folder.is_dir():

@@ -92,6 +92,7 @@ class BenchConfig:
     link_gbps: tuple[float, ...] = ()  # when given, replaces stall_ratio
     decode_ratio: float | None = None  # link bytes per all-local step / selected bytes per step; None = native
     separate_cpus: bool = True  # prefill and decode nodes on disjoint CPUs, as on separate machines (cluster.py)
+    device: str = "cpu"  # every node's `serve --device` (cuda:0 on a GPU machine)
     blocks: tuple[int, ...] = (1024,)
     budget: tuple[float, ...] = (0.2,)
     speculative_ratio: tuple[float, ...] = (0.1,)
@@ -113,6 +114,12 @@ class BenchConfig:
     out: Path | None = None
 
     def __post_init__(self) -> None:
+        from smartgen.runtime.models import ModelLoadError, check_device
+
+        try:
+            check_device(self.device)
+        except ModelLoadError as exc:
+            raise ValueError(f"--device: {exc}") from None
         for scheme in self.all_schemes:
             # unknown or unservable ones fail before any node starts; the optimal set is replayed from full's run
             check_servable(get_policy(scheme), oracle=True)

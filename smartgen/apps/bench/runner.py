@@ -222,6 +222,7 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Pha
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
         separate_cpus=config.separate_cpus,
+        device=config.device,
     )
     measured = {}
     with LocalCluster(spec) as cluster:
@@ -284,6 +285,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
         separate_cpus=config.separate_cpus,
+        device=config.device,
         decode_extra=extra,
         prefill_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "decode" else "0",
         decode_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "prefill" else "0",
