@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-lanes test-slow lint format demo bench gpu-check lanes pyverbs-debian clean FORCE
+.PHONY: venv test test-lanes test-slow lint format demo bench gpu-check gpu-wheels lanes pyverbs-debian clean FORCE
 
 venv: $(STAMP)
 
@@ -83,6 +83,21 @@ pyverbs-debian: venv
 			> $(PYVERBS_DIR)/pyverbs-$$version.dist-info/METADATA
 	echo "$(abspath $(PYVERBS_DIR))" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/debian-pyverbs.pth
 	$(PY) -c 'import pyverbs.device, smartgen.lanes.backends as b; print("pyverbs imports from .venv; rdma lane:", b.unavailable("rdma") or "ready")'
+
+# What SmartGen needs beyond the image of a lent GPU machine that reaches no package index (the device tool's
+# KINDS.md lists its packages: torch, triton, transformers, typer, httpx... are there), as wheels for its Python
+# 3.12, in the versions this venv holds, into .whl/ (ignored); bench/gpu_check_device.sh installs them there.
+GPU_WHEELS := fastapi starlette pydantic pydantic-core annotated-types typing-inspection opentelemetry-api uvicorn \
+	sqlite-utils sqlite-fts4 click-default-group textual mdit-py-plugins platformdirs
+gpu-wheels: venv
+	rm -rf .whl && mkdir .whl
+	for name in $(GPU_WHEELS); do \
+		version=$$($(PY) -m pip show $$name | awk '/^Version:/ {print $$2}') && \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl "$$name==$$version" || exit 1; \
+	done
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
