@@ -312,7 +312,7 @@ def socket_lane_kind(request) -> str:
 @pytest.fixture
 def remote_read_guard(monkeypatch):
     """Fails the test if any gather reads a pool entry whose mask is not LOCAL at that moment."""
-    import smartgen.engine.decode as decode_module
+    import smartgen.engine.decode.move as decode_module
     from smartgen.engine.decode import DecodeEngine
     from smartgen.engine.mask import LOCAL
 

@@ -18,6 +18,7 @@ from smartgen.engine.mask import LOCAL
 from smartgen.engine.messages import Idle, Release
 from smartgen.engine.planning import Planner, speculative_slice_size
 from smartgen.engine.policy import POLICIES, get_policy
+from smartgen.engine.pool import DecodePool
 from smartgen.engine.prefill import PrefillEngine
 from smartgen.lanes.link import inproc_link
 
@@ -59,14 +60,10 @@ def test_fetch_replies_land_in_place_over_the_rdma_lane_bit_for_bit(
     named (staged: into the host copies, moved into K and V when they become local); the assembled KV must still
     equal the ground truth, and no reply may have been copied in instead."""
     landed, copied = [], []
-    real_landed, real_write = decode_module.DecodePool.entries_landed, decode_module.DecodePool.write_entries
+    real_landed, real_write = DecodePool.entries_landed, DecodePool.write_entries
     monkeypatch.setattr(simulate_module, "loopback_link", make_link)
-    monkeypatch.setattr(
-        decode_module.DecodePool, "entries_landed", lambda self, *a: landed.append(1) or real_landed(self, *a)
-    )
-    monkeypatch.setattr(
-        decode_module.DecodePool, "write_entries", lambda self, *a: copied.append(1) or real_write(self, *a)
-    )
+    monkeypatch.setattr(DecodePool, "entries_landed", lambda self, *a: landed.append(1) or real_landed(self, *a))
+    monkeypatch.setattr(DecodePool, "write_entries", lambda self, *a: copied.append(1) or real_write(self, *a))
     result = simulate(config(transport=SOFT_RDMA, staged=staged), POLICIES[name], importance)
     assert result.mismatches == 0 and result.max_fetch_count <= 1
     assert remote_read_guard == []

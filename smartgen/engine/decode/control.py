@@ -1,0 +1,246 @@
+"""The decode side's link and failure control: prefill nodes attached, lost and replaced; requests failed or parked."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+
+from smartgen.engine import messages as msg
+from smartgen.engine.decode.move import DecodePath
+from smartgen.engine.decode.request import DecodeRequest, LinkLost, RequestFailed
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.mask import LOCAL
+from smartgen.engine.prefix_cache import PrefixCache
+from smartgen.lanes.link import LinkEnd
+
+__all__ = ["DecodeControl"]
+
+log = logging.getLogger(__name__)
+
+
+class DecodeControl(DecodePath):
+    """The links to the prefill nodes (`attach()`), what a lost one takes with it, and the requests a step failed
+    or parked (stall_timeout, recompute); `DecodeEngine` adds a request's life on top."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        max_tokens: int,
+        *,
+        device: str = "cpu",
+        fetch_timeout: float = 30.0,
+        recompute: bool = False,
+        stall_timeout: float | None = None,
+        prefill_timeout: float = 120.0,
+        prefix_cache: PrefixCache | None = None,
+        staged: bool = False,
+        quantized: bool = True,
+    ) -> None:
+        """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
+        padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
+        `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
+        prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
+        starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them.
+        `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py).
+        `quantized`: the pool has a staging region for `quant2` requests (False: that scheme is refused)."""
+        super().__init__(
+            layout,
+            num_slots,
+            max_tokens,
+            device=device,
+            staged=staged,
+            quantized=quantized,
+            prefix_cache=prefix_cache,
+            fetch_timeout=fetch_timeout,
+            stall_timeout=stall_timeout,
+        )
+        self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
+        self.prefill_timeout = prefill_timeout
+        self.on_link_lost: Callable[[LinkEnd, str], None] | None = None  # told after a link is dropped
+        self._links: list[LinkEnd] = []
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+
+    # -- connections ------------------------------------------------------------------
+    def attach(self, link: LinkEnd) -> None:
+        """Connects a prefill node: registers the pool's regions on its push lane and listens."""
+        for name, buffer in self.pool.byte_views().items():
+            link.push.register_region(name, buffer)
+        self._links.append(link)
+        thread = threading.Thread(target=self._listen, args=(link,), name="decode-listen", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @property
+    def links(self) -> list[LinkEnd]:
+        """The live links (a lost one leaves this list at once)."""
+        with self._lock:
+            return list(self._links)
+
+    def _listen(self, link: LinkEnd) -> None:
+        while True:
+            message = link.control.recv(timeout=0.25)
+            if message is None:
+                if link.alive:
+                    continue
+                link.close()  # one lane broke (its lease, a bad frame): the link goes as a whole
+                self._fail_link(link, link.error or "connection closed")
+                return
+            try:
+                self._handle(msg.unpack(message))
+            except msg.MessageError as exc:  # a malformed message fails its request, not the listener
+                log.warning("decode: %s for %s refused: %s", message.kind.name, message.request_id, exc)
+                self._fail_request(message.request_id, f"bad {message.kind.name} from the prefill node: {exc}")
+
+    def _handle(self, message: msg.EngineMessage) -> None:
+        match message:
+            case msg.FetchReply():
+                with self._lock:
+                    waiting = self._fetches.pop(message.fetch_id, None)
+                if waiting is not None and not waiting[0].done():
+                    waiting[0].set_result(message)
+            case msg.Metadata():
+                request = self._requests.get(message.request_id)
+                if request is not None and 0 <= message.layer < self.layout.num_layers:
+                    request.metadata[message.layer] = message.tensors
+            case msg.FirstToken():
+                request = self._requests.get(message.request_id)
+                if request is not None and request.resuming:  # prefilled again elsewhere: metadata is kept
+                    assert request.resume is not None
+                    if request.first_token.result() != message.token:
+                        log.warning("decode: %s prefilled again gives another first token", message.request_id)
+                    request.resume.set_result(message.token)
+                elif request is not None and not request.first_token.done():
+                    for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
+                        request.metadata[layer].update(entry)
+                    request.metrics.prefill_cached_tokens = message.cached
+                    request.first_token.set_result(message.token)
+            case msg.Error() | msg.Abort():
+                overloaded = isinstance(message, msg.Error) and message.overloaded
+                self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
+            case _:
+                raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
+
+    def _fail_link(self, link: LinkEnd, reason: str = "connection closed") -> None:
+        """The prefill node is gone: drop the link, fail (or re-open) what needed it, wake its fetch waiters."""
+        with self._lock:
+            if link not in self._links:
+                return  # already handled (the listener and `open` may both notice)
+            self._links.remove(link)
+            victims = [r for r in self._requests.values() if r.link is link and not self._fully_local(r)]
+            pending = [(i, f) for i, (f, owner) in self._fetches.items() if owner is link]
+            for fetch_id, _ in pending:
+                self._fetches.pop(fetch_id, None)
+        error = f"prefill node connection lost: {reason}"
+        log.log(
+            logging.INFO if self._closing else logging.WARNING,
+            "decode: %s; %d request(s) needed it",
+            error,
+            len(victims),
+        )
+        for request in victims:
+            if not (self.recompute and self._reopen(request)):
+                self._fail_request(request.request_id, error, lost=True)
+        for _fetch_id, future in pending:
+            if not future.done():
+                self.counters.add_failure("on_demand")
+                future.set_exception(LinkLost(error))
+        if self.on_link_lost is not None:
+            self.on_link_lost(link, reason)
+
+    def _fully_local(self, request: DecodeRequest) -> bool:
+        """Every prompt token is in the pool: it decodes on without its prefill node. A quantized transfer's
+        layers that arrived are dequantized into the pool first."""
+        if request.flags.quantized:
+            self.pool.land_quantized(request.slot, request.length)
+        self.pool.sync_staged(None, [request.slot])
+        return self.pool.masks.all_local(request.slot, request.length)
+
+    def _reopen(self, request: DecodeRequest) -> bool:
+        """Opens a request again on another live prefill node; False when none is left.
+
+        The OPEN says which prompt tokens are local already (never pushed again). A request past its first
+        token is `resuming` until the new node's FIRST_TOKEN: it steps no more (the driver parks it), and
+        what it fetched from the lost node and never got is asked of the new one when it steps again.
+        """
+        try:
+            link = self._pick_link()
+        except RequestFailed:
+            return False
+        assert request.open_message is not None
+        held = (self.pool.masks.values[:, request.slot, : request.length] == LOCAL).all(dim=-1)  # [L, n]: all heads
+        decoding = request.first_token.done()
+        if decoding:
+            request.resume, request.resumed_at = Future(), time.monotonic()
+        request.late = []  # their futures failed with the lost link
+        request.link = link
+        message = replace(request.open_message, held=held if bool(held.any()) else None, resumed=decoding)
+        link.push.accept(request.request_id, self.pool.geometry.slot_extents(request.slot, request.length))
+        link.control.send(message.pack())
+        log.info(
+            "decode: request %s opened again on another prefill node (%d of %d prompt KV entries kept)",
+            request.request_id,
+            int(held.sum()),
+            held.numel(),
+        )
+        return True
+
+    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False, lost: bool = False) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if not request.metrics.error:
+            request.metrics.error = reason
+            request.overloaded, request.lost = overloaded, lost
+        if not request.first_token.done():
+            request.first_token.set_exception(RequestFailed(reason))
+        if request.resuming:
+            assert request.resume is not None
+            request.resume.set_exception(RequestFailed(reason))
+
+    def _pick_link(self) -> LinkEnd:
+        with self._lock:
+            live = [link for link in self._links if link.alive]
+            if not live:
+                raise LinkLost("no live prefill node: every link is down (see /health)")
+            load = {id(link): 0 for link in live}
+            for request in self._requests.values():
+                if id(request.link) in load:
+                    load[id(request.link)] += 1
+            return min(live, key=lambda link: load[id(link)])
+
+    # -- stalled requests (stall_timeout) ---------------------------------------------------
+    def deferred(self, request_ids: list[str]) -> list[int]:
+        """Indices (into `request_ids`) of requests whose step this time waited too long for a fetch."""
+        return [i for i, rid in enumerate(request_ids) if rid in self._requests and self._requests[rid].deferred]
+
+    def undo_step(self, request_id: str) -> None:
+        """Takes back a deferred request's step: the token it appended goes, the step will be done again."""
+        request = self._require_any(request_id)
+        self.pool.drop_last(request.slot)
+        request.deferred = False
+
+    def ready_to_resume(self, request_id: str) -> bool:
+        """A deferred request may step again: its late fetches have landed (and, opened again after its prefill
+        node was lost, the new node has prefilled it), or it failed (past fetch_timeout or prefill_timeout)."""
+        request = self._require_any(request_id)
+        if request.metrics.error:
+            return True
+        if request.resuming:
+            if time.monotonic() - request.resumed_at > self.prefill_timeout:
+                self._fail_request(request_id, f"not prefilled again within {self.prefill_timeout:g} s")
+                return True
+            return False
+        if not request.link.alive:
+            return False  # its link is being dropped: it is opened again elsewhere or fails
+        self._land_late([request])
+        if request.late and request.deferred_since is not None:
+            if time.monotonic() - request.deferred_since > self.fetch_timeout:
+                self.counters.add_failure("on_demand")
+                self._fail_request(request_id, f"fetch timed out after {self.fetch_timeout:g} s")
+        return not request.late or bool(request.metrics.error)

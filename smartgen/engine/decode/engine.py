@@ -1,0 +1,272 @@
+"""The decode engine: a request's life on the decode node, from OPEN to RELEASE (the package docstring lists it)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from smartgen.engine import messages as msg
+from smartgen.engine.decode.control import DecodeControl
+from smartgen.engine.decode.request import DecodeRequest, RequestFailed
+from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.engine.mask import LOCAL
+from smartgen.engine.metrics import RequestMetrics, RequestState
+from smartgen.engine.policy import Policy
+
+__all__ = ["DecodeEngine"]
+
+
+class DecodeEngine(DecodeControl):
+    """Owns the decode pool (`DecodePath`) and talks to the prefill nodes attached with `attach()` (`DecodeControl`)."""
+
+    def close(self) -> None:
+        self._closing = True
+        for request_id in list(self._requests):
+            self.abort(request_id, "decode engine closed")
+        for link in self.links:  # a copy: each link's listener drops it from self._links as it sees it close
+            link.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def open(
+        self,
+        length: int,
+        policy: Policy,
+        *,
+        max_new_tokens: int = 0,
+        request_id: str | None = None,
+        prompt_ids: torch.Tensor | None = None,
+        arrival: float | None = None,
+        oracle_counts: torch.Tensor | None = None,
+    ) -> str:
+        """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
+
+        `prompt_ids` travel with OPEN when the prefill node runs a model (serving). `arrival`
+        (time.monotonic(), default now) is when the request arrived: its TTFT and TTST count from it.
+        `oracle_counts` ([L, n]): a recorded run's selection counts, for the "optimal" proactive set.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
+        slot = self.pool.allocate(length, max_new_tokens, quantized=bool(policy.quantize_bits))
+        # a quantized transfer lands whole layers (lossy): it neither takes from nor gives to the prefix cache
+        held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None and not policy.quantize_bits else 0
+        message = msg.Open(
+            request_id,
+            slot,
+            length,
+            policy.name,
+            policy.strategy,
+            policy.speculative_ratio,
+            prompt_ids,
+            held_prefix=held,
+            oracle_counts=oracle_counts,
+        )
+        request = DecodeRequest(
+            request_id,
+            slot,
+            length,
+            link,
+            policy,
+            RequestMetrics(
+                request_id, length, RequestState.DISPATCHED, created=time.monotonic() if arrival is None else arrival
+            ),
+            fetch_counts=torch.zeros(self.layout.num_layers, length, self.layout.num_kv_heads, dtype=torch.int32),
+            metadata=[{} for _ in range(self.layout.num_layers)],
+            open_message=message,
+        )
+        request.metrics.held_tokens = held
+        with self._lock:
+            self._requests[request_id] = request
+        link.push.accept(request_id, self.pool.geometry.slot_extents(slot, length))
+        link.control.send(message.pack())
+        request.metrics.state = RequestState.PREFILLING
+        if not link.alive:  # closed under us: OPEN went nowhere, so fail (or re-open) now rather than wait
+            reason = link.error or "connection closed"
+            self._fail_link(link, reason)
+            if request.link is link and not request.metrics.error and not (self.recompute and self._reopen(request)):
+                self._fail_request(
+                    request_id, f"prefill node connection lost: {reason}", lost=True
+                )  # the link was dropped just before
+        return request_id
+
+    def wait_first_token(self, request_id: str, timeout: float | None = None) -> int:
+        request = self._require(request_id)
+        try:
+            token = request.first_token.result(timeout=timeout)
+        except TimeoutError:
+            raise RequestFailed(f"no first token for {request_id} within {timeout} s") from None
+        request.metrics.record_token(time.monotonic())
+        request.metrics.state = RequestState.DECODING
+        return token
+
+    def first_token_ready(self, request_id: str) -> bool:
+        """Non-blocking: has FIRST_TOKEN (or a failure) arrived?"""
+        return self._require_any(request_id).first_token.done()
+
+    def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
+        return self._require(request_id).metadata
+
+    def dense_layers_local(self, request_id: str) -> bool:
+        """Layers 0-1 of the request (pushed whole during its prefill) are all in the pool, or it failed: a request
+        joining a running batch waits for them outside it (a step would wait for them, and the batch with it)."""
+        request = self._require_any(request_id)
+        if request.metrics.error or request.flags.drop_remote:
+            return True
+        self.pool.sync_staged(None, [request.slot])
+        dense = self.pool.masks.values[:DENSE_LAYERS, request.slot, : request.length]
+        return bool((dense == LOCAL).all())
+
+    def is_all_local(self, request_id: str) -> bool:
+        request = self._require(request_id)
+        try:
+            return self._fully_local(request)
+        except ValueError as exc:  # a quantized layer that does not unpack: the peer sent something else
+            reason = f"bad quantized KV from the prefill node: {exc}"
+            self._fail_request(request_id, reason)
+            raise RequestFailed(reason) from None
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def was_overloaded(self, request_id: str) -> bool:
+        """The request failed because its prefill node had no room for it (store or queue full)."""
+        request = self._requests.get(request_id)
+        return request is not None and request.overloaded
+
+    def was_lost(self, request_id: str) -> bool:
+        """The request failed because its prefill node was lost (dead, silent past its lease) and none took it."""
+        request = self._requests.get(request_id)
+        return request is not None and request.lost
+
+    def failed(self, request_ids: list[str]) -> list[int]:
+        """Indices (into `request_ids`) of requests that failed and must leave the batch."""
+        return [
+            i for i, rid in enumerate(request_ids) if rid not in self._requests or self._requests[rid].metrics.error
+        ]
+
+    def wait_all_local(self, request_id: str, timeout: float | None = None, poll: float = 0.0005) -> None:
+        """Blocks until every prompt block of the request is in the pool (full transfer)."""
+        request = self._require(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_all_local(request_id):
+            if request.metrics.error:
+                raise RequestFailed(request.metrics.error)
+            if deadline is not None and time.monotonic() > deadline:
+                raise RequestFailed(f"KV of {request_id} did not arrive within {timeout} s")
+            time.sleep(poll)
+
+    def _fill_from_cache(self, slot: int, prompt_ids: torch.Tensor) -> int:
+        """Copies the prompt's cached leading blocks into the slot, local in every layer; returns their tokens."""
+        hit = self.prefix_cache.match(prompt_ids)
+        if hit is None:
+            return 0
+        try:
+            k, v = hit.kv()
+            held = hit.tokens
+            self.pool.k[:, slot, :held] = k.to(self.pool.k.device)
+            self.pool.v[:, slot, :held] = v.to(self.pool.v.device)
+            self.pool.masks.values[:, slot, :held] = LOCAL  # after the data, as a push does
+        finally:
+            self.prefix_cache.release(hit)
+        self.held_bytes += self.layout.kv_bytes(held)
+        return held
+
+    def _cache_prompt(self, request: DecodeRequest) -> None:
+        """A finished request's prompt blocks that are local in every layer go to the prefix cache (only the
+        prompt: generated tokens' K/V come from sparse decode steps, not from prefill)."""
+        prompt = request.open_message.prompt_ids if request.open_message is not None else None
+        if prompt is None or not self.prefix_cache.enabled or request.flags.quantized:
+            return
+        local = self.pool.masks.local_prefix(request.slot, request.length)
+        local -= local % self.prefix_cache.block_tokens
+        if local:
+            k, v = self.pool.k[:, request.slot, :local], self.pool.v[:, request.slot, :local]
+            self.prefix_cache.insert(prompt[:local], k, v)
+
+    def end_step(self, request_ids: list[str]) -> None:
+        """After a step: record the token, and RELEASE requests whose blocks are now all local."""
+        now = time.monotonic()
+        for request_id in request_ids:
+            request = self._require(request_id)
+            request.metrics.record_token(now)
+            request.deferred_since = None
+            request.remote_layers = None  # pushes and fetches landed during the step: scan again next step
+            request.remote_met_before, request.remote_met = request.remote_met, set()
+        self.release_fully_local(request_ids)
+
+    def release_fully_local(self, request_ids: list[str]) -> list[str]:
+        """Sends RELEASE for speculative requests whose blocks are all local; returns their ids."""
+        released = []
+        for request_id in request_ids:
+            request = self._require(request_id)
+            if request.released or not request.flags.speculative:
+                continue
+            self.pool.sync_staged(None, [request.slot])
+            if self.pool.masks.all_local(request.slot, request.length):
+                self._release(request, msg.Release(request_id))
+                request.metrics.state = RequestState.FULLY_LOCAL
+                request.metrics.fully_local_at = time.monotonic()
+                released.append(request_id)
+        return released
+
+    def is_released(self, request_id: str) -> bool:
+        return self._require(request_id).released
+
+    def _release(self, request: DecodeRequest, message: msg.Release | msg.Abort) -> None:
+        if request.released:
+            return
+        request.released = True
+        request.link.control.send(message.pack())
+
+    def finish(self, request_id: str) -> RequestMetrics:
+        """The request is done: stop its writes, free its slot, release it on the prefill node."""
+        request = self._require(request_id)
+        request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
+        self._release(request, msg.Release(request_id))
+        self._cache_prompt(request)
+        self.pool.free(request.slot)
+        request.metrics.state = RequestState.FINISHED
+        with self._lock:
+            self._requests.pop(request_id, None)
+        return request.metrics
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """The request failed: same clean-up as `finish`, with ABORT and the reason."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        request.link.push.revoke(request_id)
+        request.link.control.drop_landings(request_id)
+        self._release(request, msg.Abort(request_id, reason))
+        self.pool.free(request.slot)
+        request.metrics.state = RequestState.ABORTED
+        request.metrics.error = reason
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _require(self, request_id: str) -> DecodeRequest:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.metrics.error:
+            raise RequestFailed(request.metrics.error)
+        return request
+
+    # -- what the monitor reads ---------------------------------------------------------
+    def slot_of(self, request_id: str) -> int:
+        return self._require(request_id).slot
+
+    def fetch_counts(self, request_id: str) -> torch.Tensor:
+        return self._require(request_id).fetch_counts
+
+    def metrics(self, request_id: str) -> RequestMetrics:
+        return self._requests[request_id].metrics
+
+    def mask_summary(self, request_id: str) -> list[tuple[int, int, int]]:
+        """Per layer (pad, local, remote) counts of one request's mask."""
+        slot = self._require(request_id).slot
+        summaries = (self.pool.masks.summary(layer, slot) for layer in range(self.layout.num_layers))
+        return [(pad, local, remote) for pad, local, remote in summaries]

@@ -1,0 +1,419 @@
+"""The decode side's data path: the pool, fetches posted and landed, the selected KV assembled for attention."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+import smartgen.engine.decode.decide as decide
+from smartgen.engine import messages as msg
+from smartgen.engine.decode.request import Assembled, DecodeRequest, LateFetch, LinkLost, RequestFailed
+from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, split_reorder
+from smartgen.engine.layout import DENSE_LAYERS, KVLayout
+from smartgen.engine.mask import LOCAL, REMOTE
+from smartgen.engine.metrics import PathCounters
+from smartgen.engine.pool import DecodePool
+from smartgen.engine.prefix_cache import PrefixCache
+from smartgen.lanes.base import Landing
+from smartgen.lanes.link import LinkEnd
+
+__all__ = ["DecodePath", "fetch_message"]
+
+
+def fetch_message(request_id: str, layer: int, fetch_id: int, entries: torch.Tensor, num_heads: int) -> msg.Fetch:
+    """FETCH for flat (token, head) ids token * H + head, sorted: positions and the [T, H] heads wanted."""
+    positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
+    heads = torch.zeros(positions.numel(), num_heads, dtype=torch.bool)
+    heads[token_of, entries % num_heads] = True
+    return msg.Fetch(request_id, layer, fetch_id, positions, heads)
+
+
+class DecodePath:
+    """Moves a decode node's KV: owns the pool, posts fetches and lands their replies, gathers what a step selected.
+
+    Each step's decisions come from `decide`; what fails a request on the way is marked on it by the link and
+    failure control (`control.DecodeEngine`, which extends this class) through `_fail_request`.
+    """
+
+    recompute: bool  # a prefill node lost: its requests are opened again elsewhere (set by the control)
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        max_tokens: int,
+        *,
+        device: str,
+        staged: bool,
+        quantized: bool,
+        prefix_cache: PrefixCache | None,
+        fetch_timeout: float,
+        stall_timeout: float | None,
+    ) -> None:
+        self.layout = layout
+        self.prefix_cache = prefix_cache or PrefixCache(0)
+        self.held_bytes = 0  # KV bytes the prefix cache supplied instead of the link
+        self.pool = DecodePool(layout, num_slots, max_tokens, device=device, staged=staged, quantized=quantized)
+        self.counters = PathCounters()
+        self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
+        self.stall_timeout = stall_timeout
+        self._requests: dict[str, DecodeRequest] = {}
+        self._fetches: dict[int, tuple[Future, LinkEnd]] = {}  # fetch id -> its reply's future, the link it went on
+        self._fetch_ids = itertools.count()
+        self._lock = threading.Lock()
+        regions = self.pool.byte_views()
+        self._reply_regions = (regions["k"], regions["v"])  # where a lane that can lands fetch replies in place
+
+    def _fail_request(self, request_id: str, reason: str, *, overloaded: bool = False, lost: bool = False) -> None:
+        raise NotImplementedError  # the control's: it marks the request failed and wakes its waiters
+
+    def _require_any(self, request_id: str) -> DecodeRequest:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return request
+
+    def begin_layer(self, layer: int, request_ids: list[str]) -> None:
+        """The start of an attention layer: tell prefill nodes the link is idle (speculative policies), with the
+        hints gathered since the last notice; when, `decide.plan_notice` says (not in a request's first step,
+        nor with a fetch on the link, and every CHAINED_NOTICE_LAYERS layers for a chaining policy)."""
+        for request_id in request_ids:
+            request = self._require_any(request_id)
+            notice = decide.plan_notice(
+                request.flags,
+                live=request.live,
+                first_step=request.metrics.in_first_step,
+                fetch_in_flight=any(not future.done() for _, _, future, _ in request.late),
+                layers_since_notice=request.layers_since_notice,
+            )
+            request.layers_since_notice = notice.layers_since_notice
+            if notice.send:
+                hints = torch.cat(request.hints).unique() if request.hints else None
+                request.hints = []
+                request.link.control.send(msg.Idle(request_id, layer, hints).pack())
+
+    def hint_factor(self, request_ids: list[str], layer: int | None = None) -> float:
+        """The widest hint ratio among these requests' policies (0: none hints). A request whose KV is all local
+        hints nothing: the wider ranking and its mask lookups would cost step time for nothing; with `layer`, nor
+        does one whose KV of that layer is all local (there is nothing left to push ahead there)."""
+        return max(
+            (
+                ratio
+                for r in map(self._require_any, request_ids)
+                if (ratio := decide.hint_ratio(r.flags, released=r.released))
+                and (layer is None or self._has_remote(r, layer))
+            ),
+            default=0.0,
+        )
+
+    def _has_remote(self, request: DecodeRequest, layer: int) -> bool:
+        """Whether any (token, head) entry of the request's prompt in `layer` is still remote. Asked two or three
+        times for every layer of every step (hints, prefetch), so every layer is scanned in one pass at the
+        step's first ask and the answer kept for the step (`end_step` drops it). A kept answer can only be stale
+        the safe way: nothing turns a LOCAL entry back to REMOTE while the request holds its slot, so a layer that
+        lands meanwhile costs at most a selector pass that fetches nothing. One scan per layer and ask cost ~40 us
+        (2.5 ms a step on 32 layers in a py-spy profile); the pass over all layers costs about one of them."""
+        if request.remote_layers is None:
+            masks = self.pool.masks.values[:, request.slot, : request.length]  # [L, n, H]
+            request.remote_layers = (masks == REMOTE).flatten(1).any(dim=1).tolist()
+        return request.remote_layers[layer]
+
+    def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
+        """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
+        selector at (1 + hints) x its budget) picks and that are still remote in some head: what the selector is
+        likely to pick next. Only requests whose policy hints."""
+        num_heads = self.layout.num_kv_heads
+        requests = [self._require_any(rid) for rid in request_ids]
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=wide.device)
+        status = entry_status(wide, self.pool.masks.layer(layer).to(wide.device), slots, num_heads)
+        for b, request in enumerate(requests):
+            if not (request.flags.hints and request.live):
+                continue
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            hinted = decide.hint_ids(wide[rows], status[rows], layer, request.length)
+            if hinted is not None:
+                request.hints.append(hinted)
+
+    def assemble(
+        self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None
+    ) -> Assembled:
+        """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows.
+
+        Every policy decision is the request's own, never the batch's: a drop-remote request's
+        remote entries turn into padding while its neighbours' are fetched, and a parallel
+        request gathers its local entries while the fetches are in flight, a sequential one after.
+        A fetch that fails or outlasts `timeout` (default: the engine's fetch_timeout) fails its own
+        request only (marked, not raised): the layer is assembled for the rest of the batch.
+        """
+        requests = [self._require_any(rid) for rid in request_ids]
+        self._land_late(requests)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
+        if layer < DENSE_LAYERS:
+            self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
+        num_heads = self.layout.num_kv_heads
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        # a request this step already gave up on fetches nothing more: its step is redone anyway
+        plan = decide.plan_assembly(
+            split,
+            drop=[r.flags.drop_remote or r.deferred for r in requests],
+            parallel=[r.flags.parallel for r in requests],
+        )
+        split, num_remote, local_stop, early_stop = plan.split, plan.split.num_remote, plan.num_valid, plan.early_stop
+        num_rows, k = index.shape
+        k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
+        v_out = torch.zeros_like(k_out)
+        fetches = self._send_fetches(layer, requests, split)
+        # local entries of parallel requests now, while their fetches are in flight; the others' after landing
+        started = time.monotonic()
+        gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, num_remote, early_stop, k_out, v_out)
+        entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
+        self.counters.add("local", int((early_stop - num_remote).sum()) * entry_bytes, time.monotonic() - started)
+        self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
+        if not plan.all_parallel:
+            local_started = time.monotonic()
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, early_stop, local_stop, k_out, v_out)
+            late_bytes = int((local_stop - early_stop).sum()) * entry_bytes
+            self.counters.add("local", late_bytes, time.monotonic() - local_started)
+        if fetches:
+            zeros = torch.zeros_like(num_remote)
+            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, zeros, num_remote, k_out, v_out)
+        selected = remote = 0
+        for b, request in enumerate(requests):
+            if request.deferred:
+                continue  # its step is redone: counted then
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            row_selected, row_remote = int(local_stop[rows].sum()), int(num_remote[rows].sum())
+            request.metrics.count_selection(row_selected, row_remote, layer, int(plan.dropped[rows].sum()))
+            if row_remote:
+                request.remote_met.add(layer)
+            if layer >= DENSE_LAYERS:  # layers 0-1 move whole whatever is selected: the bound counts them apart
+                new = self._newly_selected(request, layer, split.index[rows])
+                request.metrics.count_new_selection(new * entry_bytes)
+            selected += row_selected
+            remote += row_remote
+        self.counters.add_selection(selected, remote)
+        return Assembled(k_out, v_out, local_stop, split)
+
+    def _await_pushed(self, layer: int, requests: list[DecodeRequest], timeout: float) -> None:
+        """Layers 0-1 are pushed whole for every request: while that push is on its way, fetching the layer would
+        send its bytes twice (a push's masks turn local only once all its data is in, so every token still looks
+        remote). Waits for the push instead, up to `stall_timeout` (else `timeout`); what is still remote after
+        that is fetched."""
+        limit = min(timeout, self.stall_timeout) if self.stall_timeout is not None else timeout
+        deadline = time.monotonic() + limit
+        mask = self.pool.masks.values[layer]
+        for request in requests:
+            waited = time.monotonic()
+            while not bool((mask[request.slot, : request.length] == LOCAL).all()):  # every token, every head
+                if request.metrics.error or request.deferred or time.monotonic() > deadline:
+                    break
+                time.sleep(0.0002)
+                self.pool.sync_staged(layer, [request.slot])
+            request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
+
+    def _newly_selected(self, request: DecodeRequest, layer: int, rows: torch.Tensor) -> int:
+        """How many entries of index rows [H, k] no earlier step of `request` selected; counts the selection of
+        each (`RequestMetrics.selection_counts`)."""
+        counts = request.metrics.selection_counts
+        if counts is None:
+            shape = (self.layout.num_layers, request.length, self.layout.num_kv_heads)
+            counts = request.metrics.selection_counts = torch.zeros(shape, dtype=torch.int32)
+        heads = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+        valid = (rows >= 0) & (rows < request.length)
+        tokens, heads = rows[valid].cpu(), heads[valid].cpu()
+        seen = counts[layer]
+        new = int((seen[tokens, heads] == 0).sum())
+        seen.index_put_((tokens, heads), torch.ones(len(tokens), dtype=torch.int32), accumulate=True)
+        return new
+
+    def local_spans(
+        self, layer: int, request_ids: list[str], starts: list[int], stops: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Fast path for dense and sliding-window layers: views of tokens [start_b, stop_b) of each request.
+
+        Returns K and V views ([n_b, H, d], no copy) when every one of those tokens is local,
+        else None (use `assemble`, which fetches what is missing).
+        """
+        requests = [self._require_any(rid) for rid in request_ids]
+        self.pool.sync_staged(layer, [r.slot for r in requests])
+        mask = self.pool.masks.values[layer]
+        for request, start, stop in zip(requests, starts, stops):
+            if stop > start and bool((mask[request.slot, start:stop] != LOCAL).any()):
+                return None
+        spans = []
+        heads = self.layout.num_kv_heads
+        for request, start, stop in zip(requests, starts, stops):
+            spans.append((self.pool.k[layer, request.slot, start:stop], self.pool.v[layer, request.slot, start:stop]))
+            request.metrics.count_selection(heads * (stop - start), 0, layer)
+        self.counters.add_selection(heads * sum(stop - start for start, stop in zip(starts, stops)), 0)
+        return spans
+
+    def _send_fetches(
+        self, layer: int, requests: list[DecodeRequest], split: IndexSplit
+    ) -> list[tuple[DecodeRequest, torch.Tensor, Future, float]]:
+        """FETCH for every request with remote entries: exactly its remote (token, KV head) entries, as flat ids
+        token * H + head (a head no query of the step selected is not moved)."""
+        num_heads = self.layout.num_kv_heads
+        fetches = []
+        for b, request in enumerate(requests):
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            if not bool((split.status[rows] == REMOTE).any()) or request.metrics.error:
+                continue  # a failed request's rows are assembled from what is local; it leaves after the step
+            if request.resuming:  # nothing to fetch from until its new prefill node has prefilled: park it
+                request.deferred = True
+                continue
+            in_flight = [entry for entry in request.late if entry[0] == layer]
+            if in_flight:  # a redone step waits for what an earlier try asked for instead of asking again
+                request.late = [entry for entry in request.late if entry[0] != layer]
+                fetches += [(request, asked, fut, sent) for _, asked, fut, sent in in_flight]
+            entries = decide.remote_entries(split.index[rows], split.status[rows], [e[1] for e in in_flight])
+            if entries.numel():
+                fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
+        return fetches
+
+    def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor) -> Future:
+        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost)."""
+        future: Future = Future()
+        link = request.link  # once: a lost link may be swapped for another under us (recompute)
+        with self._lock:
+            fetch_id = next(self._fetch_ids)
+            self._fetches[fetch_id] = (future, link)
+        if not link.alive:
+            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        fetch = fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
+        landing = self._landing(request, layer, entries) if link.control.lands_replies else None
+        link.control.send(fetch.pack(), tag="fetch_request", landing=landing)
+        return future
+
+    def _landing(self, request: DecodeRequest, layer: int, entries: torch.Tensor) -> Landing:
+        """Where a FETCH's reply belongs: its K rows, then its V rows (the reply's payload order)."""
+        ranges = self.pool.geometry.entry_ranges(layer, request.slot, entries)
+        k, v = self._reply_regions
+        return Landing(request.request_id, [(k, o, n) for o, n in ranges] + [(v, o, n) for o, n in ranges])
+
+    def prefetch_wanted(self, request_ids: list[str], layer: int | None = None) -> bool:
+        """Whether any of these requests prefetches now (`decide.prefetches`). With `layer` (the one to prefetch),
+        only a request with remote KV left in it whose last selection of it met some (`decide.prefetch_layer`):
+        speculating a selection of a layer that is all local would cost the step a selector pass for no fetch."""
+        return any(
+            decide.prefetches(r.flags, first_step=r.metrics.in_first_step, released=r.released)
+            and (
+                layer is None
+                or decide.prefetch_layer(
+                    layer, layer_has_remote=self._has_remote(r, layer), remote_met_before=r.remote_met_before
+                )
+            )
+            for r in map(self._require_any, request_ids)
+        )
+
+    def prefetch(self, layer: int, request_ids: list[str], index: torch.Tensor) -> None:
+        """Fetches now the remote entries of a speculated index ([B·H, k], layer l+1's selection guessed while layer
+        l computes), for requests whose policy prefetches. They are in flight like a stalled step's fetches
+        (`late`): layer l+1's own selection waits for them instead of asking again, and fetches only the rest."""
+        num_heads = self.layout.num_kv_heads
+        requests = [self._require_any(rid) for rid in request_ids]
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
+        self.pool.sync_staged(layer, [r.slot for r in requests])
+        status = entry_status(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        for b, request in enumerate(requests):
+            first_step, released = request.metrics.in_first_step, request.released
+            if not (decide.prefetches(request.flags, first_step=first_step, released=released) and request.live):
+                continue
+            if request.deferred:
+                continue
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            if not bool((status[rows] == REMOTE).any()):
+                continue
+            asked = [asked for at, asked, _, _ in request.late if at == layer]
+            entries = decide.remote_entries(index[rows], status[rows], asked)
+            if not entries.numel():
+                continue
+            request.late.append((layer, entries, self._send_fetch(request, layer, entries), time.monotonic()))
+            request.metrics.prefetched_entries += int(entries.numel())
+            request.remote_met.add(layer)
+
+    def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
+        """Lands each fetch reply; a failure fails only its request.
+
+        A request waits at most `timeout` from its fetch's sending (and its first late try) before it fails;
+        with a `stall_timeout`, a fetch not back by then defers its request instead: the layer is assembled
+        for the rest of the batch, and the fetch lands when it arrives (`_land_late`).
+        """
+        for request, entries, future, sent in fetches:
+            if request.deferred:
+                request.late.append((layer, entries, future, sent))
+                continue
+            first = request.deferred_since if request.deferred_since is not None else sent
+            limit = first + timeout
+            if self.stall_timeout is not None:
+                limit = min(limit, sent + self.stall_timeout)
+            waited = time.monotonic()
+            try:
+                reply: msg.FetchReply = future.result(timeout=max(0.0, limit - time.monotonic()))
+            except TimeoutError:
+                request.metrics.count_fetch_wait(time.monotonic() - waited)
+                if self.stall_timeout is not None and time.monotonic() - first < timeout:
+                    request.deferred = True
+                    request.deferred_since = first
+                    request.late.append((layer, entries, future, sent))
+                    continue
+                self.counters.add_failure("on_demand")
+                self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
+                continue
+            except LinkLost as exc:
+                if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
+                    request.deferred = True
+                else:
+                    self._fail_request(request.request_id, str(exc), lost=True)
+                continue
+            except RequestFailed as exc:
+                self._fail_request(request.request_id, str(exc))
+                continue
+            request.metrics.count_fetch_wait(time.monotonic() - waited)
+            self._land_reply(request, layer, entries, reply, sent)
+
+    def _land_reply(
+        self, request: DecodeRequest, layer: int, entries: torch.Tensor, reply: msg.FetchReply, sent: float
+    ) -> None:
+        expected = (entries.numel(), self.layout.head_dim)
+        if reply.k is None or reply.v is None:  # the lane put it in place, where the FETCH's landing said
+            if reply.landed != 2 * entries.numel() * self.layout.head_dim * self.layout.dtype.itemsize:
+                self.counters.add_failure("on_demand")
+                self._fail_request(request.request_id, f"fetch reply for layer {layer}: {reply.landed} bytes landed")
+                return
+            self.pool.entries_landed(layer, request.slot, entries)
+        elif tuple(reply.k.shape) != expected or tuple(reply.v.shape) != expected:
+            self.counters.add_failure("on_demand")
+            self._fail_request(request.request_id, f"fetch reply for layer {layer}: K/V not of shape {expected}")
+            return
+        else:
+            self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
+        request.fetch_counts[layer].view(-1)[entries] += 1
+        request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
+        self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
+
+    def _land_late(self, requests: list[DecodeRequest]) -> None:
+        """Lands the replies of fetches an earlier step gave up waiting for, as far as they have arrived."""
+        for request in requests:
+            waiting: list[LateFetch] = []
+            for layer, entries, future, sent in request.late:
+                if not future.done():
+                    waiting.append((layer, entries, future, sent))
+                    continue
+                try:
+                    self._land_reply(request, layer, entries, future.result(), sent)
+                except LinkLost as exc:
+                    if not self.recompute:  # else asked again of the node it is opened on next
+                        self._fail_request(request.request_id, str(exc), lost=True)
+                except RequestFailed as exc:
+                    self._fail_request(request.request_id, str(exc))
+            request.late = waiting
+
+    def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
+        return self.pool.append(layer, self._require_any(request_id).slot, k, v)
