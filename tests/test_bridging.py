@@ -6,6 +6,7 @@ import torch
 from smartgen.engine.descriptors import block_write_ops, bridge_runs
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.planning import Planner
+from smartgen.engine.policy import get_policy
 from smartgen.engine.pool import DecodePool, PrefillStore
 from smartgen.engine.prefill import RUN_COST_S, OpenedRequest, PrefillEngine
 
@@ -52,7 +53,7 @@ def _opened(engine: PrefillEngine, layout: KVLayout, rate: float, held_prefix: i
         "r",
         0,
         64,
-        None,
+        get_policy("smartgen"),
         None,
         None,
         None,

@@ -175,7 +175,7 @@ def test_speculation_sends_the_rest_in_importance_order_a_ratio_per_notice(impor
     # slow link: K_r hits the clip's floor, so everything past layers 0-1 goes speculatively
     # the in-process link here is unpaced, so its measured rate would make slices resend short gaps of blocks
     # already sent (tests/test_bridging.py); this test is about which blocks each slice chooses
-    monkeypatch.setattr("smartgen.engine.prefill.RUN_COST_S", 0.0)
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
     planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
     prefill, decode, prefill_end = _engines(planner)
     spy = _Spy(prefill_end.push)
@@ -223,7 +223,7 @@ def test_chained_speculation_needs_one_notice_and_stops_at_release(importance, m
     """smartgen chains its slices: after the first idle notice, each landed slice is followed by the next (in the
     plan's order, each what the link moves in CHAIN_WINDOW_S) with no further notice, until everything is
     sent; a RELEASE stops the chain."""
-    monkeypatch.setattr("smartgen.engine.prefill.RUN_COST_S", 0.0)
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
     planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
     prefill, decode, prefill_end = _engines(planner)
     spy = _Spy(prefill_end.push)
@@ -446,7 +446,7 @@ def test_query_strategy_pushes_the_blocks_the_last_query_attends_and_still_ends_
     whatever it left out goes speculatively, so every block still lands exactly once."""
     # the unpaced in-process link measures a rate at which slices would bridge short gaps of blocks already sent
     # (tests/test_bridging.py), depending on timing; this test counts which blocks each slice chooses
-    monkeypatch.setattr("smartgen.engine.prefill.RUN_COST_S", 0.0)
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
     from smartgen.engine.layout import token_blocks
     from smartgen.engine.prefill import query_blocks
 

@@ -89,23 +89,21 @@ def test_a_speculative_slice_holds_what_the_link_moves_between_two_idle_notices(
     speculative ratio's share), and by the ratio alone until a rate is measured; the first notice, with no window
     behind it, sends one block."""
     from smartgen.engine.layout import KVLayout
-    from smartgen.engine.planning import Planner
-    from smartgen.engine.prefill import PrefillEngine
+    from smartgen.engine.prefill.decide import slice_blocks
 
-    layout = KVLayout(4, 2, 8, num_blocks=16)
-    engine = PrefillEngine(layout, Planner(4, 16))
-    block_bytes = 2 * 4 * layout.token_bytes  # 4 unsent tokens per block, K and V
+    token_bytes = KVLayout(4, 2, 8, num_blocks=16).token_bytes
+    block_bytes = 2 * 4 * token_bytes  # 4 unsent tokens per block, K and V
     pending = torch.full((10,), 4.0)
-    assert engine._slice_blocks(0.0, 0.001, pending, 6) == 6  # no rate measured yet: the ratio's share
-    assert engine._slice_blocks(1e15, 0.0, pending, 6) == 1  # no window yet: the first step's fetches go first
-    assert engine._slice_blocks(2.5 * block_bytes / 0.001, 0.001, pending, 6) == 2
-    assert engine._slice_blocks(1.0, 0.001, pending, 6) == 1  # never nothing: speculation always moves on
-    assert engine._slice_blocks(1e15, 0.001, pending, 6) == 6
+    assert slice_blocks(token_bytes, 0.0, 0.001, pending, 6) == 6  # no rate measured yet: the ratio's share
+    assert slice_blocks(token_bytes, 1e15, 0.0, pending, 6) == 1  # no window yet: the first step's fetches go first
+    assert slice_blocks(token_bytes, 2.5 * block_bytes / 0.001, 0.001, pending, 6) == 2
+    assert slice_blocks(token_bytes, 1.0, 0.001, pending, 6) == 1  # never nothing: speculation always moves on
+    assert slice_blocks(token_bytes, 1e15, 0.001, pending, 6) == 6
     # fetch replies sent in the window take its link time first: what they leave sizes the slice, and when they
     # took it all, no slice goes (the next notice tries again)
     rate = 4.5 * block_bytes / 0.001
-    assert engine._slice_blocks(rate, 0.001, pending, 6, fetched=2 * block_bytes) == 2
-    assert engine._slice_blocks(rate, 0.001, pending, 6, fetched=5 * block_bytes) == 0
+    assert slice_blocks(token_bytes, rate, 0.001, pending, 6, fetched=2 * block_bytes) == 2
+    assert slice_blocks(token_bytes, rate, 0.001, pending, 6, fetched=5 * block_bytes) == 0
 
 
 def test_a_fetch_moves_only_the_selected_heads():

@@ -1,0 +1,348 @@
+"""The prefill side's data path: a request's store, its proactive and speculative pushes, fetches served."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import smartgen.engine.prefill.decide as decide
+from smartgen.engine import messages as msg
+from smartgen.engine.descriptors import ONES_SOURCE, block_wants, token_write_ops
+from smartgen.engine.kv_quant import SERVING_QUANT, pack_layer
+from smartgen.engine.layout import KVLayout
+from smartgen.engine.metrics import PathCounters
+from smartgen.engine.planning import speculative_slice_size
+from smartgen.engine.pool import PrefillStore
+from smartgen.engine.prefill.request import OpenedRequest, RequestGone
+from smartgen.lanes.base import WriteOp
+from smartgen.lanes.link import LinkEnd
+
+__all__ = ["PrefillPath"]
+
+log = logging.getLogger(__name__)
+
+
+class PrefillPath:
+    """Moves a prefill node's KV: stores each prefilled layer, pushes its planned blocks, pushes speculative slices
+    (on idle notices, or chained), and answers fetches. What to push comes from `decide`; the link and failure
+    control (`control.PrefillEngine`, which extends this class) opens, fails and frees requests."""
+
+    def __init__(self, layout: KVLayout, max_store_bytes: int | None, flush_timeout_s: float) -> None:
+        self.layout = layout
+        self.flush_timeout_s = flush_timeout_s
+        self.store = PrefillStore(layout, max_store_bytes)
+        self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
+        self.held_saved = PathCounters()  # per path: KV bytes not pushed because the decode node held them
+        self._requests: dict[str, OpenedRequest] = {}
+        self._lock = threading.Lock()
+        self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quant-pack")  # quant2's layers, in order
+        # plans and posts every speculative slice (an idle notice's, `push_speculative`, and a chained one's,
+        # `_chain`), off the thread that serves fetches: planning a slice of scattered tokens takes milliseconds
+        # that a fetch must not queue behind. The lock keeps direct calls (tests, tools) and this thread apart.
+        self._speculation = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculation")
+        self._spec_lock = threading.RLock()
+        self._hint_lock = threading.Lock()  # hint queues: filled by the serving thread, taken by speculation
+
+    def fail(self, request_id: str, reason: str) -> None:
+        raise NotImplementedError  # the control's: it tells the decode node why and frees the request
+
+    def _get(self, request_id: str) -> OpenedRequest | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def prefill_layer(
+        self,
+        request_id: str,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_scores: torch.Tensor | None = None,
+    ) -> int:
+        """Stores one prefilled layer ([n, H, d] each) and pushes its planned blocks; returns bytes posted.
+
+        `token_scores` [n]: how much the prompt's last query attends to each token in this layer. Under
+        the "query" strategy the layer's share of K_r goes to the blocks with the highest ones.
+        """
+        request = self._get(request_id)
+        if request is None:
+            raise RequestGone(f"request {request_id!r} is not open on this prefill node")
+        self.store.put_layer(request_id, layer, k, v)
+        if request.flags.quantized:  # packed off the prefill thread, in layer order (one packer)
+            self._packer.submit(self._push_quantized, request, layer)
+            return 0
+        blocks = decide.proactive_blocks(
+            request.flags,
+            request.plan.proactive_blocks(layer),
+            layer,
+            request.length,
+            request.plan.num_blocks,
+            token_scores=token_scores,
+            held_prefix=request.held_prefix,
+        )
+        if request.sent is None:
+            request.sent = torch.zeros_like(request.plan.proactive)
+        request.sent[layer, blocks] = True
+        return self._push(request, [(layer, blocks)], tag="proactive")
+
+    def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> int:
+        """One layer's selector metadata, sent the moment the layer is prefilled.
+
+        It goes on the control lane, ahead of bulk pushes and before FIRST_TOKEN, so the
+        decode node has it for its first step without it adding to the time to first token. Returns the
+        bytes sent (0 when nothing was).
+        """
+        request = self._get(request_id)
+        if request is None or not metadata or request.resumed:
+            return 0
+        message = msg.Metadata(request_id, int(layer), metadata).pack()
+        request.link.control.send(message, tag="metadata")
+        self.counters.add("metadata", message.payload_bytes)
+        return message.payload_bytes
+
+    def finish_prefill(
+        self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None
+    ) -> None:
+        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step.
+
+        Under a policy that drops remote entries (proactive-only) what the decode node attends must
+        not depend on thread timing, so the proactive set lands before FIRST_TOKEN leaves.
+        """
+        request = self._get(request_id)
+        if request is None:
+            raise RequestGone(f"request {request_id!r} is not open on this prefill node")
+        if request.flags.drop_remote and not request.link.push.flush(timeout=self.flush_timeout_s):
+            raise TimeoutError(f"the proactive set of {request_id} did not land within {self.flush_timeout_s:g} s")
+        metadata = None if request.resumed else metadata  # a resumed request's decode node kept its metadata
+        cached = request.prefix_hit.tokens if request.prefix_hit is not None else 0
+        message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or []), cached).pack()
+        request.link.control.send(message, tag="metadata")
+        self.counters.add("metadata", message.payload_bytes)
+
+    def push_speculative(self, request: OpenedRequest) -> int:
+        """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight. Called on
+        every idle notice; the slice is what the link moves in the time since the last one."""
+        with self._spec_lock:
+            now = time.monotonic()
+            window = now - request.last_idle if request.last_idle is not None else 0.0
+            request.last_idle = now
+            fetched, request.fetched_since_idle = request.fetched_since_idle, 0
+            return self._push_next_slice(request, window, fetched)
+
+    def _chain(self, request: OpenedRequest) -> None:
+        """A speculative slice landed: push the next one now, sized to CHAIN_WINDOW_S of link, rather than wait
+        for the next idle notice. The decode node sends none while its fetches are on the link, and the link
+        went idle in between (16-layer sample: link% 64 with notices alone, 68-88 chained). Fetches lose nothing:
+        the pacer makes a bulk lane hold back while an on-demand reply is queued (`Pacer.urgent_enqueued`)."""
+        with self._spec_lock:
+            if self._get(request.request_id) is not request or request.last_idle is None:
+                return  # released (all local, or aborted), or not decoding yet
+            try:
+                self._push_next_slice(request, decide.CHAIN_WINDOW_S, 0)
+            except Exception:  # a broken link fails the request elsewhere; the chain just stops
+                log.debug("prefill: chained speculation for %s stopped", request.request_id, exc_info=True)
+
+    def _push_next_slice(self, request: OpenedRequest, window: float, fetched: int) -> int:
+        if not request.flags.speculative or request.speculation_done:
+            return 0
+        if request.spec_in_flight is not None and not request.spec_in_flight.done():
+            return 0
+        if request.kv.layers_ready < self.layout.num_layers:
+            return 0  # speculation starts once prefill is over
+        if request.hint_queue and request.unsent is not None:
+            hinted = self._take_hinted(request, window, fetched)
+            if hinted is not None:
+                return hinted
+        plan = request.plan
+        next_slice = decide.next_slice(
+            request.speculative_order()[request.spec_cursor :],
+            size=speculative_slice_size(plan.num_layers * plan.num_blocks, request.flags.speculative_ratio),
+            num_blocks=plan.num_blocks,
+            # blocks on-demand fetches already brought whole are passed over, not resent
+            pending=None
+            if request.unsent is None
+            else decide.pending_tokens(request.unsent, request.length, self.layout.num_blocks, plan.num_blocks),
+            link_rate=request.link_rate,
+            window=window,
+            fetched=fetched,
+            token_bytes=self.layout.token_bytes,
+        )
+        if next_slice is None:
+            return 0  # the window's link time went to fetches: nothing is idle to speculate with
+        request.spec_cursor += next_slice.advance
+        if not next_slice.ids.numel():
+            return 0
+        return self._push(request, next_slice.layer_blocks(), tag="speculative")
+
+    def note_hints(self, request: OpenedRequest, hints: torch.Tensor) -> None:
+        """Queues the tokens an IDLE notice hinted at (flat ids layer * length + token: what the decode node's
+        selector ranked just past its budget); speculation pushes them, newest notice first, ahead of the
+        plan's order (`push_speculative`)."""
+        if not request.flags.speculative or not hints.numel():
+            return
+        length, num_layers = request.length, self.layout.num_layers
+        if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length:
+            raise msg.MessageError(f"IDLE: hints outside the {num_layers} x {length} prompt of {request.request_id!r}")
+        with self._hint_lock:  # the speculation thread takes from the queue meanwhile
+            request.hint_queue.append(hints)
+            del request.hint_queue[: -decide.MAX_HINT_NOTICES]
+
+    def _take_hinted(self, request: OpenedRequest, window: float, fetched: int) -> int | None:
+        """Pushes hinted tokens still unsent, newest notice first, as many as one idle window of the link moves
+        (`decide.hint_room`, `decide.take_hints`); None when no hinted token is left to send."""
+        assert request.unsent is not None
+        unsent = request.unsent.any(dim=-1).flatten()
+        room = decide.hint_room(self.layout.token_bytes, request.link_rate, window, fetched)
+        if room == 0:
+            return 0  # the window went to fetches: nothing is idle to speculate with
+        with self._hint_lock:
+            ids, request.hint_queue[:] = decide.take_hints(request.hint_queue, unsent, room)
+        if not ids.numel():
+            return None
+        layer_wants = decide.token_wants(ids, self.layout.num_layers, request.length)
+        return self._push_tokens(request, layer_wants, tag="speculative")
+
+    def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
+        return self._push_tokens(request, block_wants(request.length, request.geometry, layer_blocks), tag)
+
+    def _push_tokens(self, request: OpenedRequest, layer_wants: list[tuple[int, torch.Tensor]], tag: str) -> int:
+        bridge, resendable = self._bridge(request) if tag == "speculative" else (0, None)
+        ops, kv_bytes = token_write_ops(
+            request.geometry, request.kv, request.slot, layer_wants, request.unsent, bridge, resendable
+        )
+        path = decide.push_path(request.flags, tag)
+        held_tokens = 0
+        for layer, want in layer_wants:
+            held_tokens += int(want[: request.held_prefix].sum())
+            if request.unsent is not None:
+                request.unsent[layer, want] = False
+        if held_tokens:
+            self.held_saved.add(path, self.layout.kv_bytes(held_tokens, num_layers=1))
+        if not ops:
+            return 0
+        sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
+        completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
+        self.counters.add(path, kv_bytes)
+        posted = time.monotonic()
+
+        if tag == "proactive" and request.first_push is None:
+            request.first_push = posted
+
+        def landed(applied: bool) -> None:  # posting to applied at the decode node: the push's transfer time
+            if applied:  # a batch dropped because its request ended meanwhile is no transfer (and no failure)
+                now = time.monotonic()
+                self.counters.add_time(path, now - posted)
+                if tag == "proactive" and request.first_push is not None and now > request.first_push:
+                    request.pushed_bytes += kv_bytes  # pushes go back to back: their span is the link's pace
+                    request.link_rate = request.pushed_bytes / (now - request.first_push)
+
+        completion.add_done_callback(landed)
+        if tag == "speculative":
+            request.spec_in_flight = completion
+            if request.flags.chain:
+
+                def chain(applied: bool) -> None:
+                    if applied:
+                        self._submit_chain(request)
+
+                completion.add_done_callback(chain)
+        return kv_bytes
+
+    def _submit_chain(self, request: OpenedRequest) -> None:
+        self._submit_speculation(self._chain, request)
+
+    def _submit_speculation(self, work: Callable[[OpenedRequest], object], request: OpenedRequest) -> None:
+        try:
+            self._speculation.submit(work, request)
+        except RuntimeError:  # the engine is closing
+            pass
+
+    def _speculate_on_notice(self, request: OpenedRequest) -> None:
+        """An idle notice's slice, on the speculation thread; a failure there stops it, never the node."""
+        if self._get(request.request_id) is not request:
+            return  # released meanwhile
+        try:
+            self.push_speculative(request)
+        except Exception:
+            log.exception("prefill: speculation for %s failed", request.request_id)
+
+    def _bridge(self, request: OpenedRequest) -> decide.Bridge:
+        """How this request's speculative runs bridge gaps of already-sent tokens (`decide.bridge`)."""
+        token_bytes = self.layout.token_bytes
+        return decide.bridge(token_bytes, request.link_rate, request.unsent, request.held_prefix, request.held)
+
+    def _push_quantized(self, request: OpenedRequest, layer: int) -> int:
+        """Quantized full transfer: the layer packed (`engine.kv_quant`) into the decode node's staging region,
+        then its flag; the decode node dequantizes it into the pool. A layer the decode node holds already (a
+        lost prefill node's request opened again here) is not sent. Runs on the packer thread, so a failure
+        fails the request here instead of raising."""
+        if self._get(request.request_id) is not request:
+            return 0  # released (or aborted) while its layers waited to be packed
+        try:
+            return self._pack_and_post(request, layer)
+        except Exception as exc:  # a bug must not silently stall the request: it fails with the reason
+            log.exception("prefill: packing layer %d of %s failed", layer, request.request_id)
+            self.fail(request.request_id, f"quantized transfer failed: {exc}")
+            return 0
+
+    def _pack_and_post(self, request: OpenedRequest, layer: int) -> int:
+        k, v = request.kv.k[layer, : request.length], request.kv.v[layer, : request.length]
+        if request.unsent is not None:
+            if not bool(request.unsent[layer].any()):
+                return 0
+            request.unsent[layer] = False
+        packed = pack_layer(k, v, SERVING_QUANT)
+        geometry = request.geometry
+        if packed.numel() > geometry.quant_layer_bytes:  # the slot holds the prompt, so this is a bug: say so
+            raise ValueError(f"a packed layer of {request.length} tokens overflows the staging slot")
+        ops = [
+            WriteOp("packed", "quant", 0, geometry.quant_offset(layer, request.slot), packed.numel()),
+            WriteOp(ONES_SOURCE, "quant_ready", 0, geometry.ready_offset(layer, request.slot), 1),
+        ]
+        self.counters.add("full", packed.numel())  # before posting: a status read after the request ends counts it
+        completion = request.link.push.post_writes(
+            request.request_id, {"packed": packed, ONES_SOURCE: request.ones}, ops, tag="proactive"
+        )
+        posted = time.monotonic()
+
+        def landed(applied: bool) -> None:
+            if applied:
+                self.counters.add_time("full", time.monotonic() - posted)
+
+        completion.add_done_callback(landed)
+        return packed.numel()
+
+    def _serve_fetch(self, link: LinkEnd, message: msg.Fetch) -> None:
+        request = self._get(message.request_id)
+        if request is None:
+            raise RequestGone(f"request {message.request_id!r} is not open on this prefill node")
+        layer, positions, heads = message.layer, message.positions, message.heads
+        if not 0 <= layer < self.layout.num_layers:
+            raise msg.MessageError(f"FETCH: no layer {layer} in a {self.layout.num_layers}-layer model")
+        if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < request.length):
+            raise msg.MessageError(
+                f"FETCH: positions outside the {request.length}-token prompt of {message.request_id!r}"
+            )
+        if request.kv.layers_ready <= layer:
+            raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
+        if heads is not None and tuple(heads.shape) != (positions.numel(), self.layout.num_kv_heads):
+            raise msg.MessageError(f"FETCH: heads must be [{positions.numel()}, {self.layout.num_kv_heads}] bool")
+        k, v = request.kv.k[layer, positions], request.kv.v[layer, positions]  # [p, H, d]
+        if heads is None:  # every head of each token
+            k, v = k.contiguous(), v.contiguous()
+            if request.unsent is not None:
+                request.unsent[layer, positions] = False  # a speculative push will not send these again
+        else:  # only the (token, head) entries asked for: [E, d], token-major
+            k, v = k[heads], v[heads]
+            if request.unsent is not None:
+                sent = request.unsent[layer, positions]
+                sent[heads] = False
+                request.unsent[layer, positions] = sent  # a push still sends a token while any head is unsent
+        reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
+        link.control.send(reply, tag="on_demand")
+        self.counters.add("on_demand", reply.payload_bytes)
+        request.fetched_since_idle += reply.payload_bytes
