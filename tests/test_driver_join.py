@@ -77,4 +77,4 @@ def test_a_waiting_request_is_aborted_past_the_prefill_bound():
     engine.abort = lambda request_id, reason: None  # type: ignore[attr-defined]
     engine.has_request = lambda request_id: True  # type: ignore[attr-defined]
     (finished,) = driver.collect_first_tokens()
-    assert finished.reason == "error" and "did not arrive" in (finished.error or "")
+    assert finished.reason == "timeout" and "did not arrive" in (finished.error or "")

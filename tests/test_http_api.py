@@ -346,17 +346,32 @@ def test_generation_error(live: tuple[FakeService, str]) -> None:
     assert "GPU caught fire" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
 
 
-def test_a_lost_prefill_node_is_503_with_the_reason(live: tuple[FakeService, str]) -> None:
-    """The service's "unavailable" (its prefill node lost, or none live) is the client's to retry, not our bug."""
+@pytest.mark.parametrize(
+    "kind, reason, status, type_",
+    [
+        (
+            "unavailable",
+            "prefill node connection lost: peer silent for 3.0 s: lease expired",
+            503,
+            "service_unavailable",
+        ),
+        ("unavailable", "the decode node is shutting down", 503, "service_unavailable"),
+        ("timeout", "its KV did not arrive within 120 s", 504, "gateway_timeout"),
+    ],
+)
+def test_a_lost_prefill_node_a_stopping_node_and_a_timeout_are_the_client_s_to_retry(
+    live: tuple[FakeService, str], kind: str, reason: str, status: int, type_: str
+) -> None:
+    """Not our bug, so not 500: a prefill node lost (or none live) or the decode node stopping is 503; KV that did
+    not arrive within its bound from a prefill node still alive is 504."""
     service, url = live
-    reason = "prefill node connection lost: peer silent for 3.0 s: lease expired"
-    service.fail_after, service.failure = 2, ("unavailable", reason)
+    service.fail_after, service.failure = 2, (kind, reason)
     response = post(url, "/v1/completions", {"prompt": "Hi"})
-    assert response.status_code == 503
-    assert response.json()["error"] == {"message": reason, "type": "service_unavailable", "code": 503}
+    assert response.status_code == status
+    assert response.json()["error"] == {"message": reason, "type": type_, "code": status}
     events = sse_events(post(url, "/v1/completions", {"prompt": "Hi", "stream": True}).text)
     assert [e["choices"][0]["text"] for e in events[:-1]] == REPLY[:2]
-    assert events[-1]["error"] == {"message": reason, "type": "service_unavailable", "code": 503}
+    assert events[-1]["error"] == {"message": reason, "type": type_, "code": status}
 
 
 # -- stop strings --

@@ -100,6 +100,7 @@ def test_sigterm_stops_a_node_and_fails_in_flight_requests(model_dir, tmp_path):
                     if len(events) == 3:
                         pair.decode.send_signal(signal.SIGTERM)
         assert "shutting down" in " ".join(events[-2:])
+        assert '"code": 503' in " ".join(events[-2:])  # the client's to retry elsewhere, not our bug
         assert pair.decode.wait(60) == 0  # a hang guard, not a timing claim; the node stops cleanly
         pair.prefill.send_signal(signal.SIGINT)
         assert pair.prefill.wait(60) == 0

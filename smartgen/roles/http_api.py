@@ -43,6 +43,7 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "gateway_timeout",
 }
 _FIELD_HINTS = {"prompt": "must be a string or a list of token ids (ints >= 0)"}  # clearer than a union's errors
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict"}  # pydantic's union-member tags in error locations
@@ -391,8 +392,11 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def _failure_status(reason: str) -> int:
-    """A request the nodes ended: aborted (shutting down), refused for lack of room, or failed because its prefill
-    node was lost (dead, silent past its lease; or none was live) is 503: try again. Anything else is ours: 500."""
+    """A request the nodes ended: aborted, refused for lack of room, failed because its prefill node was lost (dead,
+    silent past its lease; or none was live) or because the decode node is stopping is 503: try again. One whose KV
+    did not arrive within its bound from a prefill node still alive is 504. Anything else is ours: 500."""
+    if reason == "timeout":
+        return 504
     return 503 if reason in ("aborted", "overloaded", "unavailable") else 500
 
 

@@ -214,7 +214,7 @@ class NodeMetrics:
     def request_finished(self, reason: str, metrics: RequestMetrics | None) -> None:
         """The scheduler's finish hook: latencies of a finished request, its end reason."""
         self.finished.labels(reason).inc()
-        if reason in ("aborted", "error", "overloaded", "unavailable"):
+        if reason in ("aborted", "error", "overloaded", "unavailable", "timeout"):
             self.aborted.inc()
         if metrics is None:
             return

@@ -224,7 +224,7 @@ class DecodeScheduler:
             log.exception("decode scheduler crashed")
             self.stop_reason = f"decode scheduler failed: {exc}"
         finally:
-            self._deliver(self.driver.cancel_all(self.stop_reason))
+            self._deliver(self.driver.cancel_all(self.stop_reason, "unavailable"))
             self._fail_waiting(self.stop_reason)
 
     def _dispatch(self) -> list[Event]:
@@ -324,7 +324,7 @@ class DecodeScheduler:
                 active = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            self._finish(active, "error", reason, None)
+            self._finish(active, "unavailable", reason, None)  # the decode node is stopping
 
 
 def _selection_counts(metrics: RequestMetrics | None, num_layers: int, prompt_tokens: int) -> list[list[int]]:

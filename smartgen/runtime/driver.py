@@ -67,8 +67,9 @@ class Token:
 @dataclass(frozen=True, slots=True)
 class Finished:
     """A request left the driver: reason "stop", "length", "aborted", "error", "overloaded" (a prefill node had no
-    room for it) or "unavailable" (its prefill node was lost, or none was live); the last two are worth a retry
-    later. `error` says why."""
+    room for it), "unavailable" (its prefill node was lost, or none was live, or the decode node is stopping) or
+    "timeout" (its KV did not arrive within the bound from a prefill node still alive); the last three are worth a
+    retry later. `error` says why."""
 
     request_id: str
     reason: str
@@ -80,7 +81,7 @@ class Finished:
     @property
     def failed(self) -> bool:
         """It ended short of its tokens by no one's choice (not finished, not cancelled)."""
-        return self.reason in ("error", "overloaded", "unavailable")
+        return self.reason in ("error", "overloaded", "unavailable", "timeout")
 
 
 Event = Token | Finished
@@ -139,10 +140,11 @@ class DecodeDriver:
                     return [self._abort(request, reason, "aborted" if aborted else "error")]
         return []
 
-    def cancel_all(self, reason: str) -> list[Event]:
+    def cancel_all(self, reason: str, kind: str = "error") -> list[Event]:
+        """Ends every request with `reason`; `kind` is their Finished reason ("unavailable": the node is stopping)."""
         events: list[Event] = []
         for request in self.prefilling + self.running + self.parked:
-            events.append(self._abort(request, reason, "error"))
+            events.append(self._abort(request, reason, kind))
         self.prefilling, self.running, self.parked, self._batch = [], [], [], None
         return events
 
@@ -165,7 +167,7 @@ class DecodeDriver:
             rid = request.request_id
             if not self.engine.first_token_ready(rid):
                 if time.monotonic() - request.opened > self.prefill_timeout:
-                    events.append(self._abort(request, f"no first token within {self.prefill_timeout:g} s", "error"))
+                    events.append(self._abort(request, f"no first token within {self.prefill_timeout:g} s", "timeout"))
                 else:
                     still.append(request)
                 continue
@@ -183,7 +185,7 @@ class DecodeDriver:
                 if waiting:
                     if time.monotonic() - request.opened > self.prefill_timeout:
                         reason = f"its KV did not arrive within {self.prefill_timeout:g} s"
-                        events.append(self._abort(request, reason, "error"))
+                        events.append(self._abort(request, reason, "timeout"))
                     else:
                         still.append(request)
                     continue
