@@ -10,12 +10,14 @@ import typer
 import smartgen
 from smartgen.cli import bench, demo, generate, info, monitor, profile, profiles, serve, simulate
 from smartgen.cli.eval import eval_command
+from smartgen.cli.options import new_name
 
 app = typer.Typer(
     name="smartgen",
     help="SmartGen: KV-cache transfer engine for disaggregated LLM inference.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    context_settings={"token_normalize_func": new_name},  # old option names still work, and say the new one
 )
 
 _LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -15,9 +13,12 @@ import typer
 from smartgen.sysinfo import SAMPLES_DIR
 
 from .errors import fail
+from .lane_options import GidIndex, Lane, RdmaDevice, RdmaPort, SeparateCpus, lane_flags
 from .lists import names
-from .rdma_options import device_option, gid_option, port_option, rdma_flags
+from .options import Blocks, Budget, Calibration, DecodeRatio, ModelFolder, Selector, StallRatio, parse_decode_ratio
+from .progress import progress_bar
 from .simulate import folding_table
+from .store_options import Db
 
 if TYPE_CHECKING:  # rich and the demo load only when the command runs, so --help stays fast
     from rich.console import Console
@@ -28,67 +29,28 @@ if TYPE_CHECKING:  # rich and the demo load only when the command runs, so --hel
 DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
 PAPER_STALL_RATIO = 4.7  # smartgen.apps.bench.config.PAPER_STALL_RATIO (here: --help imports no torch)
 PAPER_DECODE_RATIO = 0.15  # smartgen.apps.demo.PAPER_DECODE_RATIO, likewise
-NATIVE = "native"
 
 
 def demo(
-    model: Annotated[Path, typer.Option(help="Model folder (default: the bundled sample model).")] = DEFAULT_MODEL,
-    db: Annotated[
-        Path | None,
-        typer.Option(help="Profile database (default: $SMARTGEN_DB or the XDG data dir); profiled once when empty."),
-    ] = None,
-    calibration: Annotated[
-        Path | None,
-        typer.Option(
-            help="Calibration JSONL used when the model has no profile yet (default: samples/calibration.jsonl)."
-        ),
-    ] = None,
+    model: ModelFolder = DEFAULT_MODEL,
+    db: Db = None,
+    calibration: Calibration = None,
     schemes: Annotated[
         str,
         typer.Option(help="Schemes to compare, comma-separated (full, partial, partial+profile+parallel, smartgen)."),
     ] = "full,smartgen",
     length: Annotated[int, typer.Option(min=256, help="Prompt length in tokens.")] = 2048,
     per_task: Annotated[int, typer.Option(min=1, help="Prompts per task (passkey and single-needle retrieval).")] = 3,
-    selector: Annotated[str, typer.Option(help="KV selector on the decode node: quest, infinigen or topk.")] = "quest",
-    budget: Annotated[float, typer.Option(min=0.01, help="Selection budget as a share of the prompt.")] = 0.2,
-    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.")] = 1024,
-    transfer_ratio: Annotated[
-        float,
-        typer.Option(
-            "--stall-ratio",
-            "--transfer-ratio",
-            min=0.5,
-            help="Pace the link so a full KV transfer takes this many times the prefill as served (measured first, "
-            "as `smartgen bench` does; the paper's testbed: about 4.7).",
-        ),
-    ] = PAPER_STALL_RATIO,
-    decode_ratio: Annotated[
-        str,
-        typer.Option(
-            metavar="<D|native>",
-            help="Set the decode side as `smartgen bench --decode-ratio` does: emulate slower decode compute (a sleep "
-            "per decode layer) so an all-local step's link time moves D x a step's selected bytes (the paper's: "
-            f"about {PAPER_DECODE_RATIO:g}); `{NATIVE}`: this machine's own speed, its ratio reported.",
-        ),
-    ] = f"{PAPER_DECODE_RATIO:g}",
-    lane: Annotated[
-        str,
-        typer.Option(
-            help="Transport between the two nodes: tcp, mooncake, nixl or rdma (two processes), or inproc (one "
-            "`serve --role both` process, the in-process lane paced the same way; see `serve --help`)."
-        ),
-    ] = "tcp",
-    separate_cpus: Annotated[
-        bool,
-        typer.Option(
-            "--separate-cpus/--shared-cpus",
-            help="Run the prefill node and the decode node on disjoint halves of this machine's CPUs, as on separate "
-            "machines and as `smartgen bench` does (ignored with --lane inproc or one CPU).",
-        ),
-    ] = True,
-    rdma_device: Annotated[str | None, device_option("Options")] = None,
-    rdma_port: Annotated[int | None, port_option("Options")] = None,
-    gid_index: Annotated[int | None, gid_option("Options")] = None,
+    selector: Selector = "quest",
+    budget: Budget = 0.2,
+    blocks: Blocks = 1024,
+    stall_ratio: StallRatio = PAPER_STALL_RATIO,
+    decode_ratio: DecodeRatio = f"{PAPER_DECODE_RATIO:g}",
+    lane: Lane = "tcp",
+    separate_cpus: SeparateCpus = True,
+    rdma_device: RdmaDevice = None,
+    rdma_port: RdmaPort = None,
+    gid_index: GidIndex = None,
     monitor: Annotated[
         bool,
         typer.Option(
@@ -98,20 +60,20 @@ def demo(
         ),
     ] = False,
 ) -> None:
-    """Run the main job: two real nodes over a paced loopback link, schemes side by side (a few minutes)."""
+    """Run the main job: two real nodes over a paced loopback link, schemes side by side (a few minutes).
+
+    A model with no profile in --db is profiled there first, over --calibration.
+    """
     from rich.console import Console
     from rich.text import Text
 
     from smartgen.apps.demo import DemoConfig, run_demo
     from smartgen.engine.policy import check_servable, get_policy
-    from smartgen.lanes.backends import lane_problem
     from smartgen.store import StoreError
 
     if not (model / "config.json").exists():
         fail(f"no model at {model} (the sample model lives in samples/sample-model)")
-    lane_flags = rdma_flags(lane, rdma_device, rdma_port, gid_index)  # before: a misplaced option is named first
-    if problem := lane_problem(lane):
-        fail(problem)
+    flags = lane_flags(lane, rdma_device, rdma_port, gid_index)
     if not names(schemes):
         fail("--schemes is empty")
     target_ratio = parse_decode_ratio(decode_ratio)
@@ -131,10 +93,10 @@ def demo(
         selector=selector,
         blocks=blocks,
         budget=budget,
-        transfer_ratio=transfer_ratio,
+        transfer_ratio=stall_ratio,
         decode_ratio=target_ratio,
         lane=lane,
-        lane_flags=lane_flags,
+        lane_flags=flags,
         separate_cpus=separate_cpus,
     )
     say = lambda line: console.print(Text(line, style="dim"))  # noqa: E731  (Text: a line is not markup)
@@ -151,19 +113,6 @@ def demo(
     except (RuntimeError, ValueError, OSError, StoreError) as exc:
         fail(str(exc), code=1)
     console.print(results_table(results, setup))
-
-
-def parse_decode_ratio(text: str) -> float | None:
-    """`--decode-ratio`'s value: a positive number, or None for `native`; anything else fails in one line."""
-    if text.strip().lower() == NATIVE:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        fail(f"--decode-ratio must be a positive number or '{NATIVE}', got {text!r}")
-    return value
 
 
 def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
@@ -201,26 +150,8 @@ def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
 def request_bar(console: Console) -> Iterator[Callable[[str, int, int], None]]:
     """A transient bar with ETA over the demo's requests, and the `progress(what, done, total)` that drives it;
     off when the console is not a terminal (piped, CI), where a bar would only add control codes."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+    with progress_bar(console, disable=not console.is_terminal) as bar:
         task = None
 
         def progress(what: str, done: int, total: int) -> None:

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smartgen.cli.profiles import DbOption
-
 from .errors import fail
 from .lists import names as _split
+from .options import Blocks, BudgetList, ModelFolder, SelectorList, StallRatio, load_model_folder, option
+from .progress import progress_bar
+from .store_options import Db
 
 DEFAULT_STALL_RATIO = 4.7  # smartgen.apps.evaluation.DEFAULT_STALL_RATIO, kept here so --help imports no torch
 
@@ -55,45 +56,14 @@ def _selector_spec(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
 
 
 def eval_command(
-    model: Annotated[
-        Path,
-        typer.Option(
-            "--model",
-            help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).",
-            rich_help_panel=PANEL_SUITE,
-        ),
-    ],
+    model: ModelFolder,
     schemes: Annotated[
         str,
-        typer.Option(
-            help="Comma-separated schemes: full-cache, smartgen, proactive-only, streamingllm, quant2.",
-            rich_help_panel=PANEL_SCHEMES,
-        ),
+        option(PANEL_SCHEMES, "Comma-separated schemes: full-cache, smartgen, proactive-only, streamingllm, quant2."),
     ] = "full-cache,smartgen,proactive-only,streamingllm,quant2",
-    selector: Annotated[
-        str,
-        typer.Option(
-            help="KV selector(s) of smartgen and proactive-only, comma-separated: quest, infinigen, hata, topk; "
-            "own parameters after a colon, ';' between them: quest:page_size=4 (docs/selectors.md).",
-            rich_help_panel=PANEL_SCHEMES,
-        ),
-    ] = "quest",
-    budget: Annotated[
-        str,
-        typer.Option(
-            help="Selection budget(s), comma-separated: a share of the prompt (<= 1) or a token count; also StreamingLLM's window.",
-            rich_help_panel=PANEL_SCHEMES,
-        ),
-    ] = "0.1",
-    stall_ratio: Annotated[
-        float,
-        typer.Option(
-            min=0.01,
-            help="K_r as serving would set it on a link where a full KV transfer takes this many times the prefill "
-            "(4.7 on the paper's testbed): proactive-only drops what such a link cannot carry.",
-            rich_help_panel=PANEL_SCHEMES,
-        ),
-    ] = DEFAULT_STALL_RATIO,
+    selector: SelectorList = "quest",
+    budget: BudgetList = "0.1",
+    stall_ratio: StallRatio = DEFAULT_STALL_RATIO,
     profile_timings: Annotated[
         bool,
         typer.Option(
@@ -103,64 +73,38 @@ def eval_command(
             rich_help_panel=PANEL_SCHEMES,
         ),
     ] = False,
-    blocks: Annotated[
-        int,
-        typer.Option(
-            min=1, help="KV blocks M per layer (a profile must have the same M).", rich_help_panel=PANEL_SCHEMES
-        ),
-    ] = 1024,
+    blocks: Blocks = 1024,
     hata_weights: Annotated[
         Path | None,
-        typer.Option(
-            help="HATA hash weights (safetensors from smartgen.selectors.hata.save_weights); "
+        option(
+            PANEL_SCHEMES,
+            "HATA hash weights (safetensors from smartgen.selectors.hata.save_weights); "
             "default: the model's in the profile store (`smartgen profile --selector hata` trains them), "
             "else trained on calibration-variant prompts before the run.",
-            rich_help_panel=PANEL_SCHEMES,
         ),
     ] = None,
-    db: DbOption = None,
+    db: Db = None,
     tasks: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated tasks: passkey, niah_single, niah_multikey, kv_retrieval, vt.",
-            rich_help_panel=PANEL_SUITE,
-        ),
+        str, option(PANEL_SUITE, "Comma-separated tasks: passkey, niah_single, niah_multikey, kv_retrieval, vt.")
     ] = "passkey,niah_single,niah_multikey,kv_retrieval,vt",
-    lengths: Annotated[
-        str, typer.Option(help="Comma-separated prompt lengths in tokens (1K = 1024).", rich_help_panel=PANEL_SUITE)
-    ] = "1024,2048",
-    num: Annotated[
-        int,
-        typer.Option(
-            min=1, help="Prompts per task and length (needles at spread depths).", rich_help_panel=PANEL_SUITE
-        ),
-    ] = 10,
-    seed: Annotated[
-        int, typer.Option(help="Seed of the suite (sample i of a cell gets seed + i).", rich_help_panel=PANEL_SUITE)
-    ] = 0,
-    batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.", rich_help_panel=PANEL_SUITE)] = 4,
-    quant_bits: Annotated[
-        int, typer.Option(min=1, max=8, help="Bits per quantized K/V element.", rich_help_panel=PANEL_QUANT)
-    ] = 2,
+    lengths: Annotated[str, option(PANEL_SUITE, "Comma-separated prompt lengths in tokens (1K = 1024).")] = "1024,2048",
+    num: Annotated[int, option(PANEL_SUITE, "Prompts per task and length (needles at spread depths).", min=1)] = 10,
+    seed: Annotated[int, option(PANEL_SUITE, "Seed of the suite (sample i of a cell gets seed + i).")] = 0,
+    batch_size: Annotated[int, option(PANEL_SUITE, "Prompts decoded together.", min=1)] = 4,
+    quant_bits: Annotated[int, option(PANEL_QUANT, "Bits per quantized K/V element.", min=1, max=8)] = 2,
     quant_group: Annotated[
-        int,
-        typer.Option(
-            min=1, help="Group size G: tokens per key group, channels per value group.", rich_help_panel=PANEL_QUANT
-        ),
+        int, option(PANEL_QUANT, "Group size G: tokens per key group, channels per value group.", min=1)
     ] = 32,
     quant_residual: Annotated[
-        int,
-        typer.Option(
-            min=0, help="Residual window R: the last R tokens stay full precision.", rich_help_panel=PANEL_QUANT
-        ),
+        int, option(PANEL_QUANT, "Residual window R: the last R tokens stay full precision.", min=0)
     ] = 128,
     recall_prompts: Annotated[
         int,
-        typer.Option(
-            min=0,
-            help="Prompts per task and length traced densely to measure each selector's recall of the exact "
+        option(
+            PANEL_OUTPUT,
+            "Prompts per task and length traced densely to measure each selector's recall of the exact "
             "top-k (same budget), overall and on the retrieval heads; 0 = off.",
-            rich_help_panel=PANEL_OUTPUT,
+            min=0,
         ),
     ] = 2,
     json_out: Annotated[
@@ -176,7 +120,8 @@ def eval_command(
 
     Every prompt runs through a prefill and a decode engine in one process (greedy decoding);
     the table shows accuracy (%) per task and length, over all prompts, and relative to the
-    full cache. docs/eval.md explains the schemes.
+    full cache. docs/eval.md explains the schemes. --stall-ratio sets K_r as serving would on such
+    a link (proactive-only drops what it could not carry); --budget is also StreamingLLM's window.
     """
     from smartgen.apps.evalsuite import TASKS
     from smartgen.apps.evaluation import SCHEMES, Condition
@@ -274,19 +219,9 @@ def _run(
 ) -> EvalReport:
     """Loads the model, tokenizer and profiles, makes the suite and runs it with a progress bar."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from transformers import AutoTokenizer
 
     from smartgen.apps.evalsuite import generate_suite
     from smartgen.apps.evaluation import StoreProfiles, evaluate_conditions
-    from smartgen.runtime.models import ModelLoadError, load_model
     from smartgen.selectors import selector_kind
     from smartgen.store import StoreError
     from smartgen.sysinfo import default_db_path
@@ -301,16 +236,7 @@ def _run(
             ProfileStore(db, create=False).close()
         except StoreError as exc:
             fail(str(exc))
-    try:
-        hf_model = load_model(model_path)
-    except ModelLoadError as exc:
-        fail(str(exc))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        fail(
-            f"cannot load a tokenizer from {model_path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        )
+    hf_model, tokenizer = load_model_folder(model_path)
     console = Console()
     hata_source = "given" if hata_weights is not None else "trained on calibration-variant prompts"
     trains = any(selector_kind(c.selector).needs_training for c in conditions)
@@ -337,16 +263,8 @@ def _run(
         f"· {len(conditions)} condition(s) · profiles: {profiles.store.path if profiles else 'none (streaming proactive set)'}"
         + (f" · HATA weights: {hata_source}" if trains else "")
     )
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
     try:
-        with Progress(*columns, console=console, transient=True) as progress:
+        with progress_bar(console) as progress:
             bar = progress.add_task("starting", total=len(samples) * len(conditions))
             return evaluate_conditions(
                 hf_model,

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .errors import fail
+from .options import option
 
 PANEL_SOURCE = "What to watch"
 
@@ -22,25 +23,21 @@ def monitor(
         View, typer.Argument(help="What to open: the dashboard (the only view so far, and the default).")
     ] = View.dashboard,
     decode: Annotated[
-        str | None,
-        typer.Option(
-            help="The decode node's HTTP address (its /status), e.g. http://127.0.0.1:8000.",
-            rich_help_panel=PANEL_SOURCE,
-        ),
+        str | None, option(PANEL_SOURCE, "The decode node's HTTP address (its /status), e.g. http://127.0.0.1:8000.")
     ] = "http://127.0.0.1:8000",
     prefill: Annotated[
         list[str] | None,
-        typer.Option(
-            help="A prefill node's status address (`serve --status`); repeat for several. Needed for push rates "
+        option(
+            PANEL_SOURCE,
+            "A prefill node's status address (`serve --status`); repeat for several. Needed for push rates "
             "and link utilisation.",
-            rich_help_panel=PANEL_SOURCE,
         ),
     ] = None,
     replay: Annotated[
         Path | None,
-        typer.Option(
-            help="Replay a recording (`serve --record`, `monitor dashboard --record`) instead of polling nodes.",
-            rich_help_panel=PANEL_SOURCE,
+        option(
+            PANEL_SOURCE,
+            "Replay a recording (`serve --record`, `monitor dashboard --record`) instead of polling nodes.",
         ),
     ] = None,
     record: Annotated[

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,28 +10,32 @@ import typer
 from smartgen.sysinfo import SAMPLES_DIR
 
 from .errors import fail
-from .store_options import DbOption, open_store
+from .options import (
+    LINK,
+    MODEL,
+    SELECTION,
+    Blocks,
+    Budget,
+    Calibration,
+    LinkGbps,
+    ModelFolder,
+    Selector,
+    load_model_folder,
+    option,
+)
+from .progress import progress_bar
+from .store_options import Db, open_store
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from smartgen.store import Profile
 
-PANEL_INPUT = "Model and calibration"
-PANEL_SELECT = "Selection"
-PANEL_LINK = "Link"
 PANEL_OUTPUT = "Output"
 LINK_RATES = (10.0, 15.0, 25.0, 32.0)  # Gbit/s: the paper's cloud links
 SHADES = " ░▒▓█"
 PALETTE = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # viridis, low to high
 SAMPLES_CALIBRATION = SAMPLES_DIR / "calibration.jsonl"
-
-
-class SelectorName(str, Enum):
-    quest = "quest"
-    infinigen = "infinigen"
-    topk = "topk"
-    hata = "hata"
 
 
 def _default_calibration() -> Path:
@@ -42,56 +45,23 @@ def _default_calibration() -> Path:
 
 
 def profile(
-    model: Annotated[
-        Path,
-        typer.Option(
-            "--model",
-            help="Folder of a Hugging Face causal LM and its tokenizer (loaded offline).",
-            rich_help_panel=PANEL_INPUT,
-        ),
-    ],
-    calibration: Annotated[
-        Path | None,
-        typer.Option(
-            help='JSONL calibration set, one {"prompt": ...} per line (default: samples/calibration.jsonl).',
-            rich_help_panel=PANEL_INPUT,
-        ),
-    ] = None,
+    model: ModelFolder,
+    calibration: Calibration = None,
     ranges: Annotated[
-        str,
-        typer.Option(
-            help="Prompt-length ranges [LO, HI) in tokens, one profile each, e.g. 1024-2048,2K-4K.",
-            rich_help_panel=PANEL_INPUT,
-        ),
+        str, option(MODEL, "Prompt-length ranges [LO, HI) in tokens, one profile each, e.g. 1024-2048,2K-4K.")
     ] = "1024-2048,2048-4096",
-    limit: Annotated[
-        int | None,
-        typer.Option(min=1, help="Use at most this many prompts per length range.", rich_help_panel=PANEL_INPUT),
-    ] = None,
-    selector: Annotated[
-        SelectorName,
-        typer.Option(help="The decoder's KV selector whose picks are counted.", rich_help_panel=PANEL_SELECT),
-    ] = SelectorName.quest,
-    budget: Annotated[
-        float,
-        typer.Option(
-            help="Selector budget: a share of the prompt (<= 1) or a token count (> 1).", rich_help_panel=PANEL_SELECT
-        ),
-    ] = 0.1,
-    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.", rich_help_panel=PANEL_SELECT)] = 1024,
-    decode_tokens: Annotated[
-        int,
-        typer.Option(min=1, help="Decode steps per prompt (selector calls per layer).", rich_help_panel=PANEL_SELECT),
-    ] = 16,
-    link_gbps: Annotated[
-        float, typer.Option(help="Link rate in Gbit/s: T_t = full KV bytes / rate.", rich_help_panel=PANEL_LINK)
-    ] = 15.0,
+    limit: Annotated[int | None, option(MODEL, "Use at most this many prompts per length range.", min=1)] = None,
+    selector: Selector = "quest",
+    budget: Budget = 0.1,
+    blocks: Blocks = 1024,
+    decode_tokens: Annotated[int, option(SELECTION, "Decode steps per prompt (selector calls per layer).", min=1)] = 16,
+    link_gbps: LinkGbps = 15.0,
     measure_link: Annotated[
         bool,
         typer.Option(
             "--measure-link",
             help="Time a real full-KV transfer over an in-process lane paced at --link-gbps instead.",
-            rich_help_panel=PANEL_LINK,
+            rich_help_panel=LINK,
         ),
     ] = False,
     retrain_hata: Annotated[
@@ -99,25 +69,19 @@ def profile(
         typer.Option(
             "--retrain-hata",
             help="hata: train new hash weights even when the store has some for this model.",
-            rich_help_panel=PANEL_SELECT,
+            rich_help_panel=SELECTION,
         ),
     ] = False,
     hata_prompts: Annotated[
-        int,
-        typer.Option(
-            min=1, help="hata: calibration prompts its hash weights are trained on.", rich_help_panel=PANEL_SELECT
-        ),
+        int, option(SELECTION, "hata: calibration prompts its hash weights are trained on.", min=1)
     ] = 24,
-    hata_steps: Annotated[
-        int,
-        typer.Option(min=1, help="hata: optimiser steps per layer (HATA's script: 300).", rich_help_panel=PANEL_SELECT),
-    ] = 300,
-    db: DbOption = None,
+    hata_steps: Annotated[int, option(SELECTION, "hata: optimiser steps per layer (HATA's script: 300).", min=1)] = 300,
+    db: Db = None,
     png: Annotated[
         Path | None,
-        typer.Option(
-            help="Also write each profile's heat map to this PNG (one file per range: NAME-LO-HI.png when several).",
-            rich_help_panel=PANEL_OUTPUT,
+        option(
+            PANEL_OUTPUT,
+            "Also write each profile's heat map to this PNG (one file per range: NAME-LO-HI.png when several).",
         ),
     ] = None,
 ) -> None:
@@ -125,19 +89,24 @@ def profile(
 
     Decodes every prompt with all KV local, counts each KV entry's selections per layer, and
     stores one profile per length range in the profile database; ends with the heat map and
-    K_r at a few link rates. With --selector hata it first trains HATA's hash weights on the
+    K_r at a few link rates. T_t is the full KV's time at --link-gbps (or, with --measure-link, measured
+    over an in-process lane paced at it). With --selector hata it first trains HATA's hash weights on the
     calibration set and stores them with the profiles (unless the store has them for this model).
     """
     from rich.console import Console
 
     from smartgen.apps.profiling import parse_ranges, write_heatmap_png
+    from smartgen.selectors import selector_kind
 
     try:
         length_ranges = parse_ranges(ranges)
     except ValueError as exc:
         fail(str(exc))
-    if budget <= 0:
-        fail(f"--budget must be positive, got {budget:g}")
+    try:
+        if not selector_kind(selector).sparse:
+            fail(f"--selector {selector} selects every token: there is nothing to profile")
+    except ValueError as exc:
+        fail(f"--selector: {exc}")
     if link_gbps <= 0:
         fail(f"--link-gbps must be positive, got {link_gbps:g}")
     if png is not None:
@@ -154,7 +123,7 @@ def profile(
             model,
             calibration,
             length_ranges,
-            selector.value,
+            selector,
             budget,
             blocks,
             decode_tokens,
@@ -198,43 +167,22 @@ def _run(
 ) -> list:
     """Loads the calibration set, model and tokenizer and profiles with a progress bar; fails in one line."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     from smartgen.apps.profiling import CalibrationError, LinkSpec, load_calibration
     from smartgen.apps.profiling import profile as run_profile
-    from smartgen.runtime.models import ModelLoadError, load_model
     from smartgen.selectors import selector_kind
 
     try:
         calibration_set = load_calibration(calibration or _default_calibration())
     except CalibrationError as exc:
         fail(str(exc))
-    try:
-        hf_model = load_model(model)
-    except ModelLoadError as exc:
-        fail(str(exc))
-    tokenizer = _load_tokenizer(model)
+    hf_model, tokenizer = load_model_folder(model)
     console = Console()
     link = LinkSpec("inproc" if measure_link else "rate", link_gbps)
     console.print(
         f"[bold]smartgen profile[/]: {model} · {selector} budget={budget:g} · M={blocks} · {calibration_set.name} "
         f"({len(calibration_set.prompts)} prompts) · ranges {', '.join(f'{lo}-{hi}' for lo, hi in length_ranges)} · "
         f"link {link.label} · database {store.path}"
-    )
-    columns = (
-        TextColumn("prompts"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
     )
     params: dict = {"budget": budget}
     weights_id = None
@@ -243,7 +191,7 @@ def _run(
             console, store, hf_model, tokenizer, calibration_set, hata, str(model)
         )
     try:
-        with Progress(*columns, console=console, transient=True) as progress:
+        with progress_bar(console, "prompts") as progress:
             task = progress.add_task("profiling", total=None)
             return run_profile(
                 hf_model,
@@ -300,15 +248,6 @@ def _add(store, item) -> int:
         return store.add(item)
     except StoreError as exc:
         fail(str(exc))
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        fail(f"cannot load a tokenizer from {folder}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
 
 def duration(seconds: float) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from .errors import fail
-from .store_options import DbOption, open_store
+from .store_options import Db, open_store
 
 if TYPE_CHECKING:
     from smartgen.store import ProfileStore
@@ -42,7 +42,7 @@ def _get(store: ProfileStore, profile_id: int):
 
 @app.command("list")
 def list_profiles(
-    db: DbOption = None,
+    db: Db = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the profiles' fields as JSON (no importance matrices).")
     ] = False,
@@ -101,7 +101,7 @@ def list_profiles(
 @app.command("show")
 def show(
     profile_id: IdArgument,
-    db: DbOption = None,
+    db: Db = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the fields as JSON instead of the heat map.")] = False,
 ) -> None:
     """Show one profile: its fields, its importance heat map and K_r at a few link rates."""
@@ -124,7 +124,7 @@ def show(
 
 
 @app.command("rm")
-def remove(profile_id: IdArgument, db: DbOption = None) -> None:
+def remove(profile_id: IdArgument, db: Db = None) -> None:
     """Remove a profile from the store."""
     from smartgen.store import StoreError
 
@@ -139,7 +139,7 @@ def remove(profile_id: IdArgument, db: DbOption = None) -> None:
 @app.command("export")
 def export(
     profile_id: IdArgument,
-    db: DbOption = None,
+    db: Db = None,
     fmt: Annotated[
         ExportFormat,
         typer.Option("--format", help="Output format (the importance matrix keeps its exact float32 bytes)."),
@@ -170,7 +170,7 @@ def import_profile(
             help="A file written by `smartgen profiles export` ('-' reads standard input).", show_default=False
         ),
     ],
-    db: DbOption = None,
+    db: Db = None,
 ) -> None:
     """Import an exported profile; it gets a new id."""
     from smartgen.store import StoreError
@@ -195,7 +195,7 @@ def import_profile(
 def compare_profiles(
     first: IdArgument,
     second: Annotated[int, typer.Argument(help="Id of the profile to compare it with.", show_default=False)],
-    db: DbOption = None,
+    db: Db = None,
     k_r: Annotated[
         int | None,
         typer.Option(

@@ -9,6 +9,7 @@ import typer
 
 from .errors import fail
 from .lists import names
+from .options import Blocks, DelayMs, LinkGbps, SpeculativeRatio, StallRatio, option
 
 if TYPE_CHECKING:  # rich and the engine load only when the command runs, so --help stays fast
     from rich.table import Table
@@ -16,14 +17,14 @@ if TYPE_CHECKING:  # rich and the engine load only when the command runs, so --h
     from smartgen.apps.simulate import SimulationResult
 
 PANEL_WORK = "Workload"
-PANEL_LINK = "Link and compute"
+PANEL_COMPUTE = "Compute (emulated)"
 
 
 def simulate(
-    policies: Annotated[
+    schemes: Annotated[
         str,
         typer.Option(
-            "--policies",
+            "--schemes",
             "-p",
             help="Comma-separated schemes to compare: full, partial, partial+profile, partial+profile+parallel, smartgen.",
             rich_help_panel=PANEL_WORK,
@@ -31,74 +32,31 @@ def simulate(
     ] = "full,partial,partial+profile+parallel,smartgen",
     strategy: Annotated[
         str,
-        typer.Option(
-            help="Proactive-set strategy for the budgeted schemes: profile, random, sequential, streaming, optimal.",
-            rich_help_panel=PANEL_WORK,
+        option(
+            PANEL_WORK,
+            "Proactive-set strategy for the budgeted schemes: profile, random, sequential, streaming, optimal.",
         ),
     ] = "profile",
     lengths: Annotated[
-        str,
-        typer.Option(
-            help="Prompt lengths of the batch, comma-separated (one request each).", rich_help_panel=PANEL_WORK
-        ),
+        str, option(PANEL_WORK, "Prompt lengths of the batch, comma-separated (one request each).")
     ] = "4096,3000",
-    steps: Annotated[
-        int,
-        typer.Option(
-            min=2, help="Output tokens per request (the first comes from prefill).", rich_help_panel=PANEL_WORK
-        ),
-    ] = 16,
-    layers: Annotated[
-        int, typer.Option(min=2, help="Attention layers L of the synthetic model.", rich_help_panel=PANEL_WORK)
-    ] = 8,
-    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads H.", rich_help_panel=PANEL_WORK)] = 4,
-    head_dim: Annotated[int, typer.Option(min=1, help="Head dimension d.", rich_help_panel=PANEL_WORK)] = 64,
-    blocks: Annotated[int, typer.Option(min=1, help="KV blocks M per layer.", rich_help_panel=PANEL_WORK)] = 256,
+    steps: Annotated[int, option(PANEL_WORK, "Output tokens per request (the first comes from prefill).", min=2)] = 16,
+    layers: Annotated[int, option(PANEL_WORK, "Attention layers L of the synthetic model.", min=2)] = 8,
+    kv_heads: Annotated[int, option(PANEL_WORK, "KV heads H.", min=1)] = 4,
+    head_dim: Annotated[int, option(PANEL_WORK, "Head dimension d.", min=1)] = 64,
+    blocks: Blocks = 256,
     select_ratio: Annotated[
-        float,
-        typer.Option(
-            min=0.001,
-            max=1.0,
-            help="Share of tokens the synthetic selector picks per head and step.",
-            rich_help_panel=PANEL_WORK,
-        ),
+        float, option(PANEL_WORK, "Share of tokens the synthetic selector picks per head and step.", min=0.001, max=1.0)
     ] = 0.1,
-    speculative_ratio: Annotated[
-        float,
-        typer.Option(
-            min=0.001, max=1.0, help="Share of all blocks pushed per idle notice.", rich_help_panel=PANEL_WORK
-        ),
-    ] = 0.1,
+    speculative_ratio: SpeculativeRatio = 0.1,
     prefill_us_per_token: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="Emulated prefill compute, microseconds per prompt token (all layers).",
-            rich_help_panel=PANEL_LINK,
-        ),
+        float, option(PANEL_COMPUTE, "Emulated prefill compute, microseconds per prompt token (all layers).", min=0.0)
     ] = 30.0,
-    transfer_ratio: Annotated[
-        float,
-        typer.Option(
-            min=0.01,
-            help="Pace the link so a full KV transfer takes this many times the prefill (the paper: 4.7 at 25-32 Gbit/s, 7.1 at 15). Ignored with --gbps.",
-            rich_help_panel=PANEL_LINK,
-        ),
-    ] = 4.7,
-    gbps: Annotated[
-        float,
-        typer.Option(
-            min=0.0, help="Link rate in Gbit/s (0 = derive it from --transfer-ratio).", rich_help_panel=PANEL_LINK
-        ),
-    ] = 0.0,
-    delay_ms: Annotated[
-        float, typer.Option(min=0.0, help="One-way link delay in milliseconds.", rich_help_panel=PANEL_LINK)
-    ] = 0.0,
+    stall_ratio: StallRatio = 4.7,
+    link_gbps: LinkGbps = 0.0,
+    delay_ms: DelayMs = 0.0,
     decode_layer_ms: Annotated[
-        float,
-        typer.Option(
-            min=0.0, help="Emulated decode compute per layer per step, milliseconds.", rich_help_panel=PANEL_LINK
-        ),
+        float, option(PANEL_COMPUTE, "Emulated decode compute per layer per step, milliseconds.", min=0.0)
     ] = 1.0,
     verify: Annotated[
         bool, typer.Option(help="Check every assembled KV against the ground truth, bit for bit.")
@@ -125,9 +83,9 @@ def simulate(
             raise ValueError(f"--lengths needs comma-separated token counts, e.g. 4096,3000; got {lengths!r}") from None
         if not prompt_lengths or min(prompt_lengths) < 1:
             raise ValueError("--lengths needs positive integers, e.g. 4096,3000")
-        chosen = [get_policy(name, strategy=strategy, speculative_ratio=speculative_ratio) for name in names(policies)]
+        chosen = [get_policy(name, strategy=strategy, speculative_ratio=speculative_ratio) for name in names(schemes)]
         if not chosen:
-            raise ValueError("--policies is empty")
+            raise ValueError("--schemes is empty")
         layout = KVLayout(layers, kv_heads, head_dim, torch.float32, num_blocks=blocks)
         config = SimulationConfig(
             layout,
@@ -140,7 +98,7 @@ def simulate(
             seed=seed,
             verify=verify,
         )
-        rate = gbps if gbps > 0 else link_rate_for(config, transfer_ratio)
+        rate = link_gbps if link_gbps > 0 else link_rate_for(config, stall_ratio)
         config = SimulationConfig(**{**{f: getattr(config, f) for f in config.__slots__}, "gbps": rate})
     except ValueError as exc:
         fail(str(exc))

@@ -1,4 +1,4 @@
-"""The `--db` option and opening the profile store, shared by `smartgen profile` and `smartgen profiles`."""
+"""The `--db` option and opening the profile store, shared by every command that reads or writes profiles."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from .errors import fail
 if TYPE_CHECKING:
     from smartgen.store import ProfileStore
 
-__all__ = ["PANEL_STORE", "DbOption", "open_store"]
+__all__ = ["STORE", "Db", "open_store"]
 
-PANEL_STORE = "Storage"
-DbOption = Annotated[
+STORE = "Store"
+Db = Annotated[
     Path | None,
     typer.Option(
         "--db",
         help="Profile database file (default: $SMARTGEN_DB, else $XDG_DATA_HOME/smartgen/profiles.db).",
-        rich_help_panel=PANEL_STORE,
+        rich_help_panel=STORE,
     ),
 ]
 

@@ -1,4 +1,4 @@
-"""Builds a prefill node or a decode node from command-line settings (what `smartgen serve` calls)."""
+"""Builds a prefill node or a decode node from its settings (what `node_runner.run_node` calls for `smartgen serve`)."""
 
 from __future__ import annotations
 
