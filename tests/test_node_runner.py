@@ -79,3 +79,17 @@ def test_settings_that_cannot_run_fail_before_any_model_loads(change, says):
         setattr(settings.node if hasattr(settings.node, name) else settings, name, value)
     with pytest.raises(ValueError, match=says):
         start_node(settings)
+
+
+def test_a_node_that_cannot_bind_its_status_address_raises_and_leaves_nothing_serving(model_dir):
+    import socket
+    import threading as th
+
+    before = {t.name for t in th.enumerate()}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        settings = _both(model_dir)
+        settings.status = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(OSError):
+            start_node(settings, say=lambda line: None)
+    left = {t.name for t in th.enumerate() if t.is_alive()} - before
+    assert not {"prefill-work", "http-api", "status-http"} & left, left

@@ -171,7 +171,11 @@ def _start(settings: ServeSettings, say: Callable[[str], None]) -> RunningNode:
             running._start_prefill(prefill, note)
         elif s.role == "both":
             both, note = build_colocated_node(s.node, s.fallback_strategy, model_name, s.prefill_limits, s.decode)
-            running._start_prefill(both.prefill, note)
+            try:
+                running._start_prefill(both.prefill, note)
+            except BaseException:
+                both.decode.stop()  # built, not started: RunningNode does not hold it yet
+                raise
             running.addresses["lane"] = INPROC
             running._start_decode(both.decode, decode_limits)
         else:
