@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,8 @@ class _Active:
     request: DriverRequest
     text: str = ""
     selection_counts: bool = False  # usage.selection_counts asked for
+    streamed: int = 0  # tokens put on the handle: the first may go from the link's thread, ahead of the driver
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DecodeScheduler:
@@ -77,6 +79,7 @@ class DecodeScheduler:
         self.driver = DecodeDriver(runner, prefill_timeout=prefill_timeout)
         self.queue_timeout = queue_timeout
         self.engine: DecodeEngine = runner.engine
+        self.engine.on_first_token = self._first_token_arrived
         self.tokenizer = tokenizer
         self.default_policy = default_policy
         self.model_name = model_name
@@ -265,6 +268,26 @@ class DecodeScheduler:
                 events += self.driver.cancel(rid, active.handle.cancel_reason)
         return events
 
+    def _first_token_arrived(self, request_id: str, token: int, arrived: float) -> None:
+        """On the link's thread: a first token goes to its client at once, not after the batch step running now (which
+        may wait seconds for the link); the driver's own event for it is then skipped."""
+        active = self._active.get(request_id)
+        if active is not None:
+            self._stream(active, Token(request_id, token, 0, arrived), [token])
+
+    def _stream(self, active: _Active, event: Token, tokens: list[int]) -> None:
+        """Puts one token's text piece on the handle, once and in order, whichever thread gets there first."""
+        with active.lock:
+            if event.index != active.streamed:
+                return  # already streamed (the first token, from the link's thread)
+            text = self.tokenizer.decode(tokens[: event.index + 1], skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+                piece = ""
+            else:
+                piece, active.text = text[len(active.text) :], text
+            active.streamed += 1
+            active.handle.put(TokenEvent(event.token, piece, event.index, event.time))
+
     def _deliver(self, events: list[Event]) -> None:
         """Turns the driver's events into the client's: text pieces as tokens arrive, usage at the end."""
         for event in events:
@@ -272,14 +295,11 @@ class DecodeScheduler:
             if active is None:
                 continue
             if isinstance(event, Token):
-                text = self.tokenizer.decode(active.request.tokens[: event.index + 1], skip_special_tokens=True)
-                if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-                    piece = ""
-                else:
-                    piece, active.text = text[len(active.text) :], text
-                active.handle.put(TokenEvent(event.token, piece, event.index, event.time))
+                self._stream(active, event, active.request.tokens)
             elif isinstance(event, Finished):
                 del self._active[event.request_id]
+                with active.lock:
+                    active.streamed = -1  # nothing streams after the end, not even a first token arriving late
                 self._finish(active, event.reason, event.error, event.metrics)
 
     def _finish(self, active: _Active, reason: str, error: str | None, metrics: RequestMetrics | None) -> None:

@@ -62,6 +62,9 @@ class DecodeControl(DecodePath):
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
         self.prefill_timeout = prefill_timeout
         self.on_link_lost: Callable[[LinkEnd, str], None] | None = None  # told after a link is dropped
+        # told (request id, token, arrival) on the link's thread as a first token arrives, so it can be streamed at
+        # once, whatever a running batch step is waiting for
+        self.on_first_token: Callable[[str, int, float], None] | None = None
         self._links: list[LinkEnd] = []
         self._threads: list[threading.Thread] = []
         self._closing = False
@@ -119,12 +122,22 @@ class DecodeControl(DecodePath):
                     for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
                         request.metadata[layer].update(entry)
                     request.metrics.prefill_cached_tokens = message.cached
+                    request.first_token_at = time.monotonic()
                     request.first_token.set_result(message.token)
+                    self._tell_first_token(message.request_id, message.token, request.first_token_at)
             case msg.Error() | msg.Abort():
                 overloaded = isinstance(message, msg.Error) and message.overloaded
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
+
+    def _tell_first_token(self, request_id: str, token: int, arrived: float) -> None:
+        if self.on_first_token is None:
+            return
+        try:
+            self.on_first_token(request_id, token, arrived)
+        except Exception:  # a listener's bug must not stop this link's thread: the driver streams the token anyway
+            log.exception("decode: the first-token listener failed for %s", request_id)
 
     def _fail_link(self, link: LinkEnd, reason: str = "connection closed") -> None:
         """The prefill node is gone: drop the link, fail (or re-open) what needed it, wake its fetch waiters."""

@@ -97,7 +97,8 @@ class DecodeEngine(DecodeControl):
             token = request.first_token.result(timeout=timeout)
         except TimeoutError:
             raise RequestFailed(f"no first token for {request_id} within {timeout} s") from None
-        request.metrics.record_token(time.monotonic())
+        # the node's TTFT counts to the token's arrival, when the scheduler streams it, not to this later collection
+        request.metrics.record_token(request.first_token_at or time.monotonic())
         request.metrics.state = RequestState.DECODING
         return token
 

@@ -49,6 +49,7 @@ class DecodeRequest:
     metrics: RequestMetrics
     fetch_counts: torch.Tensor  # [L, n, H] int32: how often each (token, KV head) entry was fetched
     first_token: Future = field(default_factory=Future)
+    first_token_at: float | None = None  # time.monotonic() when FIRST_TOKEN arrived (the node's TTFT counts to it)
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
     open_message: msg.Open | None = None  # kept to open the request again elsewhere (recompute)
