@@ -18,6 +18,7 @@ from .options import (
     SELECTION,
     BudgetList,
     DecodeRatio,
+    Device,
     LinkGbpsList,
     Selector,
     SpeculativeRatioList,
@@ -110,6 +111,7 @@ def bench(
     link_gbps: LinkGbpsList = "",
     decode_ratio: DecodeRatio = NATIVE,
     separate_cpus: SeparateCpus = True,
+    device: Device = "cpu",
     load_rate: Annotated[
         float | None,
         option(
@@ -194,6 +196,7 @@ def bench(
             link_gbps=numbers(link_gbps, "--link-gbps", float),
             decode_ratio=parse_decode_ratio(decode_ratio),
             separate_cpus=separate_cpus,
+            device=device,
             blocks=numbers(blocks, "--blocks", int),
             budget=numbers(budget, "--budget", float),
             speculative_ratio=numbers(speculative_ratio, "--speculative-ratio", float),

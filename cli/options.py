@@ -52,6 +52,9 @@ def _positive(param: typer.CallbackParam, value: float) -> float:
 
 # -- Model -------------------------------------------------------------------------------------------
 ModelFolder = Annotated[Path, option(MODEL, "Folder of a Hugging Face causal LM and its tokenizer (loaded offline).")]
+Device = Annotated[
+    str, option(MODEL, "Torch device for the model (cpu, cuda, cuda:1); refused where this machine lacks it.")
+]
 Calibration = Annotated[
     Path | None,
     option(

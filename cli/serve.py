@@ -30,7 +30,7 @@ from .node_options import (
     TlsKey,
     WriteTimeout,
 )
-from .options import MODEL, Blocks, Budget, DelayMs, LinkGbps, ModelFolder, Selector, SpeculativeRatio, option
+from .options import MODEL, Blocks, Budget, DelayMs, Device, LinkGbps, ModelFolder, Selector, SpeculativeRatio, option
 from .sizes import half_of_memory, parse_size
 from .store_options import Db
 
@@ -53,7 +53,6 @@ RoleOption = Annotated[
     ),
 ]
 Dtype = Annotated[str, option(MODEL, "Weights and KV dtype: float32, bfloat16 or float16.")]
-Device = Annotated[str, option(MODEL, "Torch device for the model (cpu, cuda, cuda:1).")]
 Listen = Annotated[str, option(PREFILL, "HOST:PORT to accept decode nodes on.")]
 Status = Annotated[
     str, option(PREFILL, "HOST:PORT for a JSON status endpoint (GET /status) the monitor reads; empty = off.")
