@@ -196,7 +196,6 @@ def bench(
             link_gbps=numbers(link_gbps, "--link-gbps", float),
             decode_ratio=parse_decode_ratio(decode_ratio),
             separate_cpus=separate_cpus,
-            device=device,
             blocks=numbers(blocks, "--blocks", int),
             budget=numbers(budget, "--budget", float),
             speculative_ratio=numbers(speculative_ratio, "--speculative-ratio", float),
@@ -213,6 +212,7 @@ def bench(
             slo_ttft_s=slo_ttft,
             slo_tbt_s=slo_tbt,
             db=db,
+            device=device,
         )
     except ValueError as exc:
         fail(str(exc))
