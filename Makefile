@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml Makefile $(VENV)/.torch-spec | $(PY)
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
-# pytest exits 5 when it collects nothing; make fails on that like on any non-zero status.
+# pytest exits 5 when it collects nothing; make fails on that like on any non-zero status. Two workers (pytest-xdist):
+# most tests wait on sockets, timers and child processes, so two share this 2-core machine well; worksteal evens out
+# the long files. `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist worksteal)
 
 # The lanes beyond TCP: the lane contract, then the serving, engine and fault tests (marker `lanes`) over every lane
 # this machine can run; a lane whose package or device is missing skips with what is missing (-rs lists them).
@@ -35,7 +38,7 @@ test-lanes: lanes
 	$(PY) -m pytest -q -rs tests/test_serve.py -k lane
 
 test-slow: venv
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist worksteal)
 
 # ruff (lint + format check) and mypy, as configured in pyproject.toml; `make format` applies the formatter.
 lint: venv

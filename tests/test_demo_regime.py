@@ -203,6 +203,8 @@ def test_demo_mistakes_are_one_line_errors(args, says):
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+# slow: CI runs `make demo` itself, which states its regime before its results the same way
+@pytest.mark.slow
 @pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="the sample model is not in this checkout")
 def test_the_demo_states_its_regime_before_its_results(tmp_path):
     """The real demo, small: 1K-token prompts, one per task, full transfer only, profiled on two prompts."""
