@@ -1,6 +1,7 @@
 """`smartgen bench --quick` end to end on real nodes: every output file exists and parses, every scheme appears, the
-numbers agree with each other (TTST >= TTFT, CTL non-decreasing, full transfer moves exactly the prompt's KV).
-Performance itself is never asserted here: that is what the benchmark reports."""
+numbers agree with each other (TTST >= TTFT, CTL non-decreasing, full transfer moves exactly the prompt's KV, the
+client's clock holds the node's). The streaming client against a scripted server. Performance itself is never
+asserted here: that is what the benchmark reports."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import csv
 import json
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,8 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
         assert scheme in stdout
     assert max(len(line) for line in stdout.splitlines()) <= 80  # piped: 80 columns, folded where needed
     assert "rng" in stdout and "acc x" in stdout  # the rounds' spread, accuracy against full
+    assert "the decode node's own clock" in " ".join(stdout.split()) and "join" in stdout.split()
+    assert {"node_ttft_mean_s", "ttft_minus_node_max_s", "e2e_p50_s", "itl_p99_s", "joins"} <= set(rows[0])
     assert all(int(row["failed"]) == 0 for row in rows)
 
 
@@ -57,13 +63,23 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
     for group in measured:
         for request in group["requests"]:
             assert request["error"] is None
-            assert request["ttst"] >= request["ttft"] > 0
-            ctl = request["ctl"]
+            assert request["ttst"] >= request["ttft"] > 0 and request["node_ttst"] >= request["node_ttft"] > 0
+            ctl = request["node_ctl"]  # the node's token times
             assert len(ctl) == 6 and all(b >= a for a, b in zip(ctl, ctl[1:]))
+            chunks = request["ctl"]  # the client's: a chunk per token with text of its own
+            assert 2 <= request["client_tokens"] == len(chunks) <= 6 and chunks == sorted(chunks)
+            assert chunks[0] == request["ttft"] and request["itl"] == pytest.approx(
+                [b - a for a, b in zip(chunks, chunks[1:])]
+            )
+            assert request["e2e"] >= chunks[-1] and request["sent"] >= 0
+            if request["client_tokens"] == 6:  # the client's clock starts before the node's and ends after it
+                assert request["ttft"] >= request["node_ttft"] and request["ttst"] >= request["node_ttst"]
+                if group["scheme"] == "partial":  # its first step fetches: the first token must not wait for it
+                    assert request["ttft"] < request["node_ttst"], request
             union = request["selection_union_bytes"]  # distinct entries selected by each token: grows, within the KV
             assert len(union) == 6 and all(b >= a for a, b in zip(union, union[1:]))
             assert 0 < union[-1] <= 4 / 6 * SAMPLE_KV_BYTES_PER_TOKEN * request["prompt_tokens"]
-            assert ctl[0] == pytest.approx(request["ttft"]) and ctl[1] == pytest.approx(request["ttst"])
+            assert ctl[0] == pytest.approx(request["node_ttft"]) and ctl[1] == pytest.approx(request["node_ttst"])
             assert 0.0 <= request["first_step_coverage"] <= 1.0
             assert 0.0 <= request["first_step_wait"] <= request["fetch_wait"] < request["ttst"] + 6 * request["tbt"]
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
@@ -94,13 +110,14 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         rounds = summary["rounds"]["ttst"]  # one measured round (--quick): no spread, its median the request's
         assert rounds["per_round"] == [rounds["median"]] and rounds["min"] == rounds["max"] == rounds["median"]
         assert summary["link_utilisation_back"] > 0
-        assert summary["ctl"] == sorted(summary["ctl"])
+        assert summary["ctl"] == sorted(summary["ctl"]) and summary["node_ctl"] == sorted(summary["node_ctl"])
+        assert summary["minus_node"]["ttft"]["mean"] is not None and summary["joins"] == 0  # batch 1: no joins
         if summary["scheme"] == "full":
             assert summary["vs_full"]["ttst_speedup"] == pytest.approx(1.0)
         assert summary["ttst_bound"] > 0
         assert summary["ttst_bound_selection"] >= summary["ttst_bound"]
         bound = summary["ctl_bound"]
-        assert len(bound) == len(summary["ctl"]) and bound == sorted(bound)
+        assert len(bound) == len(summary["node_ctl"]) and bound == sorted(bound)
 
 
 def test_bench_refuses_bad_input() -> None:
@@ -118,6 +135,77 @@ def test_bench_refuses_bad_input() -> None:
         )
         assert done.returncode != 0
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    """Answers a POST with the server's `script`: (status, [(seconds to wait, line), ...]), then closes (HTTP/1.0)."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))  # type: ignore[attr-defined]
+        status, lines = self.server.script  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
+        self.end_headers()
+        for wait, line in lines:
+            time.sleep(wait)
+            self.wfile.write(line.encode())
+            self.wfile.flush()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _text(piece: str) -> str:
+    return _event({"choices": [{"index": 0, "text": piece, "finish_reason": None}], "usage": None})
+
+
+def test_the_streaming_client_times_each_chunk_and_keeps_the_nodes_usage() -> None:
+    from smartgen.apps.bench.client import RequestFailed, stream_completion
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    server.bodies = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    usage = {"prompt_tokens": 4, "completion_tokens": 4, "ttft": 0.01, "ttst": 0.3, "tbt": 0.1, "ctl": [0.01, 0.3]}
+    try:
+        server.script = (200, [(0, _text("a")), (0.3, _text("b")), (0, _text("")), (0.1, _text("c")),  # type: ignore[attr-defined]
+                               (0, _event({"choices": [], "usage": usage})), (0, _event("[DONE]"))])  # fmt: skip
+        streamed = stream_completion(url, {"prompt": [1, 2], "max_tokens": 4})
+        body = server.bodies[-1]  # type: ignore[attr-defined]
+        assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["return_token_times"]
+        assert streamed.text == "abc" and streamed.usage == usage
+        timings = streamed.timings()
+        # three chunks with text (the empty one is no chunk a reader sees); the second sent 0.3 s after the first
+        chunks = timings["ctl"]
+        assert timings["client_tokens"] == 3 and chunks == streamed.arrivals
+        assert 0 <= timings["ttft"] < timings["ttst"] and timings["ttst"] >= 0.3
+        assert timings["itl"] == pytest.approx([chunks[1] - chunks[0], chunks[2] - chunks[1]])
+        # TBT per token after the second: the node's four tokens, two of them from the second chunk to the last
+        assert timings["tbt"] == pytest.approx((chunks[2] - chunks[1]) / 2) and timings["tbt"] >= 0.05
+        assert timings["e2e"] >= timings["ctl"][-1]
+        assert (timings["node_ttft"], timings["node_ttst"], timings["node_ctl"]) == (0.01, 0.3, [0.01, 0.3])
+        failures = [
+            ((503, [(0, json.dumps({"error": {"message": "overloaded: no pool slot", "code": 503}}))]),
+             "HTTP 503: overloaded: no pool slot"),
+            ((200, [(0, _text("a")), (0, _event({"error": {"message": "aborted", "code": 503}}))]),
+             r"failed while streaming \(503\): aborted"),
+            ((200, [(0, _text("a"))]), r"ended before \[DONE\]"),
+            ((200, [(0, _text("a")), (0, _event("[DONE]"))]), "without its usage"),
+            ((200, [(0, _event("{not json"))]), "not JSON"),
+        ]  # fmt: skip
+        for script, message in failures:
+            server.script = script  # type: ignore[attr-defined]
+            with pytest.raises(RequestFailed, match=message):
+                stream_completion(url, {"prompt": "x"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(RequestFailed, match="ConnectError"):  # nobody listens there now
+        stream_completion(url, {"prompt": "x"})
 
 
 def test_points_cover_every_sweep_and_group_by_nodes() -> None:
@@ -149,9 +237,9 @@ def test_load_mode_counts_goodput_against_both_objectives():
     from smartgen.apps.bench.load import LoadSpec, run_load
 
     answers = [
-        {"ttft": 0.5, "tbt": 0.05},  # meets both
-        {"ttft": 3.0, "tbt": 0.05},  # TTFT too slow
-        {"ttft": 0.5, "tbt": 0.5},  # TBT too slow
+        {"ttft": 0.5, "tbt": 0.05, "node_ttft": 0.49},  # meets both
+        {"ttft": 3.0, "tbt": 0.05, "node_ttft": 2.99},  # TTFT too slow
+        {"ttft": 0.5, "tbt": 0.5, "node_ttft": 0.49},  # TBT too slow
     ]
 
     def send(i: int) -> dict:
@@ -166,7 +254,9 @@ def test_load_mode_counts_goodput_against_both_objectives():
     assert run.failed == run.arrivals // 4
     assert run.met_slo == (run.arrivals + 3) // 4  # requests 0, 4, 8, ...
     assert run.goodput == pytest.approx(run.met_slo / 0.5)
-    assert run.percentiles("ttft")["p50"] == 0.5
+    assert run.percentiles("ttft")["p50"] == 0.5 and run.percentiles("node_ttft")["p50"] == 0.49
+    assert run.ttft_minus_node()["max"] == pytest.approx(0.01)
+    assert all(r["node_ttft"] is None for r in run.requests if r["error"])
     with pytest.raises(ValueError, match="positive"):
         LoadSpec(rate=0)
     with pytest.raises(ValueError, match="--slo-ttft"):

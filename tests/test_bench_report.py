@@ -1,11 +1,13 @@
 """What `smartgen bench` reports, on synthetic rounds: medians and spread across rounds, the 80-column tables,
-accuracy against full, the bandwidth figure's series, the phases its progress bar shows, and its --help."""
+accuracy against full, the client's timings beside the node's, the joins of a batch, the bandwidth figure's series,
+the phases its progress bar shows, and its --help."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,13 @@ from typer.testing import CliRunner
 
 from smartgen.apps.bench.config import BenchConfig, Point
 from smartgen.apps.bench.figures import bandwidth_series
+from smartgen.apps.bench.joins import find_joins
+from smartgen.apps.bench.load import LoadRun
 from smartgen.apps.bench.output import write_outputs
 from smartgen.apps.bench.phases import Phases
 from smartgen.apps.bench.runner import BenchResult, Group, Regime
 from smartgen.apps.bench.stats import summarize
-from smartgen.apps.bench.tables import point_tables
+from smartgen.apps.bench.tables import load_table, point_tables
 from smartgen.cli.app import app
 
 runner = CliRunner()
@@ -29,8 +33,12 @@ def _regime(gbps: float = 0.03) -> Regime:
     return Regime(gbps, 4.7, 1024, {1024: 0.3}, {1024: 0.008}, 0.0, 0.02, 3072, 6)
 
 
+LAG = 0.002  # the client's TTFT and TTST over the node's in these rounds
+
+
 def _request(ttft: float, ttst: float, tbt: float, score: float | None = 1.0) -> dict:
-    return {"ttft": ttft, "ttst": ttst, "tbt": tbt, "score": score, "error": None, "prompt_tokens": 1024}
+    node = {"node_ttft": ttft - LAG, "node_ttst": ttst - LAG, "node_tbt": tbt}
+    return {"ttft": ttft, "ttst": ttst, "tbt": tbt, **node, "score": score, "error": None, "prompt_tokens": 1024}
 
 
 def _group(scheme: str, rep: int, requests: list[dict], point: int = 0, back: int = 0) -> Group:
@@ -114,7 +122,7 @@ def test_the_tables_show_medians_spread_and_accuracy_vs_full_within_80_columns()
     assert full[1:7] == ["300", "1300", "400", "13", "2", "18"] and full[7] == "1.00"
     ours = [line.split() for line in lines if line.split()[:1] == ["smartgen"]]
     assert ours[0][2:4] == ["750", "200"] and ours[0][7] == f"{1.3 / 0.75:.2f}"
-    acc = ours[1]  # the transfers table: acc% and acc x
+    acc = ours[2]  # the transfers table (after the timings and the node's clock): acc% and acc x
     assert acc[-2:] == ["50.0", "0.50"]
     assert "(1" in " ".join(acc) and "failed)" in " ".join(acc)  # "smartgen (1 failed)"
     for scheme in (*SCHEMES, "smartgen[sequential]"):  # names stay whole at any width
@@ -129,6 +137,106 @@ def test_one_round_shows_no_spread() -> None:
     lines = _render(point_tables(result, summarize(result), 0), 80)
     full = next(line.split() for line in lines if line.split()[:1] == ["full"])
     assert full[2:4] == ["1100", "-"]
+
+
+def test_the_nodes_clock_sits_beside_the_clients_in_the_tables_and_files(tmp_path: Path) -> None:
+    result = _rounds_result()
+    summaries = {s.scheme: s for s in summarize(result)}
+    full = summaries["full"]
+    assert full.node_ttft["mean"] == pytest.approx(0.3 - LAG) and full.ttft["mean"] == pytest.approx(0.3)
+    assert full.rounds["node_ttst"]["median"] == pytest.approx(1.3 - LAG)
+    assert full.minus_node["ttft"]["p50"] == pytest.approx(LAG) and full.minus_node["tbt"]["max"] == 0.0
+    assert summaries["smartgen"].vs_full["ttst_speedup_median"] == pytest.approx(1.3 / 0.75)  # the client's
+    lines = _render(point_tables(result, list(summaries.values()), 0), 80)
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if line.lstrip().startswith("scheme") and "Δ" in line)
+    assert header.split() == ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short"]
+    node_row = [line.split() for line in lines if line.split()[:1] == ["full"]][1]
+    assert node_row[1:] == ["298", "2.0", "2.0", "1298", "2.0", "13", "0.0", "0"]
+    write_outputs(result, list(summaries.values()), tmp_path)
+    with (tmp_path / "summary.csv").open() as handle:
+        row = next(r for r in csv.DictReader(handle) if r["scheme"] == "full")
+    assert float(row["node_ttft_mean_s"]) == pytest.approx(0.3 - LAG)
+    assert float(row["ttft_minus_node_max_s"]) == pytest.approx(LAG)
+    assert float(row["node_ttst_round_median_s"]) == pytest.approx(1.3 - LAG)
+    assert row["joins"] == "0" and row["join_p99_median_s"] == ""  # a batch sent at once, no timings: no join
+
+
+def _times(start: float, gap: float, count: int) -> list[float]:
+    return [round(start + i * gap, 6) for i in range(count)]
+
+
+def _timed(sent: float, ctl: list[float]) -> dict:
+    """A finished request of a round: sent `sent` s after the round began, its chunks at `ctl` from then."""
+    return {**_request(ctl[0], ctl[1], 0.01), "sent": sent, "ctl": ctl}
+
+
+def _joining_round() -> list[dict]:
+    """A decodes every 10 ms from 1.1 s to 2.0 s but for one 400 ms gap (1.5 - 1.9 s); B, sent 5 ms later, gets its
+    first token at 1.455 s and its second at 1.955 s: it joins A, and its window holds that gap. C failed; D starts
+    after A and B are done, so it joins nobody; A joined nobody either (B was not decoding yet)."""
+    a = [1.0, *_times(1.1, 0.01, 41), *_times(1.9, 0.01, 11)]
+    b = _timed(0.005, [1.45, 1.95, 1.96, 1.97])
+    return [_timed(0.0, a), b, {"error": "HTTP 503: overloaded", "task": "passkey"}, _timed(0.0, _times(3.0, 0.01, 5))]
+
+
+def test_a_join_reports_the_p99_of_the_running_requests_gaps_in_its_window() -> None:
+    [join] = find_joins(_joining_round())
+    assert (join.request, join.running) == (1, 1)
+    assert (join.start, join.end) == pytest.approx((1.455, 1.955))
+    # A's gaps overlapping (1.455, 1.955): five of 10 ms before 1.5 s, the 400 ms one, six of 10 ms from 1.9 s
+    assert join.gaps == 12
+    assert join.p99 == pytest.approx(0.01 + 0.39 * (11 * 0.99 - 10))  # linear between the 11th and 12th gap
+    assert find_joins([_timed(0.0, _times(1.0, 0.01, 5))]) == []  # alone: no join
+    # X starts decoding (1.3 s) while Y waits for its second token (0.9 - 2.45 s): Y joined X all the same
+    x, y = _timed(0.0, [0.6, *_times(1.3, 0.1, 15)]), _timed(0.0, [0.9, 2.45, 2.5])
+    [join] = find_joins([x, y])
+    assert (join.request, join.running, join.gaps) == (1, 1, 12) and join.p99 == pytest.approx(0.1)
+    assert find_joins([]) == []
+
+
+def test_joins_reach_the_summary_the_waits_table_and_the_files(tmp_path: Path) -> None:
+    config = BenchConfig(schemes=("full", "smartgen"), strategies=(), batch=(4,), reps=1, warmup=0)
+    groups = []
+    for scheme, scale in (("full", 1.0), ("smartgen", 2.0)):  # smartgen's stall twice as long
+        requests = _joining_round()
+        a = requests[0]["ctl"]
+        requests[0]["ctl"] = [t if t <= 1.5 else 1.5 + scale * (t - 1.5) for t in a]
+        group = _group(scheme, 0, requests)
+        group.warmup = False
+        group.joins = [asdict(j) for j in find_joins(requests)]
+        groups.append(group)
+    result = BenchResult(config, "m", True, [Point(4, 1024, 4.7, 256, 0.2, 0.1, 1)], [_regime()], groups)
+    summaries = {s.scheme: s for s in summarize(result)}
+    assert summaries["full"].joins == 1 and summaries["smartgen"].joins == 1
+    full_p99, ours_p99 = summaries["full"].join_p99["p50"], summaries["smartgen"].join_p99["p50"]
+    assert full_p99 == pytest.approx(groups[0].joins[0]["p99"]) and ours_p99 > full_p99 > 0.3
+    lines = _render(point_tables(result, list(summaries.values()), 0), 80)
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if line.lstrip().startswith("scheme") and "cov1%" in line)
+    assert header.split()[-1] == "join"
+    waits = [line.split() for line in lines if line.split()[:1] == ["full"]][3]
+    assert waits[-1] == f"{full_p99 * 1e3:.0f}"
+    write_outputs(result, list(summaries.values()), tmp_path)
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = {r["scheme"]: r for r in csv.DictReader(handle)}
+    assert rows["smartgen"]["joins"] == "1"
+    assert float(rows["smartgen"]["join_p99_max_s"]) == pytest.approx(ours_p99)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["groups"][0]["joins"][0]["request"] == 1 and data["summaries"][1]["joins"] == 1
+
+
+def test_the_load_table_shows_the_clients_ttft_minus_the_nodes_within_80_columns() -> None:
+    config = BenchConfig(schemes=("full", "partial+profile+parallel"), strategies=(), load_rate=2.0)
+    requests = [{"ttft": 0.5 + i / 100, "node_ttft": 0.497 + i / 100, "tbt": 0.01, "error": None} for i in range(5)]
+    runs = [LoadRun(0, scheme, 2.0, 6, 5, 1, 5, 30.0, 31.0, requests) for scheme in config.all_schemes]
+    result = BenchResult(config, "m", False, config.points(), [_regime()], loads=runs)
+    assert runs[0].ttft_minus_node() == pytest.approx({"p50": 0.003, "max": 0.003})
+    lines = _render((load_table(result, 0),), 80)
+    assert max(len(line) for line in lines) <= 80
+    row = next(line.split() for line in lines if line.split()[:1] == ["partial+profile+parallel"])
+    assert row[-1] == "3.0"
+    assert not any("…" in line for line in lines)
 
 
 def _sweep(config: BenchConfig) -> tuple[BenchResult, list]:

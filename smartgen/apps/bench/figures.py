@@ -1,4 +1,5 @@
-"""A benchmark's PNG figures: CTL and step gaps per point, TTST and TBT bars, and the bandwidth sweep."""
+"""A benchmark's PNG figures: CTL and step gaps per point, TTST and TBT bars, and the bandwidth sweep; every
+timing as the streaming client saw it (the summaries' headline figures)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Pa
         if bound:
             ax.plot(range(len(bound)), bound, "k--", linewidth=1, label="bound (lossless, perfect prediction)")
         ax.set_title(points[index].label(result.config.link_mode), fontsize=8)
-        ax.set_xlabel("output token")
-        ax.set_ylabel("mean arrival (s)")
+        ax.set_xlabel("output token (text chunk at the client)")
+        ax.set_ylabel("mean arrival at the client (s)")
         if ax.lines:  # a point whose requests all failed has nothing to name
             ax.legend(fontsize=6)
     fig.tight_layout()

@@ -2,8 +2,9 @@
 
 Like `vllm bench serve`: requests arrive at exponential intervals (mean 1 / rate) for a fixed window,
 each on its own thread, whatever the server's state; a request counts towards goodput when it
-finished and met both objectives (TTFT, and its mean TBT). Goodput and throughput are per second of
-the arrival window and of the whole run.
+finished and met both objectives (TTFT, and its mean TBT, as the streaming client saw them). Goodput and
+throughput are per second of the arrival window and of the whole run. Each request keeps the node's own figures
+beside the client's (`node_ttft`, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Any
 from smartgen.apps.bench.config import LoadSpec
 from smartgen.apps.bench.stats import percentile
 
-__all__ = ["LoadSpec", "LoadRun", "run_load"]
+__all__ = ["LoadSpec", "LoadRun", "run_load", "KEPT"]
+
+# what each request keeps of its timings: the client's, then the node's own
+KEPT = ("ttft", "ttst", "tbt", "e2e", "node_ttft", "node_ttst", "node_tbt")
 
 
 @dataclass(slots=True)
@@ -50,6 +54,15 @@ class LoadRun:
         values = [float(r[key]) for r in self.requests if r.get(key) is not None]
         return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
 
+    def ttft_minus_node(self) -> dict[str, float | None]:
+        """Per finished request, the client's TTFT minus the node's: p50 and max."""
+        values = [r["ttft"] - r["node_ttft"] for r in self.requests if _both(r, "ttft")]
+        return {"p50": percentile(values, 50), "max": max(values, default=None)}
+
+
+def _both(request: dict[str, Any], key: str) -> bool:
+    return request.get(key) is not None and request.get(f"node_{key}") is not None
+
 
 def run_load(
     send: Callable[[int], dict[str, Any]],
@@ -59,7 +72,8 @@ def run_load(
     seed: int = 0,
 ) -> LoadRun:
     """Sends requests at Poisson arrivals for `spec.duration_s`; `send(i)` runs request i (blocking) and returns
-    its usage (or raises). Waits for every request to end."""
+    its timings (KEPT: the client's ttft, ttst, tbt, e2e, the node's node_ttft, ...; or raises). Waits for every
+    request to end."""
     rng = random.Random(f"smartgen-load:{seed}:{scheme}:{point}")
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -67,10 +81,10 @@ def run_load(
 
     def one(i: int) -> None:
         try:
-            usage = send(i)
-            entry = {"ttft": usage.get("ttft"), "tbt": usage.get("tbt"), "ttst": usage.get("ttst"), "error": None}
+            timings = send(i)
+            entry = {**{key: timings.get(key) for key in KEPT}, "error": None}
         except Exception as exc:  # a refused or failed request is part of the measurement
-            entry = {"ttft": None, "tbt": None, "ttst": None, "error": str(exc)}
+            entry = {**dict.fromkeys(KEPT), "error": str(exc)}
         with lock:
             results.append(entry)
 

@@ -10,11 +10,13 @@ from typing import Any
 
 from smartgen.apps.bench.figures import figures
 from smartgen.apps.bench.runner import BenchResult
-from smartgen.apps.bench.stats import ROUND_METRICS, Summary
+from smartgen.apps.bench.stats import NODE_METRICS, ROUND_METRICS, Summary
 
 __all__ = ["write_outputs", "CSV_COLUMNS"]
 
 ROUND_KEYS = ("median", "min", "max")
+STAT_KEYS = ("mean", "p50", "p99")
+MINUS_KEYS = ("mean", "p50", "max")  # of client - node: the max is where a late first token shows
 
 CSV_COLUMNS = (
     "point",
@@ -32,25 +34,19 @@ CSV_COLUMNS = (
     "scheme",
     "requests",
     "failed",
-    "ttft_mean_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "ttst_mean_s",
-    "ttst_p50_s",
-    "ttst_p99_s",
-    "tbt_mean_s",
-    "tbt_p50_s",
-    "tbt_p99_s",
+    # the client's timings (ttft_mean_s, ...), the node's (node_ttft_mean_s, ...), client - node per request
+    *(f"{m}_{k}_s" for m in NODE_METRICS for k in STAT_KEYS),
+    *(f"node_{m}_{k}_s" for m in NODE_METRICS for k in STAT_KEYS),
+    *(f"{m}_minus_node_{k}_s" for m in NODE_METRICS for k in MINUS_KEYS),
+    *(f"e2e_{k}_s" for k in STAT_KEYS),
+    "itl_p50_s",
+    "itl_p99_s",
+    "short_streams",
     "rounds",
-    "ttft_round_median_s",
-    "ttft_round_min_s",
-    "ttft_round_max_s",
-    "ttst_round_median_s",
-    "ttst_round_min_s",
-    "ttst_round_max_s",
-    "tbt_round_median_s",
-    "tbt_round_min_s",
-    "tbt_round_max_s",
+    *(f"{m}_round_{k}_s" for m in ROUND_METRICS for k in ROUND_KEYS),  # ttft_round_median_s, ..., node_tbt_...
+    "joins",
+    "join_p99_median_s",
+    "join_p99_max_s",
     "ttst_speedup_vs_full",
     "ttft_vs_full",
     "tbt_vs_full",
@@ -96,10 +92,19 @@ def _row(result: BenchResult, s: Summary) -> dict[str, Any]:
         "scheme": s.scheme,
         "requests": s.requests,
         "failed": s.failed,
-        **{f"{m}_{k}_s": getattr(s, m)[k] for m in ("ttft", "ttst", "tbt") for k in ("mean", "p50", "p99")},
+        **{f"{m}_{k}_s": getattr(s, m).get(k) for m in NODE_METRICS for k in STAT_KEYS},
+        **{f"node_{m}_{k}_s": getattr(s, f"node_{m}").get(k) for m in NODE_METRICS for k in STAT_KEYS},
+        **{f"{m}_minus_node_{k}_s": s.minus_node.get(m, {}).get(k) for m in NODE_METRICS for k in MINUS_KEYS},
+        **{f"e2e_{k}_s": s.e2e.get(k) for k in STAT_KEYS},
+        "itl_p50_s": s.itl.get("p50"),
+        "itl_p99_s": s.itl.get("p99"),
+        "short_streams": s.short_streams,
         # spread across measured rounds: each round's median request, then their median, min and max
         "rounds": len(s.rounds["ttst"]["per_round"]) if s.rounds else 0,
         **{f"{m}_round_{k}_s": s.rounds[m][k] if s.rounds else None for m in ROUND_METRICS for k in ROUND_KEYS},
+        "joins": s.joins,
+        "join_p99_median_s": s.join_p99.get("p50"),
+        "join_p99_max_s": s.join_p99.get("max"),
         "ttst_speedup_vs_full": s.vs_full.get("ttst_speedup"),
         "ttft_vs_full": s.vs_full.get("ttft"),
         "tbt_vs_full": s.vs_full.get("tbt"),
@@ -160,6 +165,12 @@ LOAD_COLUMNS = (
     "ttft_p99_s",
     "tbt_p50_s",
     "tbt_p99_s",
+    "node_ttft_p50_s",
+    "node_ttft_p99_s",
+    "node_tbt_p50_s",
+    "node_tbt_p99_s",
+    "ttft_minus_node_p50_s",
+    "ttft_minus_node_max_s",
 )
 
 
@@ -169,6 +180,8 @@ def _load_csv(result: BenchResult, path: Path) -> Path:
         writer.writeheader()
         for run in result.loads:
             ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
+            node_ttft, node_tbt = run.percentiles("node_ttft"), run.percentiles("node_tbt")
+            minus = run.ttft_minus_node()
             writer.writerow(
                 {
                     "point": run.point,
@@ -186,6 +199,12 @@ def _load_csv(result: BenchResult, path: Path) -> Path:
                     "ttft_p99_s": ttft["p99"],
                     "tbt_p50_s": tbt["p50"],
                     "tbt_p99_s": tbt["p99"],
+                    "node_ttft_p50_s": node_ttft["p50"],
+                    "node_ttft_p99_s": node_ttft["p99"],
+                    "node_tbt_p50_s": node_tbt["p50"],
+                    "node_tbt_p99_s": node_tbt["p99"],
+                    "ttft_minus_node_p50_s": minus["p50"],
+                    "ttft_minus_node_max_s": minus["max"],
                 }
             )
     return path

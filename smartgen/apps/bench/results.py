@@ -41,6 +41,7 @@ class Group:
     posting_s: float
     link_bytes: int  # sent by the prefill nodes (push and control lanes): the KV's direction
     link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
+    joins: list[dict[str, Any]] = field(default_factory=list)  # joins.Join of each request that joined others
 
 
 @dataclass(slots=True)

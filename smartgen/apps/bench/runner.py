@@ -8,7 +8,8 @@
    each decode layer gets emulated compute so that an all-local step's link budget is that share
    of the selected bytes of a step. Then nodes start with those settings.
 4. Per point: `warmup + reps` rounds, each running every scheme once (A B C A B C ...), a batch of
-   concurrent requests each; the warm-up rounds are kept in the results but left out of the stats.
+   concurrent requests each, streamed and timed as a client sees them (client.py) beside the node's own usage;
+   the warm-up rounds are kept in the results but left out of the stats. Each round's joins (joins.py) go with it.
 5. A prefix-hit sweep (`prefix_hit`) starts the nodes with their prefix caches on; each point's
    prompts share their first share of tokens (cached by one warm-up request) and continue with
    tokens of their own, so every request hits exactly that prefix and nothing more.
@@ -23,16 +24,18 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from smartgen.apps.bench.client import Streamed, stream_completion
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
+from smartgen.apps.bench.joins import find_joins
 from smartgen.apps.bench.load import run_load
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.results import BenchResult, Group, Regime
-from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus, post_json
+from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
@@ -209,8 +212,9 @@ class _Prompts:
 
 
 def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Phases) -> dict[int, tuple[float, float]]:
-    """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes: the least of PILOT_RUNS requests
-    after a warm-up one, since on a shared machine other work only ever adds time. One phase step per request."""
+    """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes by the decode node's own clock (the
+    regime is the nodes'): the least of PILOT_RUNS requests after a warm-up one, since on a shared machine other work
+    only ever adds time. One phase step per request."""
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
@@ -230,7 +234,7 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Pha
             sample = prompts.sample(config.tasks[0], length, config.seed)
             runs = []
             for _ in range(PILOT_RUNS + 1):
-                runs.append(_request(cluster.url, sample.prompt, "full", PILOT_TOKENS)["usage"])
+                runs.append(_request(cluster.url, sample.prompt, "full", PILOT_TOKENS).usage)
                 phases.step(f"pilot: {length} tokens")
             measured[length] = (min(float(u["ttft"]) for u in runs[1:]), min(float(u["tbt"]) for u in runs[1:]))
     return measured
@@ -294,17 +298,10 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
 
 def _request(
     url: str, prompt: str | list[int], scheme: str, max_tokens: int, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "scheme": scheme,
-        "return_token_times": True,
-        **(extra or {}),
-    }
-    return post_json(f"{url}/v1/completions", body)
+) -> Streamed:
+    """One greedy completion of exactly `max_tokens` tokens, streamed (the node's token times in its usage)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "scheme": scheme}
+    return stream_completion(url, {**body, **(extra or {})})
 
 
 def _is_optimal(scheme: str) -> bool:
@@ -346,7 +343,7 @@ def _run_group(
     """One round of one scheme; with `record`, also each request's usage.selection_counts (None where it failed),
     which `oracles` hands to the optimal strategy's requests of the same prompts."""
     before = _totals(cluster.status())
-    answers: list[dict[str, Any] | None] = [None] * len(samples)
+    answers: list[Streamed | None] = [None] * len(samples)
     errors: list[str | None] = [None] * len(samples)
     if _is_optimal(scheme) and oracles is None:
         oracles = [None] * len(samples)
@@ -364,12 +361,12 @@ def _run_group(
             errors[i] = str(exc)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(samples))]
-    started = time.monotonic()
+    started = time.perf_counter()  # the clock the client stamps with: each request's `sent` is from here
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.monotonic() - started
+    wall = time.perf_counter() - started
     _settle(cluster)
     after = _totals(cluster.status())
     requests = []
@@ -377,16 +374,13 @@ def _run_group(
         if answer is None:
             requests.append({"task": sample.task, "error": error})
             continue
-        usage = answer["usage"]
-        text = answer["choices"][0]["text"]
+        usage = answer.usage
         requests.append(
             {
                 "task": sample.task,
                 "prompt_tokens": usage["prompt_tokens"],
-                "ttft": usage.get("ttft"),
-                "ttst": usage.get("ttst"),
-                "tbt": usage.get("tbt"),
-                "ctl": usage.get("ctl") or [],
+                "sent": answer.sent - started,
+                **answer.timings(),  # the client's ttft, ttst, tbt, e2e, itl, ctl; the node's node_ttft, ...
                 "selection_union_bytes": usage.get("selection_union_bytes") or [],
                 "on_demand_ratio": usage.get("on_demand_ratio"),
                 "fetched_tokens": usage.get("fetched_tokens"),
@@ -396,11 +390,11 @@ def _run_group(
                 "fetch_wait": usage.get("fetch_wait"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                 "held_tokens": usage.get("held_tokens"),
-                "score": prompts.score(sample, text) if trained else None,
+                "score": prompts.score(sample, answer.text) if trained else None,
                 "error": None,
             }
         )
-    counts = [answer["usage"].get("selection_counts") if answer else None for answer in answers]
+    counts = [answer.usage.get("selection_counts") if answer else None for answer in answers]
     return Group(
         point=index,
         scheme=scheme,
@@ -413,6 +407,7 @@ def _run_group(
         posting_s=after["posting_s"] - before["posting_s"],
         link_bytes=int(after["link_bytes"] - before["link_bytes"]),
         link_bytes_back=int(after["link_bytes_back"] - before["link_bytes_back"]),
+        joins=[asdict(join) for join in find_joins(requests)],
     ), counts
 
 
@@ -432,7 +427,7 @@ def _run_load(
 
     def send(i: int) -> dict[str, Any]:
         sample = prompts.sample(tasks[i % len(tasks)], point.length, config.seed + i)
-        return _request(cluster.url, sample.prompt, scheme, config.output_tokens)["usage"]
+        return _request(cluster.url, sample.prompt, scheme, config.output_tokens).timings()
 
     run = run_load(send, load, index, scheme, config.seed)
     _settle(cluster)

@@ -1,4 +1,9 @@
-"""Summaries of a benchmark: per point and scheme, timings with spread, bytes per path, ratios, the physical bound."""
+"""Summaries of a benchmark: per point and scheme, timings with spread, bytes per path, ratios, the physical bound.
+
+Timings are the streaming client's (`ttft`, `ttst`, `tbt`, `e2e`, `itl`, `ctl`: client.py) with the decode node's own
+beside them (`node_ttft`, `node_ttst`, `node_tbt`, `node_ctl`) and, per request, the client's minus the node's
+(`minus_node`); ratios against full transfer and the bounds are of the client's.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
 
-__all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS"]
+__all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS", "NODE_METRICS"]
 
-ROUND_METRICS = ("ttft", "ttst", "tbt")  # the timings whose spread across measured rounds is reported
+NODE_METRICS = ("ttft", "ttst", "tbt")  # the timings both the client and the node measure
+# the timings whose spread across measured rounds is reported: the client's, then the node's
+ROUND_METRICS = (*NODE_METRICS, *(f"node_{m}" for m in NODE_METRICS))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -39,10 +46,10 @@ class Summary:
     scheme: str
     requests: int
     failed: int
-    ttft: dict[str, float | None]  # mean, p50, p99, min, max (seconds)
+    ttft: dict[str, float | None]  # mean, p50, p99, min, max (seconds), as the streaming client saw them
     ttst: dict[str, float | None]
     tbt: dict[str, float | None]
-    ctl: list[float]  # mean arrival of token t, seconds from arrival
+    ctl: list[float]  # mean arrival of text chunk t at the client, seconds from sending
     on_demand_ratio: float | None
     first_step_coverage: float | None  # share of the first decode step's selection local when it ran
     first_step_wait: float | None  # seconds the first decode step waited for the link (layers 0-1, fetches)
@@ -65,6 +72,19 @@ class Summary:
     rounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     # decode->prefill bytes (fetch requests, idle notices, acks) / (rate x wall time); each way has its own pacer
     link_utilisation_back: float | None = None
+    # the decode node's own clock (from the request's arrival there), as `ttft` ... are the client's
+    node_ttft: dict[str, float | None] = field(default_factory=dict)
+    node_ttst: dict[str, float | None] = field(default_factory=dict)
+    node_tbt: dict[str, float | None] = field(default_factory=dict)
+    node_ctl: list[float] = field(default_factory=list)  # mean arrival of token t on the node
+    # per timing (NODE_METRICS), the client's minus the node's of each request: mean, p50, p99, min, max
+    minus_node: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    e2e: dict[str, float | None] = field(default_factory=dict)  # the client's, sending to the stream's end
+    itl: dict[str, float | None] = field(default_factory=dict)  # every gap between the client's chunks, pooled
+    short_streams: int = 0  # requests whose stream carried fewer text chunks than tokens (empty-text tokens)
+    # joins.py: the joins of the measured rounds, and over them each join's p99 of running requests' gaps
+    joins: int = 0
+    join_p99: dict[str, float | None] = field(default_factory=dict)  # mean, p50, p99, min, max (seconds)
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -101,12 +121,14 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
     def values(key: str) -> list[float]:
         return [float(r[key]) for r in ok if r.get(key) is not None]
 
-    ctls = [r["ctl"] for r in ok if r.get("ctl")]
-    depth = min((len(c) for c in ctls), default=0)
-    ctl = [statistics.fmean(c[t] for c in ctls) for t in range(depth)]
-    unions = [r["selection_union_bytes"] for r in ok if r.get("selection_union_bytes")]
-    width = min((len(u) for u in unions), default=0)
-    union = [statistics.fmean(u[t] for u in unions) for t in range(width)]
+    def minus_node(key: str) -> list[float]:
+        return [
+            float(r[key]) - float(r[f"node_{key}"])
+            for r in ok
+            if r.get(key) is not None and r.get(f"node_{key}") is not None
+        ]
+
+    joins = [j for g in groups for j in g.joins]
     num = max(len(requests), 1)
     paths = {path: sum(g.path_bytes[path] for g in groups) / num for path in groups[0].path_bytes} if groups else {}
     rate = bytes_per_second(regime.link_gbps)
@@ -120,8 +142,8 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         ttft=_stats(values("ttft")),
         ttst=_stats(values("ttst")),
         tbt=_stats(values("tbt")),
-        ctl=ctl,
-        selection_union=union,
+        ctl=_curve([r.get("ctl") for r in ok]),
+        selection_union=_curve([r.get("selection_union_bytes") for r in ok]),
         on_demand_ratio=_mean(values("on_demand_ratio")),
         first_step_coverage=_mean(values("first_step_coverage")),
         first_step_wait=_mean(values("first_step_wait")),
@@ -139,7 +161,28 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         accuracy=_mean(scores),
         rounds={key: round_spread(groups, key) for key in ROUND_METRICS},
         link_utilisation_back=sum(g.link_bytes_back for g in groups) / (rate * wall) if wall > 0 else None,
+        node_ttft=_stats(values("node_ttft")),
+        node_ttst=_stats(values("node_ttst")),
+        node_tbt=_stats(values("node_tbt")),
+        node_ctl=_curve([r.get("node_ctl") for r in ok]),
+        minus_node={key: _stats(minus_node(key)) for key in NODE_METRICS},
+        e2e=_stats(values("e2e")),
+        itl=_stats([float(gap) for r in ok for gap in r.get("itl") or []]),
+        short_streams=sum(
+            1
+            for r in ok
+            if r.get("client_tokens") is not None and r["client_tokens"] < (r.get("completion_tokens") or 0)
+        ),
+        joins=len(joins),
+        join_p99=_stats([float(j["p99"]) for j in joins]),
     )
+
+
+def _curve(series: list[list[float] | None]) -> list[float]:
+    """The mean of each position over the series that have one, as deep as the shortest non-empty one."""
+    present = [s for s in series if s]
+    depth = min((len(s) for s in present), default=0)
+    return [statistics.fmean(s[t] for s in present) for t in range(depth)]
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -157,7 +200,7 @@ def summarize(result: BenchResult) -> list[Summary]:
         ]
         full = next(s for s in per_scheme if s.scheme == "full")
         for s in per_scheme:
-            s.vs_full = {
+            s.vs_full = {  # of the client's timings
                 "ttft": _ratio(s.ttft["mean"], full.ttft["mean"]),  # > 1: slower than full transfer
                 "ttst_speedup": _ratio(full.ttst["mean"], s.ttst["mean"]),  # > 1: faster than full transfer
                 "tbt": _ratio(s.tbt["mean"], full.tbt["mean"]),  # > 1: slower than full transfer

@@ -1,4 +1,4 @@
-"""The terminal view of a benchmark: two rich tables per point that fit 80 columns and are never cut when piped."""
+"""The terminal view of a benchmark: four rich tables per point that fit 80 columns and are never cut when piped."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def _ms(value: float | None) -> str:
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _ms1(value: float | None) -> str:
+    """Milliseconds with a tenth: for client - node differences, which should be a few ms."""
+    return "-" if value is None else f"{round(value * 1e3, 1) + 0.0:.1f}"  # + 0.0: no "-0.0"
 
 
 def _pct(value: float | None) -> str:
@@ -60,14 +65,15 @@ def _spread(s: Summary, key: str) -> str:
     return _ms(rounds["max"] - rounds["min"])
 
 
-def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> tuple[Table, Table, Table]:
-    """(timings, transfers, link waits) of one point; rows in the config's scheme order. At most ten narrow
-    columns each: with scheme names whole, that is what 80 columns hold without folding figures."""
+def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> tuple[Table, Table, Table, Table]:
+    """(timings, node's clock, transfers, link waits) of one point; rows in the config's scheme order. At most ten
+    narrow columns each: with scheme names whole, that is what 80 columns hold without folding figures."""
     rows = [s for s in summaries if s.point == point]
     timings = _table(
-        "timings in ms: medians over the measured rounds of each round's median request; rng: the rounds' max - "
-        "min; p99: TBT's over requests; x: TTST speed-up and TBT ratio vs full, of those medians; bound: least "
-        "TTST possible (means, p50 and min-max per request in results.json and summary.csv)",
+        "timings in ms as a streaming client saw them: medians over the measured rounds of each round's median "
+        "request; rng: the rounds' max - min; p99: TBT's over requests; x: TTST speed-up and TBT ratio vs full, of "
+        "those medians; bound: least TTST possible (means, p50 and min-max per request in results.json and "
+        "summary.csv)",
         ["scheme", "TTFT", "TTST", "rng", "TBT", "rng", "p99", "TTST x", "TBT x", "bound"],
     )
     for s in rows:
@@ -82,6 +88,25 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _x(s.vs_full.get("ttst_speedup_median")),
             _x(s.vs_full.get("tbt_median")),
             _ms(s.ttst_bound),
+        )
+    node = _table(
+        "the decode node's own clock, ms, medians over rounds as above; Δ: the client's minus the node's, per "
+        "request, their median (max: the largest, where a first token held back shows); short: requests whose "
+        "stream had fewer text chunks than tokens (a token with no text of its own leaves with the next)",
+        ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short"],
+    )
+    for s in rows:
+        minus = s.minus_node
+        node.add_row(
+            Text(s.scheme),
+            _ms(s.rounds["node_ttft"]["median"]),
+            _ms1(minus["ttft"]["p50"]),
+            _ms1(minus["ttft"]["max"]),
+            _ms(s.rounds["node_ttst"]["median"]),
+            _ms1(minus["ttst"]["p50"]),
+            _ms(s.rounds["node_tbt"]["median"]),
+            _ms1(minus["tbt"]["p50"]),
+            str(s.short_streams),
         )
     transfers = _table(
         "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector "
@@ -110,8 +135,10 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         "post: ms the lanes spent posting them (framing, send calls, writes; pacer waits left out); bound1: least "
         "TTST (ms) if the proactive set were exactly the first step's "
         "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
-        "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound)",
-        ["scheme", "cov1%", "wait1", "wait", "desc", "post", "bound1", "TBT fl"],
+        "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound); join: per "
+        "request that joined others decoding, the p99 of their token gaps from its first token to its second, the "
+        "median over joins (ms; - with none)",
+        ["scheme", "cov1%", "wait1", "wait", "desc", "post", "bound1", "TBT fl", "join"],
     )
     for s in rows:
         waits.add_row(
@@ -123,8 +150,9 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.posting_s_per_request),
             _ms(s.ttst_bound_selection),
             _ms(s.tbt_floor),
+            _ms(s.join_p99.get("p50")),
         )
-    return timings, transfers, waits
+    return timings, node, transfers, waits
 
 
 def load_table(result: BenchResult, point: int) -> Table:
@@ -132,8 +160,9 @@ def load_table(result: BenchResult, point: int) -> Table:
     config = result.config
     table = _table(
         f"Poisson load, {config.load_rate:g} req/s for {config.load_duration_s:g} s; goodput: req/s within TTFT <= "
-        f"{config.slo_ttft_s:g} s and TBT <= {config.slo_tbt_s * 1e3:g} ms; latencies in ms",
-        ["scheme", "sent", "done", "fail", "good/s", "done/s", "TTFT p50", "TTFT p99", "TBT p99"],
+        f"{config.slo_ttft_s:g} s and TBT <= {config.slo_tbt_s * 1e3:g} ms, as the streaming client saw them; "
+        "latencies in ms; Δ: the client's TTFT minus the node's own, per request, their median",
+        ["scheme", "sent", "done", "fail", "good/s", "done/s", "TTFT p50", "TTFT p99", "TBT p99", "Δ"],
     )
     for run in (r for r in result.loads if r.point == point):
         ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
@@ -147,6 +176,7 @@ def load_table(result: BenchResult, point: int) -> Table:
             _ms(ttft["p50"]),
             _ms(ttft["p99"]),
             _ms(tbt["p99"]),
+            _ms1(run.ttft_minus_node()["p50"]),
         )
     return table
 
@@ -158,9 +188,10 @@ def prefix_table(result: BenchResult, summaries: list[Summary]) -> Table | None:
         return None
     side = result.config.prefix_cache
     table = _table(
-        f"prefix hit sweep ({side} cache): ms means; hit: asked (measured share of prompt tokens the cache held); "
-        "MiB: KV moved per request; x: TTST speed-up and TBT ratio vs full",
-        ["hit", "scheme", "TTFT", "TTST", "TBT", "MiB", "TTST x", "TBT x"],
+        f"prefix hit sweep ({side} cache): ms means as the client saw them; hit: asked (measured share of prompt "
+        "tokens the cache held); Δ: the client's TTFT minus the node's, per request, their median; MiB: KV moved per "
+        "request; x: TTST speed-up and TBT ratio vs full",
+        ["hit", "scheme", "TTFT", "Δ", "TTST", "TBT", "MiB", "TTST x", "TBT x"],
     )
     for index in points:
         point = result.points[index]
@@ -170,6 +201,7 @@ def prefix_table(result: BenchResult, summaries: list[Summary]) -> Table | None:
                 f"{point.prefix_hit:.0%} ({_measured_hit(result, index, s.scheme)})",
                 Text(s.scheme),
                 _ms(s.ttft["mean"]),
+                _ms1(s.minus_node["ttft"]["p50"]),
                 _ms(s.ttst["mean"]),
                 _ms(s.tbt["mean"]),
                 f"{moved / MIB:.1f}",
