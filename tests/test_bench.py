@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from smartgen.apps.bench.config import BenchConfig, Point
 from smartgen.apps.bench.stats import percentile
 from smartgen.apps.cluster import split_cpus
+from smartgen.cli.app import app
 from smartgen.engine.kv_quant import SERVING_QUANT, packed_layer_bytes
 
 SCHEMES = "full,partial,partial+profile,partial+profile+parallel,smartgen-paper,smartgen,proactive-only,quant2"
@@ -36,6 +38,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, done.stdout
 
 
+# slow: the bench end to end (about 45 s); CI runs these with `make test-slow`, and its GPU check's CPU half runs a bench too
+@pytest.mark.slow
 def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
     out, stdout = quick_run
     data = json.loads((out / "results.json").read_text())
@@ -55,6 +59,7 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
     assert all(int(row["failed"]) == 0 for row in rows)
 
 
+@pytest.mark.slow
 def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None:
     out, _ = quick_run
     data = json.loads((out / "results.json").read_text())
@@ -130,11 +135,9 @@ def test_bench_refuses_bad_input() -> None:
         (["--model", "random:x"], "random:LAYERS"),
         (["--lane", "carrier-pigeon"], "--lane must be one of"),
     ]:
-        done = subprocess.run(
-            [sys.executable, "-m", "smartgen", "bench", *args], capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode != 0
-        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        done = CliRunner().invoke(app, ["bench", *args])  # in-process: a process each took 5 s of imports
+        assert done.exit_code != 0, (args, done.output)
+        assert message in done.stderr and "Traceback" not in done.output + done.stderr, done.stderr
 
 
 class _Scripted(BaseHTTPRequestHandler):
@@ -263,6 +266,7 @@ def test_load_mode_counts_goodput_against_both_objectives():
         BenchConfig(load_rate=1.0, slo_ttft_s=0)
 
 
+@pytest.mark.slow  # real nodes with prefix caches, about 50 s: `make test-slow`
 def test_a_prefix_hit_sweep_hits_exactly_the_asked_share_on_both_nodes(tmp_path: Path) -> None:
     """With both caches on, a request hits its shared prefix and nothing more: the prefill node computes only the
     rest, and full transfer moves only the KV of the tokens the decode node lacks."""
