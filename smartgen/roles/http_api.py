@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from smartgen.roles.body_limit import BodyLimit
+from smartgen.roles.server_info import NodeInfo, describe_service, load_report
 from smartgen.roles.service import DecodeService, FinishEvent, GenerationParams, RequestHandle, ServiceError
 
 __all__ = ["create_app"]
@@ -96,11 +97,14 @@ def create_app(
     service: DecodeService,
     metrics: Callable[[], tuple[bytes, str]] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY,
+    info: NodeInfo | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `service` (run it with uvicorn; `smartgen serve --role decode` does).
 
-    `metrics` renders the node's Prometheus registry (body, content type) for GET /metrics.
+    `metrics` renders the node's Prometheus registry (body, content type) for GET /metrics. `info`: the node's facts
+    for the endpoints a router reads (`/server_info`, `/model_info`; roles.server_info); None: what `service` says.
     """
+    node = info if info is not None else describe_service(service)
     app = FastAPI(title="SmartGen decode node", version="1")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # before any byte of an oversized body is read
     _install_error_handlers(app)
@@ -131,9 +135,29 @@ def create_app(
         body, content_type = await run_in_threadpool(metrics)
         return Response(body, media_type=content_type)
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # the older name, which routers fall back to
+    async def server_info() -> dict[str, Any]:
+        """The node's model and limits in SGLang's names: what the SGLang router reads to register a worker."""
+        return node.server_info()
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return node.model_info()
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        """Requests and tokens on the node, as SGLang's (the SGLang router's power-of-two policy compares tokens)."""
+        try:
+            return JSONResponse(load_report(dict(service.health())))
+        except Exception as exc:  # like /health: answer, do not crash
+            return _error(f"the node cannot report its load: {exc}", 503)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "smartgen"}
+        card.update({"root": node.model_path, "max_model_len": node.max_req_len})  # as vLLM's card
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")

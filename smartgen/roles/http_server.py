@@ -10,6 +10,7 @@ import uvicorn
 
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.http_api import create_app
+from smartgen.roles.server_info import describe_node
 
 __all__ = ["HttpServer"]
 
@@ -20,8 +21,10 @@ class HttpServer:
     """Binds `host:port` at once (port 0: the system picks; `address` says which); `start()` serves and returns
     once uvicorn accepts requests. Off the main thread uvicorn installs no signal handlers: the caller owns them."""
 
-    def __init__(self, node: DecodeNode, host: str, port: int, max_body_bytes: int) -> None:
-        app = create_app(node.scheduler, metrics=node.monitoring.exposition, max_body_bytes=max_body_bytes)
+    def __init__(self, node: DecodeNode, host: str, port: int, max_body_bytes: int, role: str = "decode") -> None:
+        """`role`: what /server_info says the node is ("both" for `serve --role both`)."""
+        info = describe_node(node, role)
+        app = create_app(node.scheduler, metrics=node.monitoring.exposition, max_body_bytes=max_body_bytes, info=info)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
         self._server = uvicorn.Server(config)
         self._socket = socket.create_server((host, port))

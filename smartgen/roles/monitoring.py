@@ -81,13 +81,20 @@ def decode_monitoring(
         health = scheduler.health()
         slots = engine.pool.num_slots
         used = slots - engine.pool.num_free
+        usage = used / slots if slots else 0.0
+        holding = health["running"] + health["prefilling"] + health["parked"]
         return {
             "requests_running": ("Requests decoding.", health["running"]),
             "requests_prefilling": ("Requests dispatched and waiting for their first token.", health["prefilling"]),
             "requests_waiting": ("Requests queued for a pool slot.", health["waiting"]),
             "pool_slots": ("KV pool slots.", slots),
             "pool_slots_used": ("KV pool slots in use.", used),
-            "pool_usage_ratio": ("Share of KV pool slots in use.", used / slots if slots else 0.0),
+            "pool_usage_ratio": ("Share of KV pool slots in use.", usage),
+            # vLLM's names, which routers and autoscalers read: running = holding a slot (prefilling, decoding or
+            # parked for a late fetch), waiting = queued for one; KV usage is the share of pool slots in use
+            "num_requests_running": ("Requests holding a KV pool slot (prefilling, decoding or parked).", holding),
+            "num_requests_waiting": ("Requests queued for a KV pool slot.", health["waiting"]),
+            "kv_cache_usage_perc": ("Share of KV pool slots in use (0 to 1, as vLLM's).", usage),
         }
 
     def maps(request_id: str, length: int) -> list[str]:

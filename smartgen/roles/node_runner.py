@@ -97,7 +97,7 @@ class RunningNode:
         self.decode = node
         self._cleanup.callback(self._say, "decode node stopped")
         self._cleanup.callback(node.stop)
-        http = HttpServer(node, *parse_address(s.http), limits.max_body_bytes)  # bound first: port 0 works
+        http = HttpServer(node, *parse_address(s.http), limits.max_body_bytes, s.role)  # bound first: port 0 works
         node.start()
         if s.record is not None:
             prefill = self.prefill.snapshot if self.prefill is not None else None

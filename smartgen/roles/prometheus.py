@@ -4,11 +4,16 @@ Names follow what vLLM and SGLang users already chart: a `smartgen:` prefix, sec
 bytes, `_total` on counters, a `path` label (proactive, full, speculative, fetch_remote,
 fetch_local, metadata). Counters are read from the engine's own PathCounters and lane
 counters when scraped, so they equal them by construction; histograms are fed by hooks
-(every fetch; every finished request).
+(every fetch; every finished request). What a router or an autoscaler reads carries vLLM's
+own name after the prefix (time_to_first_token_seconds, inter_token_latency_seconds,
+request_time_per_output_token_seconds, e2e_request_latency_seconds, num_requests_running,
+num_requests_waiting, kv_cache_usage_perc, prompt_tokens_total, generation_tokens_total),
+so a query or a KEDA trigger written for vLLM works with the prefix changed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +32,8 @@ PREFIX = "smartgen:"
 # fetches take a millisecond on loopback and seconds behind a busy paced link
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a whole request: a short answer on loopback to a long one behind a slow link
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
 @dataclass(slots=True)
@@ -174,30 +181,33 @@ class NodeMetrics:
     def __init__(self, sources: NodeSources) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_NodeCollector(sources))
-        self.fetch_latency = Histogram(
-            PREFIX + "kv_fetch_latency_seconds",
-            "On-demand fetch round trip, FETCH sent to reply landed.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.fetch_latency = self._histogram(
+            "kv_fetch_latency_seconds", "On-demand fetch round trip, FETCH sent to reply landed."
         )
         sources.counters.observe(self._on_transfer)
         if sources.role != "decode":
             return
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "TTFT from arrival.", buckets=TOKEN_BUCKETS, registry=self.registry
+        self.ttft = self._histogram("time_to_first_token_seconds", "TTFT from arrival.", TOKEN_BUCKETS)
+        self.ttst = self._histogram(
+            "time_to_second_token_seconds", "TTST from arrival (includes the stage-transition stall).", TOKEN_BUCKETS
         )
-        self.ttst = Histogram(
-            PREFIX + "time_to_second_token_seconds",
-            "TTST from arrival (includes the stage-transition stall).",
-            buckets=TOKEN_BUCKETS,
-            registry=self.registry,
+        self.tbt = self._histogram("time_between_tokens_seconds", "Gaps between consecutive tokens after the second.")
+        self.itl = self._histogram(
+            "inter_token_latency_seconds",
+            "Gaps between consecutive tokens, the first (the stage-transition stall) included, as vLLM's.",
         )
-        self.tbt = Histogram(
-            PREFIX + "time_between_tokens_seconds",
-            "Gaps between consecutive tokens after the second.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds", "Per request: first to last token over the tokens after the first."
         )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds",
+            "Arrival to end of every request the engine took, whatever its end.",
+            REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of the requests the engine took.", registry=self.registry
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=self.registry)
         self.finished = Counter(
             PREFIX + "requests_finished", "Requests ended, by reason.", ["reason"], registry=self.registry
         )
@@ -207,24 +217,35 @@ class NodeMetrics:
             registry=self.registry,
         )
 
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
     def _on_transfer(self, path: str, num_bytes: int, seconds: float) -> None:
         if path == "on_demand" and seconds > 0:  # the decode side times fetches; the prefill side only counts bytes
             self.fetch_latency.observe(seconds)
 
     def request_finished(self, reason: str, metrics: RequestMetrics | None) -> None:
-        """The scheduler's finish hook: latencies of a finished request, its end reason."""
+        """The scheduler's finish hook, called as a request ends: its latencies and token counts, its end reason.
+        A request refused or failed before the engine took it (`metrics` None) counts only by its reason."""
         self.finished.labels(reason).inc()
         if reason in ("aborted", "error", "overloaded", "unavailable", "timeout"):
             self.aborted.inc()
         if metrics is None:
             return
+        self.e2e.observe(max(0.0, time.monotonic() - metrics.created))
+        times = metrics.token_times
+        self.prompt_tokens.inc(metrics.prompt_tokens)
+        self.generation_tokens.inc(len(times))
         if metrics.ttft is not None:
             self.ttft.observe(metrics.ttft)
         if metrics.ttst is not None:
             self.ttst.observe(metrics.ttst)
-        times = metrics.token_times[1:]
-        for before, after in zip(times, times[1:]):
-            self.tbt.observe(after - before)
+        for index, (before, after) in enumerate(zip(times, times[1:])):
+            self.itl.observe(after - before)
+            if index:  # TBT leaves out the stall before the second token
+                self.tbt.observe(after - before)
+        if len(times) > 1:
+            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

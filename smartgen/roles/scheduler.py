@@ -85,6 +85,7 @@ class DecodeScheduler:
         self.model_name = model_name
         self.peers = peers  # per prefill node: address, state, last error (for /health)
         self.limits = RequestLimits.of(runner.model.config, self.engine.pool.max_tokens)
+        self.max_waiting = max_waiting  # requests that may wait for a pool slot (then 503)
         self._waiting: queue.Queue[_Active] = queue.Queue(maxsize=max_waiting)
         self._active: dict[str, _Active] = {}
         self._stop = threading.Event()
@@ -166,10 +167,22 @@ class DecodeScheduler:
             "parked": len(self.driver.parked),  # out of the batch, waiting for a late fetch (--fetch-stall-ms)
             "waiting": self._waiting.qsize(),
             "free_slots": self.engine.pool.num_free,
+            "active_tokens": self._active_tokens(),  # the load the SGLang router's power-of-two policy compares
         }
         if self.peers is not None:
             report["peers"] = self.peers()
         return report
+
+    def _active_tokens(self) -> int:
+        """Prompt and generated tokens of the dispatched requests (read off the scheduler's thread: a dict that
+        changes size while it is copied is copied again)."""
+        for _ in range(3):
+            try:
+                actives = list(self._active.values())
+            except RuntimeError:
+                continue
+            return sum(a.request.prompt_ids.numel() + len(a.request.tokens) for a in actives)
+        return 0
 
     def status(self) -> dict[str, Any]:
         """Engine counters, lane counters, and per request: state, timings and per-layer mask summary."""
