@@ -84,8 +84,10 @@ FirstTokenTimeout = Annotated[
     float,
     option(
         TIMEOUTS,
-        "Decode node: seconds from dispatch to the first token (and, under full transfer, to the last block; for a "
-        "request prefilled again elsewhere, to the new node's prefill) before the request fails.",
+        "Decode node: seconds a request waiting for its first token (under full transfer, for its last block; to join "
+        "a running batch, for its layers 0-1; prefilled again elsewhere, for the new node) may go with nothing "
+        "arriving for it, nor for the requests ahead of it on its link, before it fails. A transfer that keeps "
+        "arriving never fails for its length.",
         min=0.1,
         callback=_finite,
     ),

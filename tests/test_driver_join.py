@@ -5,6 +5,7 @@ import types
 
 import torch
 
+from smartgen.engine.decode import Stall
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import get_policy
 from smartgen.runtime.driver import DecodeDriver, DriverRequest
@@ -12,10 +13,12 @@ from smartgen.runtime.driver import DecodeDriver, DriverRequest
 
 class _Engine:
     """What collect_first_tokens asks of a DecodeEngine: every first token is in; layers 0-1 are local for the
-    requests in `dense_local`."""
+    requests in `dense_local`; the requests in `stalls` got nothing for the bound (tests/test_progress_bound.py
+    drives the bound itself)."""
 
     def __init__(self) -> None:
         self.dense_local: set[str] = set()
+        self.stalls: dict[str, Stall] = {}  # nothing arrived for these for the bound
         self._metrics: dict[str, RequestMetrics] = {}
 
     def first_token_ready(self, request_id: str) -> bool:
@@ -37,11 +40,12 @@ class _Engine:
     def request_metadata(self, request_id: str) -> list:
         return []
 
+    def stall(self, request_id: str, bound: float) -> Stall | None:
+        return self.stalls.get(request_id)
+
 
 def _request(request_id: str, scheme: str = "smartgen") -> DriverRequest:
-    request = DriverRequest(request_id, torch.arange(4), get_policy(scheme), max_tokens=8)
-    request.opened = float("inf")  # never past the prefill bound in this test
-    return request
+    return DriverRequest(request_id, torch.arange(4), get_policy(scheme), max_tokens=8)
 
 
 def _driver(engine: _Engine) -> DecodeDriver:
@@ -65,16 +69,15 @@ def test_the_first_request_joins_at_once_and_a_later_one_when_its_dense_layers_a
     assert [r.request_id for r in driver.running] == ["a", "b"] and not driver.prefilling
 
 
-def test_a_waiting_request_is_aborted_past_the_prefill_bound():
+def test_a_waiting_request_is_aborted_once_its_kv_stalls():
     engine = _Engine()
     driver = _driver(engine)
     driver.prefilling = [_request("a")]
     driver.collect_first_tokens()
-    late = _request("b")
-    driver.prefilling = [late]
+    driver.prefilling = [_request("b")]
     driver.collect_first_tokens()
-    late.opened = -1e9  # opened long ago
+    engine.stalls["b"] = Stall(idle_s=130.0, num_landed=2, num_entries=8, last_s=1.0, num_ahead=0, behind=False)
     engine.abort = lambda request_id, reason: None  # type: ignore[attr-defined]
     engine.has_request = lambda request_id: True  # type: ignore[attr-defined]
     (finished,) = driver.collect_first_tokens()
-    assert finished.reason == "timeout" and "did not arrive" in (finished.error or "")
+    assert finished.reason == "timeout" and (finished.error or "").startswith("its KV stalled: nothing arrived for it")

@@ -28,7 +28,7 @@ class DecodeLimits:
     """Every wait the decode node does has a bound here; a request past one fails with the reason."""
 
     lease_s: float = DEFAULT_LEASE_S  # a prefill node silent this long is declared dead
-    first_token_timeout_s: float = 120.0  # from dispatch to FIRST_TOKEN
+    first_token_timeout_s: float = 120.0  # waiting for FIRST_TOKEN (or its KV) with nothing arriving: a stall
     fetch_timeout_s: float = 30.0  # one decode step's wait for a request's on-demand fetch
     on_prefill_failure: str = "fail"  # "fail": its requests fail; "recompute": unfinished ones go to another node
     max_body_bytes: int = 4 * 2**20  # HTTP request bodies above this get 413 before they are read

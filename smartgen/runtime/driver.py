@@ -10,9 +10,15 @@ A request's life in the driver:
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
-   prefill node lost, no first token within `prefill_timeout`): the engine finishes or aborts it
-   (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics and why it failed
-   ("unavailable": its prefill node was lost or none was live; "overloaded": it had no room; else "error").
+   prefill node lost; before it joins the batch, nothing arriving for it for `prefill_timeout`): the engine
+   finishes or aborts it (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics and why it
+   failed ("unavailable": its prefill node was lost or none was live; "overloaded": it had no room; "timeout": it
+   stalled; else "error").
+
+The bound before a request joins judges progress, not patience: a request whose KV keeps arriving, however slowly,
+or that waits behind requests dispatched before it on its link whose KV keeps arriving (a link moves transfers in
+turn), is never failed for taking long; one for which nothing arrived for `prefill_timeout` seconds is
+(`DecodeEngine.stall`, whose reason says how much had arrived and since when nothing came).
 
 Timings have one clock and one definition: the engine's `RequestMetrics`, counted from the
 request's arrival (`DriverRequest.arrival`), are what `usage`, `/status` and the benchmarks read.
@@ -50,7 +56,6 @@ class DriverRequest:
     keep_logits: bool = False
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # [V] per decoded token, when kept
-    opened: float = 0.0
     oracle_counts: torch.Tensor | None = None  # [L, n]: a recorded run's selection counts (the "optimal" set)
 
 
@@ -68,7 +73,7 @@ class Token:
 class Finished:
     """A request left the driver: reason "stop", "length", "aborted", "error", "overloaded" (a prefill node had no
     room for it), "unavailable" (its prefill node was lost, or none was live, or the decode node is stopping) or
-    "timeout" (its KV did not arrive within the bound from a prefill node still alive); the last three are worth a
+    "timeout" (nothing of its KV arrived for the bound from a prefill node still alive); the last three are worth a
     retry later. `error` says why."""
 
     request_id: str
@@ -91,6 +96,8 @@ class DecodeDriver:
     """Runs requests on a DecodeEngine and a DecodeRunner; not thread-safe (one caller drives it)."""
 
     def __init__(self, runner: DecodeRunner, *, prefill_timeout: float = 120.0) -> None:
+        """`prefill_timeout`: a request waiting for its first token, or for its KV before it joins the batch, fails
+        once nothing has arrived for it (nor for the requests ahead of it on its link) for this many seconds."""
         self.runner = runner
         self.engine: DecodeEngine = runner.engine
         self.prefill_timeout = prefill_timeout
@@ -117,7 +124,6 @@ class DecodeDriver:
             metrics.error = str(exc)
             kind = "unavailable" if isinstance(exc, LinkLost) else "error"  # no live prefill node to open it on
             return [Finished(request.request_id, kind, str(exc), metrics, [], [])]
-        request.opened = time.monotonic()
         self.prefilling.append(request)
         return []
 
@@ -166,8 +172,9 @@ class DecodeDriver:
         for request in self.prefilling:
             rid = request.request_id
             if not self.engine.first_token_ready(rid):
-                if time.monotonic() - request.opened > self.prefill_timeout:
-                    events.append(self._abort(request, f"no first token within {self.prefill_timeout:g} s", "timeout"))
+                if stall := self.engine.stall(rid, self.prefill_timeout):
+                    reason = f"no first token: {stall.describe(self.prefill_timeout)}"
+                    events.append(self._abort(request, reason, "timeout"))
                 else:
                     still.append(request)
                 continue
@@ -178,13 +185,13 @@ class DecodeDriver:
                         continue
                 # full transfer: decoding starts when every block is here; any other request joins a running batch
                 # once its layers 0-1 are (its first step would wait for them, and every request in the batch with
-                # it), both within the same bound as the first token
+                # it), both under the same bound as the first token: on progress, not on the transfer's length
                 waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
                     self.running and not self.engine.dense_layers_local(rid)
                 )
                 if waiting:
-                    if time.monotonic() - request.opened > self.prefill_timeout:
-                        reason = f"its KV did not arrive within {self.prefill_timeout:g} s"
+                    if stall := self.engine.stall(rid, self.prefill_timeout):
+                        reason = f"its KV stalled: {stall.describe(self.prefill_timeout)}"
                         events.append(self._abort(request, reason, "timeout"))
                     else:
                         still.append(request)

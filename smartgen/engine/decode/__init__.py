@@ -5,6 +5,7 @@ A request on the decode node:
    writes for it, a prefill node is chosen (least loaded) and OPEN is sent.
 2. Prefilling: proactive blocks land and their mask entries turn 1; `wait_first_token()`
    returns FIRST_TOKEN. Under full transfer `wait_all_local()` blocks until every block landed.
+   `stall()` says whether nothing has arrived for it (nor for the requests ahead of it on its link) for a bound.
 3. Decoding, per step and layer: `begin_layer()` sends the idle notice (speculative
    policies); `assemble()` splits the selector's index by the mask, gathers local entries
    while the remote ones are fetched, lands fetched tokens in the pool (mask 1, so they are
@@ -26,12 +27,14 @@ Split by concern, as vLLM's KV connector splits a scheduler side from a worker s
   assembly of a selection (which entries are fetched, dropped, gathered early);
 - move.py: the data path (`DecodePath`): pool, fetches posted and landed, the selected KV gathered;
 - control.py: `DecodeControl`, links, leases and failures (a lost prefill node, stalled and parked requests);
+- progress.py: what of a request's KV has arrived and when (the first-token bound fails a request on no progress);
 - engine.py: `DecodeEngine`, the request's life listed above, on top of the other two;
 - request.py: a request's state, and the errors it fails with.
 """
 
 from smartgen.engine.decode.decide import CHAINED_NOTICE_LAYERS
 from smartgen.engine.decode.engine import DecodeEngine
+from smartgen.engine.decode.progress import Stall
 from smartgen.engine.decode.request import Assembled, LinkLost, RequestFailed
 
-__all__ = ["DecodeEngine", "Assembled", "RequestFailed", "LinkLost", "CHAINED_NOTICE_LAYERS"]
+__all__ = ["DecodeEngine", "Assembled", "RequestFailed", "LinkLost", "Stall", "CHAINED_NOTICE_LAYERS"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.move import DecodePath
+from smartgen.engine.decode.progress import Stall, judge, landed_entries
 from smartgen.engine.decode.request import DecodeRequest, LinkLost, RequestFailed
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.mask import LOCAL
@@ -43,8 +45,9 @@ class DecodeControl(DecodePath):
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
-        `prefill_timeout`: a request opened again after decoding began (recompute) waits this long for the new
-        prefill node. `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
+        `prefill_timeout`: a request opened again after decoding began (recompute) waits for the new prefill node
+        while its KV (or that of the requests ahead of it there) keeps arriving, and fails once nothing has for
+        this long (`stall`). `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
         starts with cached blocks gets them in its slot at once (local), and its prefill node never sends them.
         `staged`: the pool's lanes land in host memory, copied to the device before a mask is read (pool.py).
         `quantized`: the pool has a staging region for `quant2` requests (False: that scheme is refused)."""
@@ -66,6 +69,7 @@ class DecodeControl(DecodePath):
         # once, whatever a running batch step is waiting for
         self.on_first_token: Callable[[str, int, float], None] | None = None
         self._links: list[LinkEnd] = []
+        self._dispatch_order = itertools.count()  # requests opened (or opened again) earlier queue ahead on a link
         self._threads: list[threading.Thread] = []
         self._closing = False
 
@@ -103,16 +107,17 @@ class DecodeControl(DecodePath):
     def _handle(self, message: msg.EngineMessage) -> None:
         match message:
             case msg.FetchReply():
+                self._note_arrival(message.request_id)
                 with self._lock:
                     waiting = self._fetches.pop(message.fetch_id, None)
                 if waiting is not None and not waiting[0].done():
                     waiting[0].set_result(message)
             case msg.Metadata():
-                request = self._requests.get(message.request_id)
+                request = self._note_arrival(message.request_id)
                 if request is not None and 0 <= message.layer < self.layout.num_layers:
                     request.metadata[message.layer] = message.tensors
             case msg.FirstToken():
-                request = self._requests.get(message.request_id)
+                request = self._note_arrival(message.request_id)
                 if request is not None and request.resuming:  # prefilled again elsewhere: metadata is kept
                     assert request.resume is not None
                     if request.first_token.result() != message.token:
@@ -130,6 +135,13 @@ class DecodeControl(DecodePath):
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
+
+    def _note_arrival(self, request_id: str) -> DecodeRequest | None:
+        """A message with KV, metadata or a token arrived for the request: progress (`stall`)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.arrival.note(time.monotonic())
+        return request
 
     def _tell_first_token(self, request_id: str, token: int, arrived: float) -> None:
         if self.on_first_token is None:
@@ -189,9 +201,10 @@ class DecodeControl(DecodePath):
         held = (self.pool.masks.values[:, request.slot, : request.length] == LOCAL).all(dim=-1)  # [L, n]: all heads
         decoding = request.first_token.done()
         if decoding:
-            request.resume, request.resumed_at = Future(), time.monotonic()
+            request.resume = Future()
         request.late = []  # their futures failed with the lost link
         request.link = link
+        request.arrival.redispatch(next(self._dispatch_order), time.monotonic())
         message = replace(request.open_message, held=held if bool(held.any()) else None, resumed=decoding)
         link.push.accept(request.request_id, self.pool.geometry.slot_extents(request.slot, request.length))
         link.control.send(message.pack())
@@ -240,13 +253,15 @@ class DecodeControl(DecodePath):
 
     def ready_to_resume(self, request_id: str) -> bool:
         """A deferred request may step again: its late fetches have landed (and, opened again after its prefill
-        node was lost, the new node has prefilled it), or it failed (past fetch_timeout or prefill_timeout)."""
+        node was lost, the new node has prefilled it), or it failed (past fetch_timeout, or nothing arrived for it
+        for prefill_timeout while it waited to be prefilled again)."""
         request = self._require_any(request_id)
         if request.metrics.error:
             return True
         if request.resuming:
-            if time.monotonic() - request.resumed_at > self.prefill_timeout:
-                self._fail_request(request_id, f"not prefilled again within {self.prefill_timeout:g} s")
+            stall = self.stall(request_id, self.prefill_timeout)
+            if stall is not None:
+                self._fail_request(request_id, f"not prefilled again: {stall.describe(self.prefill_timeout)}")
                 return True
             return False
         if not request.link.alive:
@@ -257,3 +272,38 @@ class DecodeControl(DecodePath):
                 self.counters.add_failure("on_demand")
                 self._fail_request(request_id, f"fetch timed out after {self.fetch_timeout:g} s")
         return not request.late or bool(request.metrics.error)
+
+    # -- progress (the first-token bound) ----------------------------------------------------
+    def stall(self, request_id: str, bound: float, now: float | None = None) -> Stall | None:
+        """Whether nothing has arrived for the request for over `bound` seconds: no KV landed for it and no message
+        came, nor for any request dispatched before it on its link (its transfer queues behind theirs: a prefill
+        node prefills in turn, a link moves its pushes in order). None while something arrives, however slowly.
+
+        No hard ceiling is kept beside it: one would fail exactly the long queued transfers this bound lets through,
+        and waiting behind others is bounded anyway: the requests ahead are fixed at its dispatch (no later one
+        joins them), and each of them ends (its tokens are finite, its own waits bounded). `now`: the clock's
+        reading (default time.monotonic())."""
+        request = self._require_any(request_id)
+        now = time.monotonic() if now is None else now
+        if not request.arrival.judge_due(now, bound):
+            return None
+        link, order = request.link, request.arrival.order
+        with self._lock:
+            ahead = [r for r in self._requests.values() if r.link is link and r.arrival.order < order]
+        return judge(self.pool, request, ahead, bound, now)
+
+    def _hand_on_progress(self, leaving: DecodeRequest) -> None:
+        """A request leaves: its last arrival still counts for the requests queued behind it on its link. Called
+        before its slot is freed: one last count catches what landed since they last looked (a request whose KV
+        completes and that finishes between two looks would hand on an older arrival)."""
+        link, order = leaving.link, leaving.arrival.order
+        with self._lock:
+            behind = [r for r in self._requests.values() if r.link is link and r.arrival.order > order]
+        if not behind:
+            return
+        progress = leaving.arrival
+        if not progress.complete:
+            landed = landed_entries(self.pool, leaving.slot, leaving.length, leaving.flags.quantized)
+            progress.count(landed, time.monotonic(), since=min(r.arrival.dispatched_at for r in behind))
+        for request in behind:
+            request.arrival.ahead_left(progress.last_at)

@@ -9,6 +9,7 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.control import DecodeControl
+from smartgen.engine.decode.progress import Arrival
 from smartgen.engine.decode.request import DecodeRequest, RequestFailed
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.engine.mask import LOCAL
@@ -63,6 +64,7 @@ class DecodeEngine(DecodeControl):
             held_prefix=held,
             oracle_counts=oracle_counts,
         )
+        per_token = self.layout.num_layers * self.layout.num_kv_heads  # KV entries of one prompt token
         request = DecodeRequest(
             request_id,
             slot,
@@ -75,6 +77,7 @@ class DecodeEngine(DecodeControl):
             fetch_counts=torch.zeros(self.layout.num_layers, length, self.layout.num_kv_heads, dtype=torch.int32),
             metadata=[{} for _ in range(self.layout.num_layers)],
             open_message=message,
+            arrival=Arrival(per_token * length, next(self._dispatch_order), time.monotonic(), per_token * held),
         )
         request.metrics.held_tokens = held
         with self._lock:
@@ -228,6 +231,7 @@ class DecodeEngine(DecodeControl):
         request.link.control.drop_landings(request_id)
         self._release(request, msg.Release(request_id))
         self._cache_prompt(request)
+        self._hand_on_progress(request)
         self.pool.free(request.slot)
         request.metrics.state = RequestState.FINISHED
         with self._lock:
@@ -242,6 +246,7 @@ class DecodeEngine(DecodeControl):
         request.link.push.revoke(request_id)
         request.link.control.drop_landings(request_id)
         self._release(request, msg.Abort(request_id, reason))
+        self._hand_on_progress(request)
         self.pool.free(request.slot)
         request.metrics.state = RequestState.ABORTED
         request.metrics.error = reason

@@ -10,6 +10,7 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.decide import DecodeFlags
+from smartgen.engine.decode.progress import Arrival
 from smartgen.engine.index_ops import IndexSplit
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy
@@ -60,7 +61,6 @@ class DecodeRequest:
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
     resume: Future | None = None
-    resumed_at: float = 0.0
     overloaded: bool = False  # its prefill node refused it for lack of room (a 503 for the client, not a fault)
     lost: bool = False  # it failed because its prefill node was lost, and no other took it (a 503, not a fault)
     # per layer, whether any prompt entry was remote when this step first asked (None: not asked yet this step)
@@ -69,6 +69,8 @@ class DecodeRequest:
     # layers whose selection (or prefetch) met remote entries this step, and last step's (None: no step yet)
     remote_met: set[int] = field(default_factory=set)
     remote_met_before: set[int] | None = None
+    # what of its KV has arrived and when (the first-token bound judges this progress); the engine's open sets it
+    arrival: Arrival = field(default_factory=lambda: Arrival(0, 0, 0.0))
     flags: DecodeFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:
