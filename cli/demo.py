@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # rich and the demo load only when the command runs, so --hel
 
     from smartgen.apps.demo import SchemeResult
 
-DEFAULT_MODEL = SAMPLES_DIR / "sample-model"
+DEFAULT_MODEL = SAMPLES_DIR / "sample-model-16"  # 16 layers: layers 0-1 an eighth of the KV, as in deep models
 PAPER_STALL_RATIO = 4.7  # smartgen.apps.bench.config.PAPER_STALL_RATIO (here: --help imports no torch)
 PAPER_DECODE_RATIO = 0.15  # smartgen.apps.demo.PAPER_DECODE_RATIO, likewise
 
@@ -38,9 +38,9 @@ def demo(
     schemes: Annotated[
         str,
         typer.Option(help="Schemes to compare, comma-separated (full, partial, partial+profile+parallel, smartgen)."),
-    ] = "full,smartgen",
+    ] = "full,partial,smartgen",
     length: Annotated[int, typer.Option(min=256, help="Prompt length in tokens.")] = 2048,
-    per_task: Annotated[int, typer.Option(min=1, help="Prompts per task (passkey and single-needle retrieval).")] = 3,
+    per_task: Annotated[int, typer.Option(min=1, help="Prompts per task (passkey and single-needle retrieval).")] = 2,
     selector: Selector = "quest",
     budget: Budget = 0.2,
     blocks: Blocks = 1024,
