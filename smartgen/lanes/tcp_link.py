@@ -19,6 +19,7 @@ from typing import Any
 
 from smartgen.lanes.auth import client_handshake, server_handshake
 from smartgen.lanes.base import Lane
+from smartgen.lanes.ingress import IngressSocket
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease, arm
 from smartgen.lanes.pacer import Pacer
@@ -195,11 +196,13 @@ def tcp_connect(
     lane_factory: LaneFactory = TcpLane,
     lease: Lease | None = Lease(),
     tls: ssl.SSLContext | None = None,
+    ingress: Pacer | None = None,
 ) -> LinkEnd:
     """The decode node's side: two authenticated connections to one prefill node, as a LinkEnd.
 
     `timeout` bounds connecting and each step of the handshake (then the lease takes over). `tls`: a client context
-    (lanes/tls.py); the prefill node's certificate must then name `host`."""
+    (lanes/tls.py); the prefill node's certificate must then name `host`. `ingress`: the node's shared ingress link
+    (lanes/ingress.py): what both connections read after the handshake crosses it, with every other link's reads."""
     session = uuid.uuid4().hex
     pacer = Pacer(gbps, delay_s)
     lanes = {}
@@ -217,6 +220,8 @@ def tcp_connect(
                 sock.close()
                 raise
             arm(sock, lease)
+            if ingress is not None and ingress.gbps is not None:
+                sock = IngressSocket(sock, ingress)  # type: ignore[assignment]  # a socket in all but its reads
             try:
                 lanes[channel] = lane_factory(sock, f"decode.{channel}.{session[:8]}", pacer, False)
             except BaseException:

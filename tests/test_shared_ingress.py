@@ -1,0 +1,118 @@
+"""The decode node's shared ingress link (lanes/ingress.py): two prefill nodes pushing at once into one decode node
+over real loopback TCP take at least all their bytes / the ingress rate, not half of it; the bytes land intact."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import time
+
+import pytest
+import torch
+
+from smartgen.lanes import WriteOp
+from smartgen.lanes.ingress import IngressSocket
+from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.rate import bytes_per_second
+from smartgen.lanes.tcp_link import TcpListener, tcp_connect
+
+IDENTITY = {"fingerprint": "f00d", "model": "tiny", "layout": None}
+SECRET = "s"
+INGRESS_GBPS = 0.2  # 25 MB/s: a few MB take a fraction of a second
+PUSH_BYTES = 3 * 2**20  # per prefill node
+
+
+def _connect_two(ingress: Pacer | None) -> tuple[list[TcpListener], list[LinkEnd], list[LinkEnd]]:
+    """Two unpaced prefill ends (each its own listener, as two nodes) and the decode node's two links to them."""
+    listeners = [TcpListener("127.0.0.1", 0, SECRET, IDENTITY) for _ in range(2)]
+    decode_ends, prefill_ends = [], []
+    for listener in listeners:
+        decode_ends.append(tcp_connect(*listener.address, SECRET, IDENTITY, ingress=ingress))
+        accepted = listener.accept(timeout=10)
+        assert accepted is not None, list(listener.rejections)
+        prefill_ends.append(accepted[0])
+    return listeners, prefill_ends, decode_ends
+
+
+def _push_together(prefill_ends: list[LinkEnd], decode_ends: list[LinkEnd]) -> tuple[float, list[torch.Tensor]]:
+    """Both prefill ends push PUSH_BYTES at once; the seconds until both are applied, and the decode regions."""
+    regions = []
+    for i, end in enumerate(decode_ends):
+        region = torch.zeros(PUSH_BYTES, dtype=torch.uint8)
+        end.push.register_region("kv", region)
+        end.push.accept(f"r{i}")
+        regions.append(region)
+    sources = [torch.randint(0, 255, (PUSH_BYTES,), dtype=torch.uint8) for _ in prefill_ends]
+    go = threading.Barrier(len(prefill_ends) + 1)
+    done: list = [None] * len(prefill_ends)
+
+    def push(i: int) -> None:
+        go.wait()
+        # 64 KiB writes, as a layer's blocks go: many frames from each node, interleaved on the ingress link
+        ops = [WriteOp("s", "kv", at, at, 64 * 1024) for at in range(0, PUSH_BYTES, 64 * 1024)]
+        done[i] = prefill_ends[i].push.post_writes(f"r{i}", {"s": sources[i]}, ops, tag="t")
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(prefill_ends))]
+    for thread in threads:
+        thread.start()
+    go.wait()
+    start = time.monotonic()
+    for thread in threads:
+        thread.join()
+    assert all(d.wait(30) and d.applied for d in done)
+    elapsed = time.monotonic() - start
+    for region, source in zip(regions, sources):
+        assert torch.equal(region, source)
+    return elapsed, regions
+
+
+def _close(*groups) -> None:
+    for group in groups:
+        for thing in group:
+            thing.close()
+
+
+def test_two_prefill_nodes_into_one_shared_ingress_take_all_their_bytes_over_its_rate():
+    ingress = Pacer(INGRESS_GBPS)
+    listeners, prefill_ends, decode_ends = _connect_two(ingress)
+    try:
+        elapsed, _ = _push_together(prefill_ends, decode_ends)
+    finally:
+        _close(decode_ends, prefill_ends, listeners)
+    floor = 2 * PUSH_BYTES / bytes_per_second(INGRESS_GBPS)
+    # a lower bound only (a loaded machine is slower, never faster); the pacer lets its clock lag 2 ms behind
+    assert elapsed >= floor - 0.01, f"{elapsed:.3f} s for {2 * PUSH_BYTES} bytes; the shared link needs {floor:.3f} s"
+
+
+def test_an_ingress_socket_paces_every_read_call_and_keeps_the_wrapped_sockets_class():
+    left, right = __import__("socket").socketpair()
+    pacer = Pacer(INGRESS_GBPS)
+    paced = IngressSocket(left, pacer)
+    try:
+        assert isinstance(paced, type(left)) and not isinstance(paced, ssl.SSLSocket)
+        right.sendall(b"x" * 40_000)
+        got = bytearray(40_000)
+        view = memoryview(got)
+        read = 0
+        start = time.monotonic()
+        while read < len(got):
+            n = paced.recv_into(view[read:]) if read % 2 == 0 else paced.recvmsg_into([view[read:]])[0]
+            assert 0 < n <= pacer.chunk_bytes()  # one chunk of link time per call at most
+            read += n
+        assert time.monotonic() - start >= 40_000 / bytes_per_second(INGRESS_GBPS) - 0.01
+        right.sendall(b"yz")
+        assert paced.recv(10) == b"yz"
+    finally:
+        left.close()
+        right.close()
+
+
+def test_an_ingress_link_needs_a_rate():
+    left, right = __import__("socket").socketpair()
+    try:
+        with pytest.raises(ValueError, match="rate"):
+            IngressSocket(left, Pacer(None))
+    finally:
+        left.close()
+        right.close()
