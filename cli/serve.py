@@ -70,7 +70,22 @@ Fallback = Annotated[
     str, option(PREFILL, "Proactive-set strategy when no profile matches: streaming, sequential or random.")
 ]
 Prefill = Annotated[
-    str, option(DECODE, "Prefill nodes, HOST:PORT[,HOST:PORT...]; each request goes to the least loaded.")
+    str,
+    option(
+        DECODE,
+        "Prefill nodes, HOST:PORT[,HOST:PORT...]; each request goes to the one with the least queued prompt tokens, "
+        "counting those it likely has in its prefix cache (a prompt goes back to the node that prefilled its prefix).",
+    ),
+]
+IngressGbps = Annotated[
+    float,
+    option(
+        DECODE,
+        "Pace what this decode node receives at this rate (Gbit/s) on one link shared by all its prefill nodes, as "
+        "their bytes share its one NIC (the paper's DP 6 -> 1); --link-gbps still paces each prefill node's own "
+        "sends. tcp lane only. 0 = off.",
+        min=0.0,
+    ),
 ]
 Http = Annotated[str, option(DECODE, "HOST:PORT of the OpenAI-compatible HTTP API.")]
 Scheme = Annotated[
@@ -160,6 +175,7 @@ def serve(
     max_queue: MaxQueue = 64,
     fallback_strategy: Fallback = "streaming",
     prefill: Prefill = "127.0.0.1:7100",
+    ingress_gbps: IngressGbps = 0.0,
     http: Http = "127.0.0.1:8000",
     scheme: Scheme = "smartgen",
     max_batch: MaxBatch = 8,
@@ -261,6 +277,7 @@ def serve(
             ready_file,
             record,
             insecure,
+            ingress_gbps=ingress_gbps or None,
         )
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
         run_node(settings, say=lambda line: typer.echo(line, err=True))

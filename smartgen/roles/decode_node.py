@@ -1,6 +1,7 @@
 """The decode node: connects to its prefill nodes, owns the KV pool, runs the scheduler behind the HTTP API.
 
-See smartgen.roles.scheduler for a request's life here.
+See smartgen.roles.scheduler for a request's life here, roles.placement for which prefill node serves a request,
+and lanes.ingress for `ingress_gbps` (one paced link that every prefill node's bytes into this node cross).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lands_in_device_memory, lane_factory
 from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.liveness import Lease
+from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import tcp_connect
 from smartgen.lanes.tls import TlsFiles
@@ -26,6 +28,7 @@ from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.monitoring import decode_monitoring
 from smartgen.roles.peers import Connect, PrefillPeers
+from smartgen.roles.placement import PrefixAffinity
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.selectors.base import Selector
@@ -59,11 +62,18 @@ class DecodeNode:
         prefix_cache: PrefixCache | None = None,
         tls: TlsFiles | None = None,
         connect: Connect | None = None,
+        ingress_gbps: float | None = None,
     ) -> None:
         """`connect(host, port)` makes the link to a prefill node; None: the TCP lane `lane` with the handshake.
-        `serve --role both` passes one that joins a prefill node in this process over an in-process link."""
+        `serve --role both` passes one that joins a prefill node in this process over an in-process link.
+        `ingress_gbps`: what every prefill node sends here crosses one link of this rate (lanes/ingress.py; the tcp
+        lane's own connections only); `link_gbps` paces what this node sends, per prefill node."""
         if not prefill_addresses:
             raise ValueError("a decode node needs at least one prefill node (--prefill HOST:PORT)")
+        if ingress_gbps is not None and (connect is not None or lane != "tcp"):
+            raise ValueError(f"--ingress-gbps paces what the tcp lane's sockets read; --lane {lane} moves KV past them")
+        self.ingress = Pacer(ingress_gbps) if ingress_gbps else None
+        self.link_gbps, self.delay_s = link_gbps, delay_s
         limits = limits or DecodeLimits()
         self.engine = DecodeEngine(
             layout,
@@ -84,9 +94,13 @@ class DecodeNode:
             "node": uuid.uuid4().hex[:8],
         }
         if connect is None:
-            connect = _tcp_connect(hello, secret, link_gbps, delay_s, lane, limits, tls, rdma)
-
-        self.peers = PrefillPeers(self.engine, prefill_addresses, connect)
+            connect = _tcp_connect(hello, secret, link_gbps, delay_s, lane, limits, tls, rdma, self.ingress)
+        # the prefill nodes cache prompt blocks as this node does (`--prefix-cache-bytes` and `--prefix-block-tokens`,
+        # the same on both): steer a prompt to the one that prefilled its prefix lately
+        affinity = (
+            PrefixAffinity(prefix_cache.block_tokens) if prefix_cache is not None and prefix_cache.enabled else None
+        )
+        self.peers = PrefillPeers(self.engine, prefill_addresses, connect, affinity=affinity)
         try:
             self.peers.connect_all()
         except BaseException:
@@ -106,6 +120,24 @@ class DecodeNode:
         )
         peers = [f"{host}:{port}" for host, port in prefill_addresses]
         self.monitoring = decode_monitoring(self.engine, self.scheduler, self.links, peers, model_name)
+        self.scheduler.status_hooks.append(self._link_status)
+
+    def link_status(self) -> dict[str, Any]:
+        """Which pacing applies to the links into this node (/status "link"; the bench's regime line reads it).
+
+        `pacing`: "shared ingress" (one link of `ingress_gbps` that all prefill nodes' bytes cross), or "per prefill
+        node" (each prefill node paces what it sends with its own `--link-gbps`, shown in its own /status; `serve
+        --role both`: its in-process link's). `egress_gbps`: this node's own sends, per link."""
+        return {
+            "pacing": "per prefill node" if self.ingress is None else "shared ingress",
+            "ingress_gbps": None if self.ingress is None else self.ingress.gbps,
+            "egress_gbps": self.link_gbps,
+            "delay_ms": self.delay_s * 1e3,
+            "prefill_nodes": len(self.peers.peers),
+        }
+
+    def _link_status(self, snapshot: dict[str, Any]) -> None:
+        snapshot["link"] = self.link_status()
 
     @property
     def links(self) -> list[LinkEnd]:
@@ -146,8 +178,10 @@ def _tcp_connect(
     limits: DecodeLimits,
     tls: TlsFiles | None,
     rdma: RdmaOptions | None = None,
+    ingress: Pacer | None = None,
 ) -> Connect:
-    """Connects over `lane` (TCP sockets underneath) with the authenticated handshake."""
+    """Connects over `lane` (TCP sockets underneath) with the authenticated handshake; `ingress`: the shared link
+    every connection's reads cross (None: reads are not paced here)."""
     factory = lane_factory(lane, limits.one_sided, rdma)
     tls_context = None if tls is None else tls.client_context()
     lease = Lease(limits.lease_s)
@@ -164,6 +198,7 @@ def _tcp_connect(
             lane_factory=factory,
             lease=lease,
             tls=tls_context,
+            ingress=ingress,
         )
 
     return connect

@@ -178,8 +178,10 @@ def build_decode_node(
     limits: DecodeLimits | None = None,
     model: PreTrainedModel | None = None,
     connect: Connect | None = None,
+    ingress_gbps: float | None = None,
 ) -> DecodeNode:
-    """`model`: an already loaded one to share; `connect`: how to reach the prefill nodes (None: `settings.lane`)."""
+    """`model`: an already loaded one to share; `connect`: how to reach the prefill nodes (None: `settings.lane`);
+    `ingress_gbps`: one paced link that all prefill nodes' bytes into this node cross (`serve --ingress-gbps`)."""
     from transformers import AutoTokenizer
 
     model, layout, selector = _load(settings, model)
@@ -210,4 +212,5 @@ def build_decode_node(
         prefix_cache=settings.prefix_cache(),
         tls=settings.tls,
         connect=connect,
+        ingress_gbps=ingress_gbps,
     )

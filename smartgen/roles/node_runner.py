@@ -108,8 +108,10 @@ class RunningNode:
         self.http = http
         self.addresses["http"] = "{}:{}".format(*http.address)
         peers = "in this process" if s.role == "both" else s.prefill
+        ingress = f", shared ingress link {s.ingress_gbps:g} Gbit/s" if s.ingress_gbps else ""
         self._say(
-            f"decode node: OpenAI API on http://{self.addresses['http']}/v1 (prefill nodes {peers}, scheme {s.decode.scheme})"
+            f"decode node: OpenAI API on http://{self.addresses['http']}/v1 (prefill nodes {peers}{ingress}, scheme "
+            f"{s.decode.scheme})"
         )
 
 
@@ -192,6 +194,7 @@ def _start(settings: ServeSettings, say: Callable[[str], None]) -> RunningNode:
                 d.max_waiting,
                 emulate_layer_ms=d.emulate_layer_ms,
                 limits=decode_limits,
+                ingress_gbps=s.ingress_gbps,
             )
             running._start_decode(decode, decode_limits)
     except BaseException:

@@ -89,6 +89,7 @@ class PrefillNode:
             self.engine, self.runner, on_prefilled=planner.record_prefill, on_metadata=planner.record_metadata
         )
         self.identity = {**node_identity(model, layout, model_name), "lane": lane}
+        self.link_gbps, self.delay_s = link_gbps, delay_s
         self.listener = (
             TcpListener(
                 host,
@@ -127,6 +128,13 @@ class PrefillNode:
             "prefilled": self.num_prefilled,
             "paths": self.engine.counters.snapshot(),
             "decode_nodes": len(self.engine.links),
+            # one pacer for every decode node this node sends to, as one NIC (a decode node's --ingress-gbps paces
+            # what arrives there, in that node's /status)
+            "link": {
+                "pacing": "unpaced" if self.link_gbps is None else "per prefill node",
+                "egress_gbps": self.link_gbps,
+                "delay_ms": self.delay_s * 1e3,
+            },
             "links": [
                 {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
                 for link in self.engine.links

@@ -37,6 +37,7 @@ class ServeSettings:
     ready_file: Path | None = None  # the bound addresses as JSON, written once the node serves
     record: Path | None = None  # /status appended once a second (JSON lines) for `smartgen monitor --replay`
     insecure: bool = False  # no shared secret: any peer that reaches the port is accepted
+    ingress_gbps: float | None = None  # decode: one paced link all prefill nodes' bytes into it cross (lanes/ingress)
 
     def check(self) -> None:
         """Raises ValueError (one line, naming the option) for settings that cannot run; loads no model."""
@@ -64,6 +65,18 @@ class ServeSettings:
         for option, path in (("--record", self.record), ("--ready-file", self.ready_file)):
             if path is not None and not path.parent.is_dir():
                 raise ValueError(f"cannot write {option} {path}: folder {path.parent} does not exist")
+        if self.ingress_gbps is not None:
+            if self.role != "decode":
+                raise ValueError(
+                    f"--ingress-gbps paces what a decode node receives from its prefill nodes; --role {self.role} "
+                    "has none over sockets (pace a node's sends with --link-gbps)"
+                )
+            if not self.ingress_gbps > 0 or self.ingress_gbps == float("inf"):
+                raise ValueError(f"--ingress-gbps must be a positive rate, got {self.ingress_gbps}")
+            if node.lane != "tcp":
+                raise ValueError(
+                    f"--ingress-gbps paces what the tcp lane's sockets read; --lane {node.lane} moves KV outside them"
+                )
         if problem := lane_problem(node.lane):
             raise ValueError(problem)
         if node.tls is not None and self.role == "prefill":  # loaded now: a bad file fails before the model loads

@@ -8,7 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
+
+import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.move import DecodePath
@@ -19,9 +21,18 @@ from smartgen.engine.mask import LOCAL
 from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.link import LinkEnd
 
-__all__ = ["DecodeControl"]
+__all__ = ["DecodeControl", "LinkLoad"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkLoad:
+    """A live prefill link as `DecodeControl.choose_link` sees it when a request is opened on one."""
+
+    link: LinkEnd
+    queued_tokens: int  # prompt tokens of its requests not prefilled yet (or being prefilled again)
+    requests: int  # its requests, prefilling or decoding
 
 
 class DecodeControl(DecodePath):
@@ -68,6 +79,9 @@ class DecodeControl(DecodePath):
         # told (request id, token, arrival) on the link's thread as a first token arrives, so it can be streamed at
         # once, whatever a running batch step is waiting for
         self.on_first_token: Callable[[str, int, float], None] | None = None
+        # chooses the prefill link a request opens on, from the live links' loads and its prompt ids (roles/placement);
+        # None: the one with the fewest requests
+        self.choose_link: Callable[[list[LinkLoad], torch.Tensor | None], LinkEnd] | None = None
         self._links: list[LinkEnd] = []
         self._dispatch_order = itertools.count()  # requests opened (or opened again) earlier queue ahead on a link
         self._threads: list[threading.Thread] = []
@@ -127,9 +141,14 @@ class DecodeControl(DecodePath):
                     for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
                         request.metadata[layer].update(entry)
                     request.metrics.prefill_cached_tokens = message.cached
+                    request.forecast_promised = message.forecast
                     request.first_token_at = time.monotonic()
                     request.first_token.set_result(message.token)
                     self._tell_first_token(message.request_id, message.token, request.first_token_at)
+            case msg.Forecast():
+                request = self._note_arrival(message.request_id)
+                if request is not None and request.forecast_promised and not request.forecast_taken:
+                    request.forecast = message.queries
             case msg.Error() | msg.Abort():
                 overloaded = isinstance(message, msg.Error) and message.overloaded
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
@@ -194,7 +213,7 @@ class DecodeControl(DecodePath):
         what it fetched from the lost node and never got is asked of the new one when it steps again.
         """
         try:
-            link = self._pick_link()
+            link = self._pick_link(request.open_message.prompt_ids if request.open_message is not None else None)
         except RequestFailed:
             return False
         assert request.open_message is not None
@@ -229,16 +248,21 @@ class DecodeControl(DecodePath):
             assert request.resume is not None
             request.resume.set_exception(RequestFailed(reason))
 
-    def _pick_link(self) -> LinkEnd:
+    def _pick_link(self, prompt_ids: torch.Tensor | None = None) -> LinkEnd:
         with self._lock:
             live = [link for link in self._links if link.alive]
             if not live:
                 raise LinkLost("no live prefill node: every link is down (see /health)")
-            load = {id(link): 0 for link in live}
+            load = {id(link): [0, 0] for link in live}  # queued prompt tokens, requests
             for request in self._requests.values():
                 if id(request.link) in load:
-                    load[id(request.link)] += 1
-            return min(live, key=lambda link: load[id(link)])
+                    load[id(request.link)][1] += 1
+                    if not request.first_token.done() or request.resuming:
+                        load[id(request.link)][0] += request.length
+            loads = [LinkLoad(link, *load[id(link)]) for link in live]
+        if self.choose_link is not None:  # outside the lock: it may keep state of its own
+            return self.choose_link(loads, prompt_ids)
+        return min(loads, key=lambda entry: entry.requests).link
 
     # -- stalled requests (stall_timeout) ---------------------------------------------------
     def deferred(self, request_ids: list[str]) -> list[int]:

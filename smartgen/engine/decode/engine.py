@@ -7,11 +7,13 @@ import uuid
 
 import torch
 
+import smartgen.engine.decode.decide as decide
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.control import DecodeControl
 from smartgen.engine.decode.progress import Arrival
 from smartgen.engine.decode.request import DecodeRequest, RequestFailed
 from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.engine.index_ops import entry_status
 from smartgen.engine.mask import LOCAL
 from smartgen.engine.metrics import RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
@@ -49,7 +51,7 @@ class DecodeEngine(DecodeControl):
         `oracle_counts` ([L, n]): a recorded run's selection counts, for the "optimal" proactive set.
         """
         request_id = request_id or uuid.uuid4().hex
-        link = self._pick_link()  # before the slot: with no live prefill node the request fails at once
+        link = self._pick_link(prompt_ids)  # before the slot: with no live prefill node the request fails at once
         slot = self.pool.allocate(length, max_new_tokens, quantized=bool(policy.quantize_bits))
         # a quantized transfer lands whole layers (lossy): it neither takes from nor gives to the prefix cache
         held = self._fill_from_cache(slot, prompt_ids) if prompt_ids is not None and not policy.quantize_bits else 0
@@ -111,6 +113,44 @@ class DecodeEngine(DecodeControl):
 
     def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
         return self._require(request_id).metadata
+
+    # -- the first step's forecast (Policy.forecast) ------------------------------------------
+    def forecast_pending(self, request_id: str) -> bool:
+        """FIRST_TOKEN promised a FORECAST that has not come yet (False once the request failed)."""
+        request = self._require_any(request_id)
+        return request.forecast_promised and request.forecast is None and not request.forecast_taken and (
+            not request.metrics.error
+        )
+
+    def take_forecast(self, request_id: str) -> dict[int, torch.Tensor] | None:
+        """The forecast's queries per layer, once (None when none came, or they were taken)."""
+        request = self._require_any(request_id)
+        queries, request.forecast = request.forecast, None
+        if queries is not None:
+            request.forecast_taken = True
+        return queries
+
+    def fetch_forecast(self, layer: int, request_id: str, index: torch.Tensor) -> int:
+        """Fetches the remote entries of a forecast selection ([H, k], one request's rows) at low priority (their
+        replies go after running requests' fetch replies); they are in flight like a prefetch's, so the step that
+        selects them waits for them instead of asking again. Returns the entries asked for."""
+        request = self._require_any(request_id)
+        if not request.live or request.flags.drop_remote:
+            return 0
+        self.pool.sync_staged(layer, [request.slot])
+        slots = torch.tensor([request.slot], dtype=torch.int64, device=index.device)
+        status = entry_status(index, self.pool.masks.layer(layer).to(index.device), slots, self.layout.num_kv_heads)
+        entries = decide.remote_entries(index, status)
+        if not entries.numel():
+            return 0
+        request.late.append((layer, entries, self._send_fetch(request, layer, entries, low=True), time.monotonic()))
+        request.metrics.prefetched_entries += int(entries.numel())
+        return int(entries.numel())
+
+    def forecast_landed(self, request_id: str) -> bool:
+        """Every fetch in flight for the request has its reply (or it failed): its first step will not wait."""
+        request = self._require_any(request_id)
+        return bool(request.metrics.error) or all(future.done() for _, _, future, _ in request.late)
 
     def dense_layers_local(self, request_id: str) -> bool:
         """Layers 0-1 of the request (pushed whole during its prefill) are all in the pool, or it failed: a request
