@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 import smartgen
-from smartgen.cli import bench, demo, generate, info, monitor, profile, profiles, serve, simulate
+from smartgen.cli import bench, cluster, demo, generate, info, monitor, profile, profiles, serve, simulate
 from smartgen.cli.eval import eval_command
 from smartgen.cli.options import new_name
 
@@ -54,6 +54,7 @@ app.add_typer(profiles.app, name="profiles", rich_help_panel="Profile")
 app.command("serve", rich_help_panel="Serve")(serve.serve)
 app.command("demo", rich_help_panel="Serve")(demo.demo)
 app.command("generate", rich_help_panel="Serve")(generate.generate)
+app.command("cluster", rich_help_panel="Serve")(cluster.cluster)
 app.command("monitor", rich_help_panel="Serve")(monitor.monitor)
 app.command("eval", rich_help_panel="Benchmark")(eval_command)
 app.command("bench", rich_help_panel="Benchmark")(bench.bench)

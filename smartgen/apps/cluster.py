@@ -1,4 +1,8 @@
-"""A local deployment for the demo and the benchmark: prefill node(s) and a decode node as real processes on 127.0.0.1.
+"""A local deployment for the demo, the benchmark and `smartgen cluster`: prefill node(s) and decode node(s) as real
+processes on 127.0.0.1.
+
+With `decode_nodes` > 1 it is xPyD: every decode node uses every prefill node (named decode0, decode1, ...; a single
+decode node is named "decode"). Nodes of one role start side by side, prefill nodes first.
 
 With `lane="inproc"` it is one process instead, `serve --role both`: a prefill node and a decode
 node joined by the in-process paced lane, with the same HTTP API and prefill status endpoint.
@@ -49,6 +53,7 @@ class ClusterSpec:
     budget: float = 0.2
     speculative_ratio: float = 0.1
     prefill_nodes: int = 1
+    decode_nodes: int = 1  # more than one: each uses every prefill node (xPyD)
     max_batch: int = 8
     max_tokens: int = 8192
     db: Path | None = None
@@ -94,10 +99,13 @@ def node_process(env: dict[str, str], cpus: list[int] | None) -> tuple[dict[str,
 
 @dataclass(slots=True)
 class LocalCluster:
-    """Starts the nodes on `__enter__`, stops them (SIGINT, then kill) on `__exit__`."""
+    """Starts the nodes on `__enter__`, stops them (SIGINT, then kill) on `__exit__`.
+
+    `run_dir` given: the ready files and logs go there and stay after `__exit__`; else a temporary folder, removed."""
 
     spec: ClusterSpec
-    http: str = ""  # the decode node's HOST:PORT (OpenAI API and /status)
+    http: str = ""  # the (first) decode node's HOST:PORT (OpenAI API and /status)
+    decode_http: list[str] = field(default_factory=list)  # every decode node's HOST:PORT, in name order
     prefill_status: list[str] = field(default_factory=list)  # each prefill node's status HOST:PORT
     prefill_listen: list[str] = field(default_factory=list)  # each prefill node's HOST:PORT for decode nodes
     run_dir: Path | None = None
@@ -105,9 +113,13 @@ class LocalCluster:
     nodes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _processes: list[subprocess.Popen] = field(default_factory=list)  # every process started (restarts too)
     _logs: list[Any] = field(default_factory=list)
+    _temporary: bool = False  # run_dir is ours to remove
 
     def __enter__(self) -> LocalCluster:
-        self.run_dir = Path(tempfile.mkdtemp(prefix="smartgen-nodes-"))
+        if self.run_dir is None:
+            self.run_dir, self._temporary = Path(tempfile.mkdtemp(prefix="smartgen-nodes-")), True
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start()
         except BaseException:
@@ -119,12 +131,23 @@ class LocalCluster:
         stop_processes(self._processes)
         for log in self._logs:
             log.close()
-        if self.run_dir is not None:
+        if self.run_dir is not None and self._temporary:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.http}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every decode node's base URL (OpenAI API, /status, /health), in name order."""
+        return [f"http://{address}" for address in self.decode_http]
+
+    @property
+    def decode_names(self) -> list[str]:
+        """The decode nodes' names: "decode" for one, else decode0, decode1, ..."""
+        count = self.spec.decode_nodes
+        return ["decode"] if count == 1 else [f"decode{i}" for i in range(count)]
 
     def status(self) -> dict[str, Any]:
         """The decode node's /status and every prefill node's, as {"decode": ..., "prefill": [...]}."""
@@ -149,17 +172,27 @@ class LocalCluster:
         return node_cpus(self.spec.separate_cpus, self.spec.lane)
 
     def _launch(self, name: str, args: list[str]) -> tuple[subprocess.Popen, dict[str, Any]]:
+        return self._launch_all([(name, args)])[0]
+
+    def _launch_all(self, nodes: list[tuple[str, list[str]]]) -> list[tuple[subprocess.Popen, dict[str, Any]]]:
+        """Starts every (name, serve args) at once, then waits for each one's ready file, in order."""
+        started = [self._spawn(name, args) for name, args in nodes]
+        return [(process, self._ready(name, process)) for (name, _), process in zip(nodes, started)]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         assert self.run_dir is not None
         env = {**os.environ, "SMARTGEN_SECRET": os.environ.get("SMARTGEN_SECRET") or "smartgen-local-cluster"}
         if self.spec.db is not None:
             env["SMARTGEN_DB"] = str(self.spec.db)
         split = self.cpus
-        cpus = None if split is None else split[1] if name == "decode" else split[0]
+        cpus = None if split is None else split[1] if name.startswith("decode") else split[0]
         env, prepare = node_process(env, cpus)
 
         ready = self.run_dir / f"{name}.json"
         ready.unlink(missing_ok=True)  # a restarted node writes it again
         log_path = self.run_dir / f"{name}.log"
+        if not self._temporary and log_path.exists() and name not in self.nodes:
+            log_path.unlink()  # a kept run folder used again: this run's log only
         log = log_path.open("a")  # a restarted node adds to its log
         self._logs.append(log)
         command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
@@ -167,8 +200,13 @@ class LocalCluster:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, preexec_fn=prepare)
         self._processes.append(process)
         self.nodes[name] = process
+        return process
+
+    def _ready(self, name: str, process: subprocess.Popen) -> dict[str, Any]:
+        assert self.run_dir is not None
+        ready, log_path = self.run_dir / f"{name}.json", self.run_dir / f"{name}.log"
         try:
-            return process, read_ready_file(ready, READY_TIMEOUT_S, alive=lambda: process.poll() is None)
+            return read_ready_file(ready, READY_TIMEOUT_S, alive=lambda: process.poll() is None)
         except (RuntimeError, TimeoutError):
             if process.poll() is None:
                 raise RuntimeError(f"the {name} node did not come up within {READY_TIMEOUT_S:.0f} s") from None
@@ -182,38 +220,52 @@ class LocalCluster:
 
     def _start(self) -> None:
         if self.colocated:
-            if self.spec.prefill_nodes != 1:
+            if self.spec.prefill_nodes != 1 or self.spec.decode_nodes != 1:
                 raise ValueError("--lane inproc runs one prefill node beside the decode node, in one process")
             self.start_both()
             return
-        for i in range(self.spec.prefill_nodes):
-            self.start_prefill(i)
-        self.start_decode()
+        prefill = [self._prefill_args(i) for i in range(self.spec.prefill_nodes)]
+        for _, ready in self._launch_all([(f"prefill{i}", args) for i, args in enumerate(prefill)]):
+            self.prefill_listen.append(ready["listen"])
+            self.prefill_status.append(ready["status"])
+        decode = [(name, self._decode_node_args(i)) for i, name in enumerate(self.decode_names)]
+        self.decode_http = [ready["http"] for _, ready in self._launch_all(decode)]
+        self.http = self.decode_http[0]
 
-    def start_prefill(self, index: int) -> None:
-        """Starts prefill node `index`; again on its old addresses when it ran before (a restart after a fault)."""
+    def _prefill_args(self, index: int) -> list[str]:
         restart = index < len(self.prefill_listen)
         listen = self.prefill_listen[index] if restart else "127.0.0.1:0"
         status = self.prefill_status[index] if restart else "127.0.0.1:0"
         args = ["--role", "prefill", "--listen", listen, "--status", status]
-        args += ["--prefix-cache-bytes", self.spec.prefill_cache, *self.spec.prefill_extra]
-        _, ready = self._launch(f"prefill{index}", args)
+        return args + ["--prefix-cache-bytes", self.spec.prefill_cache, *self.spec.prefill_extra]
+
+    def start_prefill(self, index: int) -> None:
+        """Starts prefill node `index`; again on its old addresses when it ran before (a restart after a fault)."""
+        restart = index < len(self.prefill_listen)
+        _, ready = self._launch(f"prefill{index}", self._prefill_args(index))
         if not restart:
             self.prefill_listen.append(ready["listen"])
             self.prefill_status.append(ready["status"])
 
-    def _decode_args(self) -> list[str]:
+    def _decode_args(self, http: str = "") -> list[str]:
         spec = self.spec
-        args = ["--http", self.http or "127.0.0.1:0"]
+        args = ["--http", http or self.http or "127.0.0.1:0"]
         args += ["--max-batch", str(spec.max_batch), "--max-tokens", str(spec.max_tokens)]
         return args + ["--speculative-ratio", str(spec.speculative_ratio)]
 
-    def start_decode(self) -> None:
-        """Starts the decode node (again on its old HTTP address after a fault)."""
-        args = ["--role", "decode", "--prefill", ",".join(self.prefill_listen), *self._decode_args()]
-        args += ["--prefix-cache-bytes", self.spec.decode_cache, *self.spec.decode_extra]
-        _, ready = self._launch("decode", args)
-        self.http = ready["http"]
+    def _decode_node_args(self, index: int) -> list[str]:
+        http = self.decode_http[index] if index < len(self.decode_http) else "127.0.0.1:0"
+        args = ["--role", "decode", "--prefill", ",".join(self.prefill_listen), *self._decode_args(http)]
+        return args + ["--prefix-cache-bytes", self.spec.decode_cache, *self.spec.decode_extra]
+
+    def start_decode(self, index: int = 0) -> None:
+        """Starts decode node `index` (again on its old HTTP address after a fault)."""
+        if not self.decode_http and self.http:  # a caller that set `http` itself
+            self.decode_http = [self.http]
+        _, ready = self._launch(self.decode_names[index], self._decode_node_args(index))
+        if index == len(self.decode_http):
+            self.decode_http.append(ready["http"])
+        self.http = self.decode_http[0]
 
     def start_both(self) -> None:
         """Starts the one colocated process: the prefill node's flags and the decode node's, on the in-process lane."""
