@@ -23,8 +23,21 @@ def monitor(
         View, typer.Argument(help="What to open: the dashboard (the only view so far, and the default).")
     ] = View.dashboard,
     decode: Annotated[
-        str | None, option(PANEL_SOURCE, "The decode node's HTTP address (its /status), e.g. http://127.0.0.1:8000.")
-    ] = "http://127.0.0.1:8000",
+        list[str] | None,
+        option(
+            PANEL_SOURCE,
+            "A decode node's HTTP address (its /status), e.g. http://127.0.0.1:8000 (the default); repeat to watch "
+            "several at once: a strip lists them all, s or 1-9 switch the panels between them.",
+        ),
+    ] = None,
+    cluster: Annotated[
+        Path | None,
+        option(
+            PANEL_SOURCE,
+            "Watch every node of a running `smartgen cluster` from its run folder (its cluster.json): each decode "
+            "node, and the prefill nodes' push rates.",
+        ),
+    ] = None,
     prefill: Annotated[
         list[str] | None,
         option(
@@ -50,6 +63,9 @@ def monitor(
     from smartgen.tui.app import DashboardApp
     from smartgen.tui.feed import HttpFeed, ReplayFeed
 
+    if replay is not None and (decode or cluster):
+        fail("--replay plays a recording: give it without --decode or --cluster")
+
     if replay is not None:
         try:
             feed: HttpFeed | ReplayFeed = ReplayFeed(replay)
@@ -57,16 +73,40 @@ def monitor(
             fail(f"cannot replay {replay}: {exc}")
         DashboardApp(feed, interval=interval, paused=paused).run()
         return
+    nodes, prefill = _nodes(decode, cluster, list(prefill or []))
+    if record is not None and len(nodes) > 1:
+        fail(f"--record writes one decode node's frames; {len(nodes)} are watched (give one --decode)")
     try:
         out = record.open("w") if record is not None else None
     except OSError as exc:
         fail(f"cannot record to {record}: {exc}")
     try:
-        feed = HttpFeed(decode, list(prefill or []), record=out)
+        feeds = [HttpFeed(url, prefill, record=out, name=name) for name, url in nodes]
     except ValueError as exc:
         fail(str(exc))
     try:
-        DashboardApp(feed, interval=interval, paused=paused).run()
+        DashboardApp(feeds, interval=interval, paused=paused).run()
     finally:
         if out is not None:
             out.close()
+
+
+def _nodes(
+    decode: list[str] | None, cluster: Path | None, prefill: list[str]
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """(name, decode URL) of each decode node to watch, and the prefill status URLs: from --cluster's cluster.json
+    (its prefill nodes added to --prefill), else --decode (default http://127.0.0.1:8000)."""
+    if cluster is None:
+        return [("", url) for url in decode or ["http://127.0.0.1:8000"]], prefill
+    if decode:
+        fail("--cluster names the decode nodes: give it without --decode")
+    from smartgen.apps.scale_out import read_manifest
+
+    try:
+        manifest = read_manifest(cluster)
+    except ValueError as exc:
+        fail(str(exc))
+    urls = list(manifest["decode"])
+    names = list(manifest.get("decode_names") or [f"decode{i}" for i in range(len(urls))])
+    named = [(f"{name} {url.split('://')[-1]}", url) for name, url in zip(names, urls)]
+    return named, prefill + list(manifest.get("prefill_status") or [])

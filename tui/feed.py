@@ -47,11 +47,18 @@ class HttpFeed:
     """Polls the decode node's /status and each prefill node's; `record` appends every frame to a file."""
 
     def __init__(
-        self, decode: str | None, prefill: list[str], timeout: float = 2.0, record: IO[str] | None = None
+        self,
+        decode: str | None,
+        prefill: list[str],
+        timeout: float = 2.0,
+        record: IO[str] | None = None,
+        name: str = "",
     ) -> None:
         if not decode and not prefill:
             raise ValueError("give a decode node (--decode URL) or a prefill node (--prefill URL) to watch")
         self.decode = status_url(decode) if decode else None
+        # what the nodes strip of a several-node dashboard calls it: given, else the decode node's HOST:PORT
+        self.name = name or (self.decode or "").removesuffix("/status").split("://")[-1]
         self.prefill = [status_url(u) for u in prefill]
         self.timeout = timeout
         self.record = record

@@ -14,6 +14,7 @@ __all__ = [
     "PathRate",
     "LinkUse",
     "PeerRow",
+    "NodeSummary",
     "downsample",
     "PATH_ORDER",
 ]
@@ -84,6 +85,16 @@ class PeerRow:
     role: str
     up: bool
     detail: str
+
+
+@dataclass(slots=True)
+class NodeSummary:
+    """The decode node a model watches: lost (its last poll failed), ready, not ready, or waiting (no frame yet)."""
+
+    state: str
+    running: int | None
+    waiting: int | None
+    finished: int  # requests seen finishing (the table keeps the last FINISHED_KEEP)
 
 
 def downsample(cells: str, width: int) -> str:
@@ -233,6 +244,20 @@ class DashboardModel:
                 busy = [min(1.0, v) for v in _sum_series(series)]
                 out.append(LinkUse(peer, busy, up.get(peer, True)))
         return out
+
+    def node(self) -> NodeSummary:
+        """This model's decode node at a glance, for the nodes strip of a several-node dashboard."""
+        decode = (self.frame.decode if self.frame else None) or {}
+        health = decode.get("health") or {}
+        running = sum(int(health.get(k, 0)) for k in ("running", "prefilling", "parked")) if health else None
+        waiting = int(health.get("waiting", 0)) if health else None
+        if self.error is not None:
+            state = "lost"
+        elif self.frame is None:
+            state = "waiting"
+        else:
+            state = "ready" if health.get("ready", True) else "not ready"
+        return NodeSummary(state, running, waiting, len(self._finished))
 
     def peers(self) -> list[PeerRow]:
         frame = self.frame

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rich.text import Text
 
 from smartgen.tui.model import DashboardModel, LinkUse, PathRate, RequestRow
 
-__all__ = ["CELL_STYLES", "masks", "lanes", "requests", "peers", "layer_detail", "sparkline", "rate"]
+__all__ = [
+    "CELL_STYLES",
+    "masks",
+    "lanes",
+    "requests",
+    "peers",
+    "nodes",
+    "NodeRow",
+    "layer_detail",
+    "sparkline",
+    "rate",
+]
 
 # local green, remote red, mixed yellow, padding dim: the colours the legend names
 CELL_STYLES = {"L": ("█", "green"), "R": ("█", "red"), "M": ("▓", "yellow"), ".": ("·", "grey42")}
@@ -154,6 +166,44 @@ def peers(model: DashboardModel) -> Text:
         text.append(f" {row.name}")
         if row.detail:
             text.append(f" {row.detail}", "dim")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """A decode node in the nodes strip: its name, its model, and whether the panels show it."""
+
+    name: str
+    model: DashboardModel
+    shown: bool
+
+
+_NODE_STYLES = {
+    "ready": ("●", "green"),
+    "not ready": ("●", "yellow"),
+    "lost": ("○", "bold red"),
+    "waiting": ("○", "dim"),
+}
+
+
+def nodes(rows: list[NodeRow], width: int) -> Text:
+    """One line per decode node: the key that shows it, its name, state and requests; the shown one highlighted."""
+    text = Text()
+    for i, row in enumerate(rows):
+        node = row.model.node()
+        glyph, style = _NODE_STYLES.get(node.state, ("?", "magenta"))
+        load = "" if node.running is None else f"  {node.running} run {node.waiting} wait"
+        line = Text(f"{'>' if row.shown else ' '}{i + 1} ", "bold" if row.shown else "")
+        line.append(glyph, style)
+        line.append(f" {row.name}  ")
+        line.append(node.state, style)
+        line.append(f"{load}  {node.finished} done", "dim")
+        line.truncate(max(1, width))
+        if row.shown:
+            line.stylize("reverse")
+        if i:
+            text.append("\n")
+        text.append_text(line)
     return text
 
 

@@ -13,6 +13,7 @@ Without a router (`router=None`) clients pick a decode node themselves.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -161,8 +162,6 @@ class ScaleOut:
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
     """A running cluster's cluster.json (ValueError, saying why, where the folder holds none or a broken one)."""
-    import json
-
     path = run_dir / MANIFEST
     try:
         manifest = json.loads(path.read_text())
