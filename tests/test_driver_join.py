@@ -20,6 +20,11 @@ class _Engine:
         self.dense_local: set[str] = set()
         self.stalls: dict[str, Stall] = {}  # nothing arrived for these for the bound
         self._metrics: dict[str, RequestMetrics] = {}
+        # the first step's forecast: none promised unless a test says so
+        self.pending: set[str] = set()  # promised, not come
+        self.forecasts: dict[str, dict] = {}  # come, not taken
+        self.landed: set[str] = set()
+        self.pending_fetches: dict[str, bool] = {}
 
     def first_token_ready(self, request_id: str) -> bool:
         return True
@@ -42,6 +47,15 @@ class _Engine:
 
     def stall(self, request_id: str, bound: float) -> Stall | None:
         return self.stalls.get(request_id)
+
+    def forecast_pending(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def take_forecast(self, request_id: str) -> dict | None:
+        return self.forecasts.pop(request_id, None)
+
+    def forecast_landed(self, request_id: str) -> bool:
+        return request_id in self.landed or not self.pending_fetches.get(request_id)
 
 
 def _request(request_id: str, scheme: str = "smartgen") -> DriverRequest:
@@ -81,3 +95,49 @@ def test_a_waiting_request_is_aborted_once_its_kv_stalls():
     engine.has_request = lambda request_id: True  # type: ignore[attr-defined]
     (finished,) = driver.collect_first_tokens()
     assert finished.reason == "timeout" and (finished.error or "").startswith("its KV stalled: nothing arrived for it")
+
+
+class _Runner:
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self.fetched: list[tuple[str, list[int], int]] = []
+
+    def fetch_forecast(self, request_id: str, queries: dict, metadata: list, length: int) -> int:
+        self.fetched.append((request_id, sorted(queries), length))
+        self.engine.pending_fetches[request_id] = True  # in flight until a test lands them
+        return 1
+
+
+def _forecast_driver() -> tuple[_Engine, _Runner, DecodeDriver]:
+    engine = _Engine()
+    runner = _Runner(engine)
+    return engine, runner, DecodeDriver(runner)  # type: ignore[arg-type]
+
+
+def test_a_promised_forecast_is_waited_for_then_fetched_and_a_lone_request_joins_at_once():
+    engine, runner, driver = _forecast_driver()
+    engine.pending.add("a")
+    driver.prefilling = [_request("a")]
+    events = driver.collect_first_tokens()
+    assert [e.request_id for e in events] == ["a"] and not driver.running  # first token out; the forecast not in
+    engine.pending.clear()
+    engine.forecasts["a"] = {2: torch.zeros(2, 4), 3: torch.zeros(2, 4)}
+    driver.collect_first_tokens()
+    assert runner.fetched == [("a", [2, 3], 4)]  # its picks asked for, with its prompt length
+    assert [r.request_id for r in driver.running] == ["a"]  # nobody to hold up: its step waits for them itself
+
+
+def test_a_joining_request_waits_outside_the_batch_until_its_forecast_picks_are_local():
+    engine, runner, driver = _forecast_driver()
+    driver.prefilling = [_request("a")]
+    driver.collect_first_tokens()  # no forecast promised: joins as before
+    engine.dense_local.add("b")
+    engine.forecasts["b"] = {2: torch.zeros(2, 4)}
+    driver.prefilling = [_request("b")]
+    driver.collect_first_tokens()
+    assert [r.request_id for r in driver.running] == ["a"] and runner.fetched == [("b", [2], 4)]
+    driver.collect_first_tokens()
+    assert [r.request_id for r in driver.running] == ["a"] and len(runner.fetched) == 1  # asked once
+    engine.landed.add("b")
+    driver.collect_first_tokens()
+    assert [r.request_id for r in driver.running] == ["a", "b"]

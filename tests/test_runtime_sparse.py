@@ -74,7 +74,9 @@ def test_lanes_never_change_the_numbers(llama, selector, params, policy):
         # remote-first rows sum in another order than all-local ones: equal up to float rounding
         for x, y in zip(a.logits, b.logits):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-    assert any(r.metrics.remote_entries > 0 for r in split), "the test must exercise the remote lane"
+    # smartgen's forecast fetches step one's picks before the step (prefetched), so its steps may meet none remote
+    fetched = [r.metrics.remote_entries + r.metrics.prefetched_entries for r in split]
+    assert any(n > 0 for n in fetched), "the test must exercise the remote lane"
 
 
 def test_infinigen_with_offline_skewing_runs_and_splits_identically(llama):

@@ -28,6 +28,7 @@ __all__ = [
     "Fetch",
     "FetchReply",
     "Idle",
+    "Forecast",
     "Release",
     "Abort",
     "Error",
@@ -185,15 +186,20 @@ class FirstToken:
     token: int
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # pack_metadata's flat form
     cached: int = 0  # prompt tokens the prefill node's prefix cache supplied (not computed)
+    forecast: bool = False  # a FORECAST of the first decode step follows (the decode node waits for it)
 
     def pack(self) -> Message:
-        return Message(self.KIND, self.request_id, {"token": self.token, "cached": self.cached}, dict(self.metadata))
+        meta: dict[str, Any] = {"token": self.token, "cached": self.cached}
+        if self.forecast:
+            meta["forecast"] = True
+        return Message(self.KIND, self.request_id, meta, dict(self.metadata))
 
     @classmethod
     def unpack(cls, message: Message) -> FirstToken:
         meta, what = message.meta, "FIRST_TOKEN"
         cached = _field(meta, "cached", int, what) if "cached" in meta else 0
-        return cls(message.request_id, _field(meta, "token", int, what), dict(message.payload), cached)
+        forecast = _field(meta, "forecast", bool, what) if "forecast" in meta else False
+        return cls(message.request_id, _field(meta, "token", int, what), dict(message.payload), cached, forecast)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +213,13 @@ class Fetch:
     fetch_id: int
     positions: torch.Tensor  # [p] int64
     heads: torch.Tensor | None = None  # [p, H] bool: the heads wanted of each token (None: all)
+    # a forecast's fetch: its reply goes after the replies to running requests' fetches (`Message.priority`)
+    low: bool = False
 
     def pack(self) -> Message:
-        meta = {"layer": self.layer, "fetch_id": self.fetch_id}
+        meta: dict[str, Any] = {"layer": self.layer, "fetch_id": self.fetch_id}
+        if self.low:
+            meta["low"] = True
         payload = {"positions": self.positions}
         if self.heads is not None:
             payload["heads"] = self.heads.to(torch.uint8).contiguous()
@@ -227,7 +237,8 @@ class Fetch:
                 raise MessageError(f"{what}: heads must be a [{positions.numel()}, H] uint8 tensor")
             heads = heads.bool()
         layer, fetch_id = _field(meta, "layer", int, what), _field(meta, "fetch_id", int, what)
-        return cls(message.request_id, layer, fetch_id, positions, heads)
+        low = _field(meta, "low", bool, what) if "low" in meta else False
+        return cls(message.request_id, layer, fetch_id, positions, heads, low)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +300,31 @@ class Idle:
 
 
 @dataclass(frozen=True, slots=True)
+class Forecast:
+    """Prefill -> decode: the first decode step's post-RoPE query of each sparse layer ([Hq, d] each), from a step
+    the prefill node ran on its whole KV after FIRST_TOKEN. The decode node selects with them and fetches what the
+    step will pick before the request joins a running batch; empty when the prefill node could not compute it."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.FORECAST
+    request_id: str
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def pack(self) -> Message:
+        return Message(
+            self.KIND, self.request_id, {}, {str(layer): q.contiguous() for layer, q in self.queries.items()}
+        )
+
+    @classmethod
+    def unpack(cls, message: Message) -> Forecast:
+        queries: dict[int, torch.Tensor] = {}
+        for key, query in message.payload.items():
+            if not key.isdigit() or query.dim() != 2 or not query.is_floating_point():
+                raise MessageError(f"FORECAST: {key!r} must be a layer holding a [heads, head_dim] float query")
+            queries[int(key)] = query
+        return cls(message.request_id, queries)
+
+
+@dataclass(frozen=True, slots=True)
 class _Reasoned:
     request_id: str
     reason: str = ""
@@ -338,9 +374,9 @@ class Error(_Reasoned):
         return cls(message.request_id, _reason(message), message.meta.get("overloaded") is True)
 
 
-EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Release | Abort | Error
+EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Forecast | Release | Abort | Error
 _BY_KIND: dict[MessageKind, Any] = {
-    cls.KIND: cls for cls in (Open, Metadata, FirstToken, Fetch, FetchReply, Idle, Release, Abort, Error)
+    cls.KIND: cls for cls in (Open, Metadata, FirstToken, Fetch, FetchReply, Idle, Forecast, Release, Abort, Error)
 }
 
 

@@ -73,6 +73,11 @@ class Policy:
     then selects with its own query as always and fetches only what the speculation missed. Exact.
     chain: with speculation, each speculative slice that lands is followed by the next at once, not at the next
     idle notice, so the link carries speculative bytes whenever no fetch reply wants it (fetches go first).
+    forecast: right after FIRST_TOKEN the prefill node runs the first decode step on its whole KV and sends that
+    step's query per layer (FORECAST); the decode node selects with them and fetches the picks it lacks, and the
+    request joins a running batch only once they are local: its first step's fetches never stall the others
+    (alone, it starts at once and its step waits for what is in flight instead of asking layer by layer). Exact:
+    the step still selects with its own query and fetches whatever the forecast missed.
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -87,6 +92,7 @@ class Policy:
     hints: float = 0.0
     prefetch: bool = False
     chain: bool = False
+    forecast: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -105,6 +111,8 @@ class Policy:
             raise ValueError("chained speculation needs speculation")
         if self.prefetch and self.drop_remote:
             raise ValueError("a policy that drops remote entries fetches nothing, so it cannot prefetch")
+        if self.forecast and (self.drop_remote or self.wait_for_all):
+            raise ValueError("a forecast's picks are fetched: a policy that fetches nothing cannot forecast")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -139,6 +147,17 @@ POLICIES: dict[str, Policy] = {
         # TBT, same TTST)
         Policy(
             "smartgen",
+            proactive=ProactiveMode.BUDGET,
+            parallel=True,
+            speculative=True,
+            hints=0.5,
+            prefetch=True,
+            chain=True,
+            forecast=True,
+        ),
+        # the same without the first step's forecast (its ablation)
+        Policy(
+            "smartgen-no-forecast",
             proactive=ProactiveMode.BUDGET,
             parallel=True,
             speculative=True,

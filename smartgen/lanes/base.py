@@ -75,6 +75,7 @@ class MessageKind(IntEnum):
     ABORT = 7  # either way: the request failed; free everything
     ERROR = 8  # prefill -> decode: a request-level failure with a reason
     METADATA = 9  # prefill -> decode: one layer's selector metadata, as soon as that layer is prefilled
+    FORECAST = 10  # prefill -> decode: the first decode step's query per layer, computed on the prefill node
 
 
 @dataclass(slots=True)
@@ -85,6 +86,9 @@ class Message:
     request_id: str
     meta: dict[str, Any] = field(default_factory=dict)
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the sender's queue only, never on the wire: a lane sends a message of a higher number after every queued
+    # one of a lower (0, the default, in order): a forecast's fetch replies wait behind running requests' fetches
+    priority: int = 0
 
     @property
     def payload_bytes(self) -> int:

@@ -5,6 +5,8 @@ Backends subclass `QueuedLane` and supply the threads that move the outbox to th
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -16,9 +18,27 @@ from smartgen.lanes.base import Completion, Landing, Lane, LaneCounters, Message
 from smartgen.lanes.extents import ExtentMap, SlotExtents
 from smartgen.lanes.pacer import Pacer
 
-__all__ = ["QueuedLane", "STOP"]
+__all__ = ["QueuedLane", "PriorityOutbox", "STOP"]
 
 STOP = object()  # queued to wake every waiter when the endpoint closes
+
+
+class PriorityOutbox(queue.Queue):
+    """An outbox in order, except that a message of a higher `priority` goes after every queued item of a lower one
+    (write batches, markers and STOP count as 0): a low-priority reply never delays a running request's fetch."""
+
+    def _init(self, maxsize: int) -> None:
+        self.queue: list[tuple[int, int, object]] = []
+        self._seq = itertools.count()
+
+    def _qsize(self) -> int:
+        return len(self.queue)
+
+    def _put(self, item: object) -> None:
+        heapq.heappush(self.queue, (getattr(item, "priority", 0), next(self._seq), item))
+
+    def _get(self) -> object:
+        return heapq.heappop(self.queue)[2]
 
 
 class QueuedLane(Lane):
@@ -33,7 +53,7 @@ class QueuedLane(Lane):
         self._accepted: dict[str, SlotExtents | None] = {}  # request id -> where it may write (None: anywhere)
         self._apply_lock = threading.Lock()  # held while a batch lands, so revoke() waits for it
         self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = PriorityOutbox()
         self._closed = threading.Event()
 
     # -- receiving side -------------------------------------------------------------

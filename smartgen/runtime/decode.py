@@ -239,6 +239,29 @@ class DecodeRunner:
             rows.append(torch.cat([prompt[b], generated], dim=1))
         return pad_rows(rows), widened
 
+    def fetch_forecast(
+        self, request_id: str, queries: dict[int, torch.Tensor], metadata: list[dict[str, torch.Tensor]], length: int
+    ) -> int:
+        """Selects with a FORECAST's queries (the first step's, from the prefill node) and has the engine fetch the
+        remote entries of each layer's pick at low priority; returns the entries asked for. A selector that picks by
+        something other than the query (a look-ahead one) or picks everything gets none."""
+        if isinstance(self.selector, DenseSelector) or self.selector.lookahead:
+            return 0
+        config = self.model.config
+        shape = (
+            config.num_attention_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        )
+        batch = DecodeBatch([request_id], [length], [metadata], torch.zeros(1, dtype=torch.int64))
+        asked = 0
+        for layer, query in sorted(queries.items()):
+            if not (DENSE_LAYERS <= layer < self.num_layers and self.kinds.is_full(layer)) or query.shape != shape:
+                continue  # a layer no step selects in, or a query of another model: nothing to forecast there
+            step_query = query.to(device=self.model.device, dtype=self.model.dtype)[None]  # [1, Hq, d]
+            index = self.index(layer, batch, step_query, None)
+            asked += self.engine.fetch_forecast(layer, request_id, index.to(self.engine.pool.k.device))
+        return asked
+
     def ranges(self, layer: int, batch: DecodeBatch) -> tuple[list[int], list[int]] | None:
         """Token ranges [start, stop) per request when the layer reads a contiguous span (dense or window)."""
         positions = batch.positions.tolist()

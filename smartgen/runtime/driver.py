@@ -6,7 +6,9 @@ A request's life in the driver:
 2. `step()` collects FIRST_TOKEN: the first token is emitted (TTFT). Under a wait-for-all
    policy (full transfer) it waits until every block is local, and while other requests are
    running any other policy waits until its layers 0-1 are (its first step would wait for them,
-   and the whole batch with it); then it joins the running batch at the step boundary.
+   and the whole batch with it). A request whose FIRST_TOKEN promised a forecast waits for it, fetches the
+   picks its queries give, and, while others run, joins only once they are local; then it joins the running
+   batch at the step boundary.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
@@ -189,6 +191,16 @@ class DecodeDriver:
                 waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
                     self.running and not self.engine.dense_layers_local(rid)
                 )
+                # the first step's forecast: wait for it, fetch its picks, and join a running batch only once they
+                # are local (its step would wait for them, and the batch with it); alone, it starts at once and its
+                # step waits for what is in flight layer by layer
+                if not waiting and self.engine.forecast_pending(rid):
+                    waiting = True
+                elif not waiting:
+                    if (queries := self.engine.take_forecast(rid)) is not None:
+                        metadata = self.engine.request_metadata(rid)
+                        self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
+                    waiting = bool(self.running) and not self.engine.forecast_landed(rid)
                 if waiting:
                     if stall := self.engine.stall(rid, self.prefill_timeout):
                         reason = f"its KV stalled: {stall.describe(self.prefill_timeout)}"

@@ -33,6 +33,8 @@ class PrefillOutput:
     first_token: int
     logits: torch.Tensor  # [V] float32 at the last prompt position
     metadata: list[dict[str, torch.Tensor]]  # per layer; {} where the layer needs none
+    cache: DynamicCache | None = None  # the prompt's K/V as HF keeps them (a run with keep_cache=True), for `forecast`
+    length: int = 0  # prompt tokens
 
 
 class _PrefillHandler:
@@ -99,6 +101,7 @@ class PrefillRunner:
         *,
         last_query_scores: bool = False,
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep_cache: bool = False,
     ) -> PrefillOutput:
         """Prefills one prompt; `on_layer` gets each layer's K/V as soon as it exists.
 
@@ -107,6 +110,7 @@ class PrefillRunner:
         `prefix`: K and V [L, P, H, d] of the prompt's first P tokens (a prefix cache hit): only the rest is
         computed, and `on_layer` still gets every token's K/V. Selector metadata then sees the queries of
         the computed tokens only (see `Selector.reads_prefill_queries`).
+        `keep_cache`: the output keeps HF's cache of the prompt, so `forecast` can run the first decode step.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(1, -1).to(self.model.device)
         if ids.shape[1] == 0:
@@ -115,6 +119,10 @@ class PrefillRunner:
         if cached >= ids.shape[1]:
             raise ValueError(f"a cached prefix of {cached} tokens leaves nothing of the {ids.shape[1]}-token prompt")
         extra: dict[str, Any] = {}
+        length = ids.shape[1]
+        if keep_cache:
+            extra["cache"] = DynamicCache()
+            extra["use_cache"] = True
         if prefix is not None and cached:
             device = self.model.device
             # [L, P, H, d] -> per layer [1, H, P, d]; a cache built without the config keeps every layer whole,
@@ -141,7 +149,35 @@ class PrefillRunner:
                 self.capture.stop()
         token = int(self.sampler(logits.unsqueeze(0))[0])
         metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
-        return PrefillOutput(token, logits, metadata)
+        return PrefillOutput(token, logits, metadata, extra.get("cache") if keep_cache else None, length)
+
+    def forecast(self, output: PrefillOutput) -> dict[int, torch.Tensor]:
+        """The first decode step, run here on the prompt's whole K/V (dense attention): its post-RoPE query [Hq, d]
+        for every layer a decode step selects in (full attention, layer >= 2). The decode step attends sparsely, so
+        its own queries differ a little; the decode node selects with these to fetch ahead, never to attend."""
+        if output.cache is None:
+            raise ValueError("forecast needs a prefill run with keep_cache=True")
+        handler = _ForecastHandler(self.kinds)
+        token = torch.tensor([[output.first_token]], dtype=torch.int64, device=self.model.device)
+        position = torch.tensor([[output.length]], dtype=torch.int64, device=self.model.device)
+        with torch.no_grad(), use_handler(handler):
+            self.model(input_ids=token, position_ids=position, cache=output.cache, use_cache=True, logits_to_keep=1)
+        output.cache = None  # the K/V are the engine's to keep; this copy goes now
+        return handler.queries
+
+
+class _ForecastHandler:
+    needs_mask = True
+
+    def __init__(self, kinds: LayerKinds) -> None:
+        self.kinds = kinds
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs: Any):
+        layer = module.layer_idx
+        if layer >= DENSE_LAYERS and self.kinds.is_full(layer):
+            self.queries[layer] = query[0, :, -1].detach().contiguous()  # [Hq, d]
+        return dense_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 class _CaptureQK:

@@ -4,7 +4,9 @@ For each request the engine has opened:
 1. the model runs over the prompt (only past its cached prefix, when the engine's prefix cache
    holds one); each layer's K/V go to the engine as soon as the layer is done (pushed per the
    request's plan), its selector metadata to the decode side;
-2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies);
+2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies), then, for a
+   policy that forecasts, the first decode step runs here on the whole K/V and its queries leave
+   (FORECAST): the decode node fetches what that step will pick before the step;
 3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
    decode side at once (ERROR, with the reason), and the worker goes on with the next.
 """
@@ -21,7 +23,7 @@ import torch
 
 from smartgen.engine.policy import Strategy
 from smartgen.engine.prefill import OpenedRequest, PrefillEngine, RequestGone
-from smartgen.runtime.prefill import PrefillRunner
+from smartgen.runtime.prefill import PrefillOutput, PrefillRunner
 
 __all__ = ["PrefillWorker", "KVTransform"]
 
@@ -80,18 +82,22 @@ class PrefillWorker:
             # a selector that reads every prompt query would see only the computed ones: no cached prefix for it
             prefix = None if self.runner.selector_reads_queries else self.engine.lookup_prefix(request)
             computed = request.length - (0 if prefix is None else prefix[0].shape[1])
+            forecast = self._forecasts(request)
             output = self.runner.run(
                 request.prompt,
                 on_layer=functools.partial(self._hand_off, rid),
                 last_query_scores=request.policy.strategy == Strategy.QUERY,
                 prefix=prefix,
+                **({"keep_cache": True} if forecast else {}),
             )
             self.computed_tokens += computed
             if self.on_prefilled is not None:
                 self.on_prefilled(computed, time.monotonic() - started)
             if self.on_metadata is not None and not request.resumed:
                 self.on_metadata(request.length, self._metadata_bytes)
-            self.engine.finish_prefill(rid, output.first_token)
+            self.engine.finish_prefill(rid, output.first_token, forecast=forecast)
+            if forecast:
+                self._forecast(rid, output)
         except RequestGone:
             return False  # released or aborted while prefilling (the decode node gave up on it)
         except Exception as exc:  # a failed prefill fails its request, not the worker
@@ -108,6 +114,29 @@ class PrefillWorker:
             self.engine.cache_prefix(request, raw)
         self.num_prefilled += 1
         return True
+
+    def _forecasts(self, request: OpenedRequest) -> bool:
+        """Whether this request gets a FORECAST of its first decode step: its policy asks, the runner can run one
+        (a model, not a synthetic stand-in) and its selector picks a share (a dense one picks everything)."""
+        selector = getattr(self.runner, "selector", None)
+        return (
+            request.policy.forecast
+            and not request.resumed
+            and hasattr(self.runner, "forecast")
+            and selector is not None
+            and selector.sparse
+            and not selector.lookahead
+        )
+
+    def _forecast(self, request_id: str, output: PrefillOutput) -> None:
+        """The first decode step's queries, to the decode node. FIRST_TOKEN promised them, so a failure here still
+        sends a FORECAST (an empty one): the decode node then decodes without it."""
+        queries: dict[int, torch.Tensor] = {}
+        try:
+            queries = self.runner.forecast(output)
+        except Exception:
+            log.warning("forecast of %s failed; its decode node goes on without", request_id, exc_info=True)
+        self.engine.send_forecast(request_id, queries)
 
     def _hand_off(
         self,

@@ -12,8 +12,8 @@ from smartgen.engine import messages as msg
 from smartgen.engine.decode.control import DecodeControl
 from smartgen.engine.decode.progress import Arrival
 from smartgen.engine.decode.request import DecodeRequest, RequestFailed
-from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.engine.index_ops import entry_status
+from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.engine.mask import LOCAL
 from smartgen.engine.metrics import RequestMetrics, RequestState
 from smartgen.engine.policy import Policy
@@ -118,8 +118,11 @@ class DecodeEngine(DecodeControl):
     def forecast_pending(self, request_id: str) -> bool:
         """FIRST_TOKEN promised a FORECAST that has not come yet (False once the request failed)."""
         request = self._require_any(request_id)
-        return request.forecast_promised and request.forecast is None and not request.forecast_taken and (
-            not request.metrics.error
+        return (
+            request.forecast_promised
+            and request.forecast is None
+            and not request.forecast_taken
+            and (not request.metrics.error)
         )
 
     def take_forecast(self, request_id: str) -> dict[int, torch.Tensor] | None:

@@ -71,6 +71,10 @@ class DecodeRequest:
     remote_met_before: set[int] | None = None
     # what of its KV has arrived and when (the first-token bound judges this progress); the engine's open sets it
     arrival: Arrival = field(default_factory=lambda: Arrival(0, 0, 0.0))
+    # the first step's forecast: FIRST_TOKEN promised one; its queries once FORECAST came (taken once, then None)
+    forecast_promised: bool = False
+    forecast: dict[int, torch.Tensor] | None = None
+    forecast_taken: bool = False
     flags: DecodeFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:

@@ -105,9 +105,15 @@ class PrefillPath:
         return message.payload_bytes
 
     def finish_prefill(
-        self, request_id: str, first_token: int, metadata: list[dict[str, torch.Tensor]] | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        metadata: list[dict[str, torch.Tensor]] | None = None,
+        *,
+        forecast: bool = False,
     ) -> None:
-        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step.
+        """FIRST_TOKEN, carrying the selector metadata the decode node needs before its first step; `forecast`: it
+        promises a FORECAST (`send_forecast`), which the decode node waits for.
 
         Under a policy that drops remote entries (proactive-only) what the decode node attends must
         not depend on thread timing, so the proactive set lands before FIRST_TOKEN leaves.
@@ -119,9 +125,21 @@ class PrefillPath:
             raise TimeoutError(f"the proactive set of {request_id} did not land within {self.flush_timeout_s:g} s")
         metadata = None if request.resumed else metadata  # a resumed request's decode node kept its metadata
         cached = request.prefix_hit.tokens if request.prefix_hit is not None else 0
-        message = msg.FirstToken(request_id, int(first_token), msg.pack_metadata(metadata or []), cached).pack()
+        packed = msg.pack_metadata(metadata or [])
+        message = msg.FirstToken(request_id, int(first_token), packed, cached, forecast).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
+
+    def send_forecast(self, request_id: str, queries: dict[int, torch.Tensor]) -> int:
+        """FORECAST: the first decode step's query per sparse layer (`PrefillRunner.forecast`), right behind
+        FIRST_TOKEN on the control lane. Returns the bytes sent; 0 when the request has gone meanwhile."""
+        request = self._get(request_id)
+        if request is None:
+            return 0
+        message = msg.Forecast(request_id, queries).pack()
+        request.link.control.send(message, tag="metadata")
+        self.counters.add("metadata", message.payload_bytes)
+        return message.payload_bytes
 
     def push_speculative(self, request: OpenedRequest) -> int:
         """Pushes the next slice of unsent blocks, most important first; 0 if one is still in flight. Called on
@@ -343,6 +361,8 @@ class PrefillPath:
                 sent[heads] = False
                 request.unsent[layer, positions] = sent  # a push still sends a token while any head is unsent
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
+        if message.low:  # a forecast's fetch: after every reply a running request's step waits for
+            reply.priority = 1
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)
         request.fetched_since_idle += reply.payload_bytes
