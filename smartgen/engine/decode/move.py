@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -276,8 +277,9 @@ class DecodePath:
                 fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
         return fetches
 
-    def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor) -> Future:
-        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost)."""
+    def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor, *, low: bool = False) -> Future:
+        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost). `low`:
+        its reply goes after the replies to other fetches queued at the prefill node (a forecast's)."""
         future: Future = Future()
         link = request.link  # once: a lost link may be swapped for another under us (recompute)
         with self._lock:
@@ -286,6 +288,8 @@ class DecodePath:
         if not link.alive:
             future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
         fetch = fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
+        if low:
+            fetch = dataclasses.replace(fetch, low=True)
         landing = self._landing(request, layer, entries) if link.control.lands_replies else None
         link.control.send(fetch.pack(), tag="fetch_request", landing=landing)
         return future
