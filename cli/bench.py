@@ -27,15 +27,19 @@ from .options import (
     parse_decode_ratio,
 )
 from .progress import progress_bar
+from .sizes import parse_size
 from .store_options import Db
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
+    from smartgen.apps.bench.config import TraceSpec
+
 PANEL_WORK = "Workload"
 PANEL_RUN = "Run and output"
 PANEL_LOAD = "Load mode"
+PANEL_TRACE = "Trace mode"
 
 
 NORMAL = {"lengths": "2048", "blocks": "1024", "output_tokens": "64", "reps": "3"}
@@ -113,17 +117,109 @@ def bench(
     separate_cpus: SeparateCpus = True,
     device: Device = "cpu",
     load_rate: Annotated[
-        float | None,
+        str,
         option(
             PANEL_LOAD,
-            "Load mode: Poisson arrivals at this many requests per second against the decode node's API, "
-            "each scheme for --load-duration, instead of rounds; reports goodput (like `vllm bench serve`).",
-            min=0.001,
+            "Load mode: Poisson arrivals at this many requests per second against the decode node's API, each scheme "
+            "for --load-duration, instead of rounds; reports goodput (like `vllm bench serve`). A comma list is a "
+            "sweep: one run per rate and scheme, and goodput.png draws goodput against the rate. With --trace, each "
+            "rate rescales the trace's arrival times to that mean rate (instead of --time-scale).",
+        ),
+    ] = "",
+    load_duration: Annotated[float, option(PANEL_LOAD, "Load mode: seconds of arrivals per scheme.", min=1.0)] = 30.0,
+    slo_ttft: Annotated[
+        float, option(PANEL_LOAD, "Load and trace modes: TTFT objective in seconds (0: not checked).", min=0.0)
+    ] = 2.0,
+    slo_tbt: Annotated[
+        float,
+        option(
+            PANEL_LOAD,
+            "Load and trace modes: objective in seconds for a request's mean time between tokens after the second "
+            "(0: not checked).",
+            min=0.0,
+        ),
+    ] = 0.2,
+    slo_ttst: Annotated[
+        float,
+        option(
+            PANEL_LOAD,
+            "Load and trace modes: time-to-second-token objective in seconds (the stall before decoding; 0: not "
+            "checked). Goodput counts a request only if it meets every objective given.",
+            min=0.0,
+        ),
+    ] = 0.0,
+    trace: Annotated[
+        Path | None,
+        option(
+            PANEL_TRACE,
+            "Trace mode: replay this JSONL trace in the Mooncake FAST'25 format (timestamp ms, input_length, "
+            "output_length, hash_ids: one id per 512-token block) against every scheme, each on fresh nodes with "
+            "both prefix caches on; equal hash ids give equal prompt blocks, so the caches see the trace's reuse.",
         ),
     ] = None,
-    load_duration: Annotated[float, option(PANEL_LOAD, "Load mode: seconds of arrivals per scheme.", min=1.0)] = 30.0,
-    slo_ttft: Annotated[float, option(PANEL_LOAD, "Load mode: TTFT objective in seconds.", min=0.001)] = 2.0,
-    slo_tbt: Annotated[float, option(PANEL_LOAD, "Load mode: mean-TBT objective in seconds.", min=0.0001)] = 0.2,
+    time_scale: Annotated[
+        float,
+        option(PANEL_TRACE, "Trace mode: arrival times are multiplied by this (0.5 replays twice as fast).", min=1e-6),
+    ] = 1.0,
+    length_scale: Annotated[
+        float,
+        option(
+            PANEL_TRACE,
+            "Trace mode: prompt and output lengths are multiplied by this; a hash id covers round(512 x this) "
+            "tokens (the last block keeps its share of a block); outputs keep at least 4 tokens.",
+            min=1e-6,
+        ),
+    ] = 1.0,
+    max_requests: Annotated[
+        int | None, option(PANEL_TRACE, "Trace mode: replay at most this many requests (after --start).", min=1)
+    ] = None,
+    start: Annotated[
+        int,
+        option(
+            PANEL_TRACE,
+            "Trace mode: skip the trace's first N requests (times then count from the first one replayed).",
+            min=0,
+        ),
+    ] = 0,
+    max_input: Annotated[
+        int | None,
+        option(
+            PANEL_TRACE,
+            "Trace mode: longest prompt in tokens (after scaling); longer ones are clipped or refused as "
+            "--over-length says, and counted. Default: no limit (the nodes are sized for the longest).",
+            min=1,
+        ),
+    ] = None,
+    over_length: Annotated[
+        str,
+        option(
+            PANEL_TRACE,
+            "Trace mode: a prompt over --max-input is clipped to its first --max-input tokens (clip) or not sent "
+            "and counted refused (refuse).",
+        ),
+    ] = "clip",
+    trace_cache_bytes: Annotated[
+        str, option(PANEL_TRACE, "Trace mode: each node's prefix cache size (serve --prefix-cache-bytes), e.g. 512M.")
+    ] = "1G",
+    max_batch: Annotated[
+        int | None,
+        option(
+            PANEL_TRACE,
+            "Load and trace modes: the decode node's --max-batch (requests decoding at once; default: the largest "
+            "--batch in load mode, 8 in trace mode).",
+            min=1,
+        ),
+    ] = None,
+    slo_from_full: Annotated[
+        float | None,
+        option(
+            PANEL_TRACE,
+            "Trace mode: set --slo-ttft and --slo-tbt to this many times full transfer's own unloaded TTFT and TBT "
+            "(two requests of the reference length sent alone to full transfer's paced nodes before its replay; "
+            "the second is measured), e.g. 2.",
+            min=1e-6,
+        ),
+    ] = None,
     lane: Lane = "tcp",
     rdma_device: RdmaDevice = None,
     rdma_port: RdmaPort = None,
@@ -173,15 +269,42 @@ def bench(
     from smartgen.apps.bench import BenchConfig, run_bench
     from smartgen.apps.bench.output import write_outputs
     from smartgen.apps.bench.stats import summarize
-    from smartgen.apps.bench.tables import load_table, point_tables, prefix_table, regime_line
+    from smartgen.apps.bench.tables import (
+        latency_table,
+        load_table,
+        nodes_table,
+        point_tables,
+        prefix_table,
+        regime_line,
+    )
     from smartgen.store import StoreError
 
     defaults = QUICK if quick else NORMAL
+    rates = numbers(load_rate, "--load-rate", float)
+    try:
+        trace_spec = _trace_spec(
+            trace,
+            time_scale,
+            length_scale,
+            start,
+            max_requests,
+            max_input,
+            over_length,
+            trace_cache_bytes,
+            slo_from_full,
+        )
+        if trace_spec is not None and lengths is None:
+            from smartgen.apps.bench.trace_run import reference_length
+
+            lengths = str(reference_length(trace_spec.read()))  # the pilot's stall ratio at the median prompt
+    except ValueError as exc:
+        fail(str(exc))
     lengths = lengths or defaults["lengths"]
     blocks = blocks or defaults["blocks"]
     output_tokens = output_tokens or int(defaults["output_tokens"])
     reps = reps or int(defaults["reps"])
-    if strategies == DEFAULT_STRATEGY_OPTION and (load_rate is not None or prefix_hit):
+    loaded = bool(rates) or trace is not None
+    if strategies == DEFAULT_STRATEGY_OPTION and (loaded or prefix_hit):
         strategies = strategies.replace(",optimal", "")  # no full-transfer run of the same prompt to replay
     try:
         config = BenchConfig(
@@ -191,6 +314,7 @@ def bench(
             selector=selector,
             lane=lane,
             batch=numbers(batch, "--batch", int),
+            max_batch=max_batch,
             lengths=numbers(lengths, "--lengths", int),
             stall_ratio=numbers(stall_ratio, "--stall-ratio", float),
             link_gbps=numbers(link_gbps, "--link-gbps", float),
@@ -207,10 +331,12 @@ def bench(
             reps=reps,
             warmup=warmup,
             seed=seed,
-            load_rate=load_rate,
+            load_rate=rates,
             load_duration_s=load_duration,
-            slo_ttft_s=slo_ttft,
-            slo_tbt_s=slo_tbt,
+            slo_ttft_s=slo_ttft or None,
+            slo_tbt_s=slo_tbt or None,
+            slo_ttst_s=slo_ttst or None,
+            trace=trace_spec,
             db=db,
             device=device,
         )
@@ -229,7 +355,12 @@ def bench(
         console.print(f"[yellow]note:[/] {note}")
     for index in range(len(result.points)):
         console.print(f"\n[bold]{regime_line(result, index)}[/]")
-        for table in [load_table(result, index)] if result.loads else point_tables(result, summaries, index):
+        tables = (
+            [load_table(result, index), latency_table(result, index), nodes_table(result, index)]
+            if result.loads
+            else point_tables(result, summaries, index)
+        )
+        for table in tables:
             console.print(table)
     if (sweep := prefix_table(result, summaries)) is not None:
         console.print()
@@ -238,6 +369,37 @@ def bench(
     console.print(f"\nwrote {', '.join(str(p) for p in written)}")
     if not result.loads and not any(p.suffix == ".png" for p in written):
         console.print("no figures: they need matplotlib (pip install 'smartgen\\[plot]')")
+
+
+def _trace_spec(
+    trace: Path | None,
+    time_scale: float,
+    length_scale: float,
+    start: int,
+    max_requests: int | None,
+    max_input: int | None,
+    over_length: str,
+    cache_bytes: str,
+    slo_from_full: float | None,
+) -> TraceSpec | None:
+    """Trace mode's settings, or None without --trace (then its options must be left at their defaults)."""
+    from smartgen.apps.bench.config import TraceSpec
+
+    if trace is None:
+        if slo_from_full is not None:
+            raise ValueError("--slo-from-full derives the SLOs in trace mode: give --trace too")
+        return None
+    return TraceSpec(
+        path=trace,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        start=start,
+        max_requests=max_requests,
+        max_input=max_input,
+        over_length=over_length,
+        cache_bytes=parse_size(cache_bytes, "--trace-cache-bytes"),
+        slo_from_full=slo_from_full,
+    )
 
 
 @contextmanager

@@ -129,7 +129,7 @@ def test_bench_refuses_bad_input() -> None:
     for args, message in [
         (["--schemes", "smartgen"], "must include full"),
         (["--schemes", "full,warp"], "unknown scheme"),
-        (["--strategies", "optimal", "--load-rate", "1"], "load mode has not"),
+        (["--strategies", "optimal", "--load-rate", "1"], "load and trace modes have not"),
         (["--batch", "two"], "comma-separated whole numbers"),
         (["--budget", "1.5"], "shares of the prompt"),
         (["--model", "random:x"], "random:LAYERS"),
@@ -237,6 +237,7 @@ def test_percentile() -> None:
 
 
 def test_load_mode_counts_goodput_against_both_objectives():
+    from smartgen.apps.bench.client import RequestFailed
     from smartgen.apps.bench.load import LoadSpec, run_load
 
     answers = [
@@ -246,24 +247,31 @@ def test_load_mode_counts_goodput_against_both_objectives():
     ]
 
     def send(i: int) -> dict:
-        if i % 4 == 3:
-            raise OSError("HTTP Error 503: Service Unavailable")
+        if i % 8 == 3:
+            raise RequestFailed("HTTP 503: overloaded: no pool slot")  # refused before streaming
+        if i % 8 == 7:
+            raise RequestFailed("failed while streaming (504): no first token")
         return answers[i % 4]
 
     spec = LoadSpec(rate=200.0, duration_s=0.5, slo_ttft_s=2.0, slo_tbt_s=0.2)
     run = run_load(send, spec, point=0, scheme="full", seed=1)
     assert run.arrivals > 20  # Poisson at 200/s over 0.5 s: about 100
-    assert run.completed + run.failed == run.arrivals == len(run.requests)
-    assert run.failed == run.arrivals // 4
-    assert run.met_slo == (run.arrivals + 3) // 4  # requests 0, 4, 8, ...
-    assert run.goodput == pytest.approx(run.met_slo / 0.5)
+    assert run.completed + run.failed + run.refused == run.arrivals == len(run.requests)
+    assert run.refused == (run.arrivals + 4) // 8 and run.failed == run.arrivals // 8
+    assert run.metrics.failures == {
+        "refused: HTTP 503": run.refused,
+        "failed: failed while streaming (504)": run.failed,
+    }
+    metrics = run.metrics
+    assert metrics.met_slo == (run.arrivals + 3) // 4  # requests 0, 4, 8, ...
+    assert run.goodput == pytest.approx(metrics.met_slo / run.wall_s)  # per second of the run, as vLLM's
     assert run.percentiles("ttft")["p50"] == 0.5 and run.percentiles("node_ttft")["p50"] == 0.49
     assert run.ttft_minus_node()["max"] == pytest.approx(0.01)
-    assert all(r["node_ttft"] is None for r in run.requests if r["error"])
+    assert all(r.get("node_ttft") is None for r in run.requests if r["error"])
     with pytest.raises(ValueError, match="positive"):
         LoadSpec(rate=0)
     with pytest.raises(ValueError, match="--slo-ttft"):
-        BenchConfig(load_rate=1.0, slo_ttft_s=0)
+        BenchConfig(load_rate=(1.0,), slo_ttft_s=0, strategies=())
 
 
 @pytest.mark.slow  # real nodes with prefix caches, about 50 s: `make test-slow`

@@ -227,9 +227,12 @@ def test_joins_reach_the_summary_the_waits_table_and_the_files(tmp_path: Path) -
 
 
 def test_the_load_table_shows_the_clients_ttft_minus_the_nodes_within_80_columns() -> None:
-    config = BenchConfig(schemes=("full", "partial+profile+parallel"), strategies=(), load_rate=2.0)
-    requests = [{"ttft": 0.5 + i / 100, "node_ttft": 0.497 + i / 100, "tbt": 0.01, "error": None} for i in range(5)]
-    runs = [LoadRun(0, scheme, 2.0, 6, 5, 1, 5, 30.0, 31.0, requests) for scheme in config.all_schemes]
+    config = BenchConfig(schemes=("full", "partial+profile+parallel"), strategies=(), load_rate=(2.0,))
+    requests = [
+        {"ttft": 0.5 + i / 100, "node_ttft": 0.497 + i / 100, "tbt": 0.01, "outcome": "served", "error": None}
+        for i in range(5)
+    ] + [{"outcome": "failed", "error": "HTTP 503: overloaded"}]
+    runs = [LoadRun(0, scheme, 2.0, 30.0, 31.0, config.slos(), requests) for scheme in config.all_schemes]
     result = BenchResult(config, "m", False, config.points(), [_regime()], loads=runs)
     assert runs[0].ttft_minus_node() == pytest.approx({"p50": 0.003, "max": 0.003})
     lines = _render((load_table(result, 0),), 80)

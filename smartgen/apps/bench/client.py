@@ -62,6 +62,19 @@ class Streamed:
             "node_ctl": usage.get("ctl") or [],
         }
 
+    def record(self) -> dict[str, Any]:
+        """`timings()` with what a load or trace run keeps of the usage: prompt and output tokens (the node's count,
+        as vLLM's output_len), prompt tokens the prefill node's prefix cache supplied (`cached_tokens`) and those
+        the decode node's held (`held_tokens`)."""
+        usage = self.usage
+        return {
+            **self.timings(),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "output_tokens": usage.get("completion_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "held_tokens": usage.get("held_tokens"),
+        }
+
 
 def stream_completion(url: str, body: dict[str, Any], timeout: httpx.Timeout = TIMEOUT) -> Streamed:
     """POSTs `body` to `url`/v1/completions as a stream with usage (and the node's token times) and reads it to its

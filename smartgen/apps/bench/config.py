@@ -9,7 +9,16 @@ from typing import Any
 
 from smartgen.engine.policy import check_servable, get_policy
 
-__all__ = ["BenchConfig", "LoadSpec", "Point", "DEFAULT_SCHEMES", "DEFAULT_STRATEGIES", "DEFAULT_TASKS", "lane_words"]
+__all__ = [
+    "BenchConfig",
+    "LoadSpec",
+    "TraceSpec",
+    "Point",
+    "DEFAULT_SCHEMES",
+    "DEFAULT_STRATEGIES",
+    "DEFAULT_TASKS",
+    "lane_words",
+]
 
 DEFAULT_SCHEMES = (
     "full",
@@ -62,18 +71,70 @@ class Point:
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load mode: Poisson arrivals at `rate` for `duration_s`, and the objectives goodput counts against."""
+    """Load mode: Poisson arrivals at `rate` for `duration`, and the objectives goodput counts against (None: off)."""
 
     rate: float  # requests per second, offered
     duration_s: float = 30.0  # arrival window
-    slo_ttft_s: float = 2.0
-    slo_tbt_s: float = 0.2
+    slo_ttft_s: float | None = 2.0
+    slo_tbt_s: float | None = 0.2
+    slo_ttst_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.rate > 0 or not self.duration_s > 0:
             raise ValueError("--load-rate and --load-duration must be positive")
-        if not self.slo_ttft_s > 0 or not self.slo_tbt_s > 0:
-            raise ValueError("--slo-ttft and --slo-tbt must be positive")
+        self.slos()  # its own checks
+
+    def slos(self) -> Any:
+        """The objectives as goodput.SLOs."""
+        from smartgen.apps.bench.goodput import SLOs  # goodput imports stats, which imports this module
+
+        return SLOs(self.slo_ttft_s, self.slo_ttst_s, self.slo_tbt_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    """Trace mode (trace.py): which slice of a Mooncake-format trace is replayed, scaled how, on what nodes."""
+
+    path: Path
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    start: int = 0  # requests of the file skipped
+    max_requests: int | None = None
+    max_input: int | None = None  # prompt tokens; longer ones are clipped or refused (over_length)
+    over_length: str = "clip"
+    cache_bytes: int = 2**30  # each node's prefix cache (`serve --prefix-cache-bytes`)
+    slo_from_full: float | None = None  # SLOs = this x full transfer's unloaded TTFT and TBT
+
+    def __post_init__(self) -> None:
+        from smartgen.apps.bench.trace import OVER_LENGTH, block_tokens_for
+
+        if not self.time_scale > 0:
+            raise ValueError("--time-scale must be positive")
+        block_tokens_for(self.length_scale)  # its own check
+        if self.start < 0 or (self.max_requests is not None and self.max_requests < 1):
+            raise ValueError("--start must be >= 0 and --max-requests >= 1")
+        if self.max_input is not None and self.max_input < 1:
+            raise ValueError("--max-input must be at least 1 token")
+        if self.over_length not in OVER_LENGTH:
+            raise ValueError(f"--over-length must be one of {', '.join(OVER_LENGTH)}")
+        if self.slo_from_full is not None and not self.slo_from_full > 0:
+            raise ValueError("--slo-from-full must be positive")
+        if self.cache_bytes <= 0:
+            raise ValueError("--trace-cache-bytes must be positive: trace mode replays the trace's prefix reuse")
+
+    def read(self) -> Any:
+        """The replayed slice (trace.TraceSlice); ValueError for a file that is not such a trace."""
+        from smartgen.apps.bench.trace import read_trace
+
+        return read_trace(
+            self.path,
+            time_scale=self.time_scale,
+            length_scale=self.length_scale,
+            start=self.start,
+            max_requests=self.max_requests,
+            max_input=self.max_input,
+            over_length=self.over_length,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +166,15 @@ class BenchConfig:
     warmup: int = 1
     tasks: tuple[str, ...] = DEFAULT_TASKS  # eval-suite tasks the prompts come from, in turn
     seed: int = 0
-    # load mode (`--load-rate`): Poisson arrivals for load_duration_s per scheme instead of rounds, goodput under SLOs
-    load_rate: float | None = None
+    # load mode (`--load-rate`): Poisson arrivals for load_duration_s per scheme and rate instead of rounds, goodput
+    # under the SLOs (None: not checked); with a trace, each rate rescales the trace's arrival times instead
+    load_rate: tuple[float, ...] = ()
     load_duration_s: float = 30.0
-    slo_ttft_s: float = 2.0
-    slo_tbt_s: float = 0.2
+    slo_ttft_s: float | None = 2.0
+    slo_tbt_s: float | None = 0.2
+    slo_ttst_s: float | None = None
+    trace: TraceSpec | None = None  # trace mode: replay this trace (trace.py) instead of rounds or Poisson arrivals
+    max_batch: int | None = None  # the decode node's --max-batch; None: the largest batch (8 in trace mode)
     db: Path | None = None
     out: Path | None = None
 
@@ -154,19 +219,24 @@ class BenchConfig:
             raise ValueError("--prefix-hit values must be percentages in [0, 100)")
         if self.prefix_cache not in PREFIX_CACHE_SIDES:
             raise ValueError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_SIDES)}")
-        if self.prefix_hit and self.load_rate is not None:
-            raise ValueError("--prefix-hit runs in rounds; it does not combine with --load-rate")
+        if self.prefix_hit and self.loaded:
+            raise ValueError("--prefix-hit runs in rounds; it does not combine with --load-rate or --trace")
+        if any(not r > 0 for r in self.load_rate):
+            raise ValueError("--load-rate values must be positive")
         if self.lane == "inproc" and max(self.prefill_nodes) > 1:
             raise ValueError("--lane inproc runs one prefill node beside the decode node: --prefill-nodes must be 1")
         if self.lane == "inproc" and self.prefix_hit and self.prefix_cache != "both":
             raise ValueError("--lane inproc sizes both nodes' prefix caches alike: use --prefix-cache both")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("--max-batch must be at least 1")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
         self.load_spec()  # its own checks
-        if self.needs_oracle and self.load_rate is not None:
+        self.slos()
+        if self.needs_oracle and self.loaded:
             raise ValueError(
-                "the optimal strategy replays full transfer's run of the same prompt, which load mode has not: "
-                "leave it out of --strategies with --load-rate"
+                "the optimal strategy replays full transfer's run of the same prompt, which load and trace modes have "
+                "not: leave it out of --strategies with --load-rate or --trace"
             )
         if self.needs_oracle and self.prefix_hit:
             raise ValueError(
@@ -174,11 +244,31 @@ class BenchConfig:
                 "gives every scheme prompts of its own: leave it out of --strategies with --prefix-hit"
             )
 
-    def load_spec(self) -> LoadSpec | None:
-        """The load mode's LoadSpec, or None when the run is in rounds."""
-        if self.load_rate is None:
+    def load_spec(self, rate: float | None = None) -> LoadSpec | None:
+        """The load mode's LoadSpec at `rate` (default: the first of --load-rate), or None when the run is in rounds
+        or replays a trace."""
+        if not self.load_rate or self.trace is not None:
             return None
-        return LoadSpec(self.load_rate, self.load_duration_s, self.slo_ttft_s, self.slo_tbt_s)
+        return LoadSpec(
+            rate or self.load_rate[0], self.load_duration_s, self.slo_ttft_s, self.slo_tbt_s, self.slo_ttst_s
+        )
+
+    def slos(self) -> Any:
+        """The objectives goodput counts against (goodput.SLOs)."""
+        from smartgen.apps.bench.goodput import SLOs
+
+        return SLOs(self.slo_ttft_s, self.slo_ttst_s, self.slo_tbt_s)
+
+    @property
+    def node_batch(self) -> int:
+        """The decode node's --max-batch: as given, else the largest --batch (8 in trace mode, whose requests come
+        on the trace's clock)."""
+        return self.max_batch or (8 if self.trace is not None else max(self.batch))
+
+    @property
+    def loaded(self) -> bool:
+        """Whether requests come on their own clock (load or trace mode) rather than in rounds."""
+        return bool(self.load_rate) or self.trace is not None
 
     @property
     def all_schemes(self) -> tuple[str, ...]:
@@ -207,4 +297,6 @@ class BenchConfig:
         data = asdict(self)
         data["db"] = str(self.db) if self.db else None
         data["out"] = str(self.out) if self.out else None
+        if self.trace is not None:
+            data["trace"]["path"] = str(self.trace.path)
         return data

@@ -12,7 +12,7 @@ from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["figures", "bandwidth_series"]
+__all__ = ["figures", "bandwidth_series", "goodput_figure", "goodput_series"]
 
 
 def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Path]:
@@ -126,6 +126,45 @@ def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Pa
         fig.tight_layout()
         written.append(_save(fig, out / "bandwidth.png", plt))
     return written
+
+
+def goodput_series(result: BenchResult) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    """goodput.png's data: {point: {scheme: [(offered req/s, goodput req/s), ...] by rate}}."""
+    series: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for run in (r for r in result.loads if r.offered_rate is not None):
+        series.setdefault(run.point, {}).setdefault(run.scheme, []).append((run.offered_rate, run.goodput))
+    for lines in series.values():
+        for line in lines.values():
+            line.sort()
+    return series
+
+
+def goodput_figure(result: BenchResult, out: Path) -> list[Path]:
+    """goodput.png under `out` when a load or trace run swept --load-rate: goodput against offered rate per scheme,
+    a panel per point, the ideal (every request within its SLOs) dashed. None without matplotlib or a sweep."""
+    series = goodput_series(result)
+    if not any(len(line) > 1 for lines in series.values() for line in lines.values()):
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # figures are optional (smartgen[plot]); load.csv holds every number
+        return []
+    fig, axes = plt.subplots(len(series), 1, figsize=(7, 4 * len(series)), squeeze=False)
+    for ax, (point, lines) in zip(axes[:, 0], series.items()):
+        rates = sorted({rate for line in lines.values() for rate, _ in line})
+        ax.plot(rates, rates, "k--", linewidth=1, label="offered (every request within its SLOs)")
+        for scheme, pairs in lines.items():
+            ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", label=scheme)
+        slos = next(r.slos for r in result.loads if r.point == point)
+        ax.set_title(f"{result.points[point].label(result.config.link_mode)}; SLOs: {slos.words()}", fontsize=8)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel("goodput (requests/s within SLOs)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return [_save(fig, out / "goodput.png", plt)]
 
 
 _SWEEP_WORDS: dict[str, Callable[[Any], str]] = {

@@ -8,7 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from smartgen.apps.bench.figures import figures
+from smartgen.apps.bench.figures import figures, goodput_figure
+from smartgen.apps.bench.goodput import LATENCIES, PERCENTILES
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import NODE_METRICS, ROUND_METRICS, Summary
 
@@ -144,7 +145,8 @@ def write_outputs(result: BenchResult, summaries: list[Summary], out: Path) -> l
     written.append(path)
     if result.loads:
         written.append(_load_csv(result, out / "load.csv"))
-        return written  # the figures draw rounds; a load run has none
+        written.extend(goodput_figure(result, out))
+        return written  # the other figures draw rounds; a load run has none
     written.extend(figures(result, summaries, out))
     return written
 
@@ -153,24 +155,39 @@ LOAD_COLUMNS = (
     "point",
     "length",
     "link_gbps",
+    "mode",
     "scheme",
     "offered_rate",
-    "arrivals",
-    "completed",
+    "requests",
+    "served",
     "failed",
+    "refused",
     "met_slo",
+    "slo_ttft_s",
+    "slo_ttst_s",
+    "slo_tbt_s",
+    "duration_s",
     "goodput",
-    "throughput",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "tbt_p50_s",
-    "tbt_p99_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    # the client's latencies as vLLM names them: ttft_mean_s, ttft_p50_s, ttft_p90_s, ttft_p99_s, ...
+    *(f"{m}_{k}_s" for m in LATENCIES for k in ("mean", *(f"p{q}" for q in PERCENTILES))),
     "node_ttft_p50_s",
     "node_ttft_p99_s",
     "node_tbt_p50_s",
     "node_tbt_p99_s",
     "ttft_minus_node_p50_s",
     "ttft_minus_node_max_s",
+    "queue_decode_s",
+    "queue_prefill_s",
+    "link_utilisation",
+    "link_utilisation_back",
+    "link_bytes",
+    "link_bytes_back",
+    "prefix_hit_rate_prefill",
+    "prefix_hit_rate_decode",
+    "failures",
 )
 
 
@@ -179,32 +196,49 @@ def _load_csv(result: BenchResult, path: Path) -> Path:
         writer = csv.DictWriter(handle, fieldnames=LOAD_COLUMNS)
         writer.writeheader()
         for run in result.loads:
-            ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
+            metrics = run.metrics
             node_ttft, node_tbt = run.percentiles("node_ttft"), run.percentiles("node_tbt")
             minus = run.ttft_minus_node()
+            nodes = run.nodes
+            queue = nodes.get("queue_s") or {}
+            hits = nodes.get("prefix_hit_rate") or {}
             writer.writerow(
                 {
                     "point": run.point,
                     "length": result.points[run.point].length,
                     "link_gbps": result.regimes[run.point].link_gbps,
+                    "mode": run.mode,
                     "scheme": run.scheme,
                     "offered_rate": run.offered_rate,
-                    "arrivals": run.arrivals,
-                    "completed": run.completed,
-                    "failed": run.failed,
-                    "met_slo": run.met_slo,
-                    "goodput": run.goodput,
-                    "throughput": run.throughput,
-                    "ttft_p50_s": ttft["p50"],
-                    "ttft_p99_s": ttft["p99"],
-                    "tbt_p50_s": tbt["p50"],
-                    "tbt_p99_s": tbt["p99"],
+                    "requests": metrics.requests,
+                    "served": metrics.served,
+                    "failed": metrics.failed,
+                    "refused": metrics.refused,
+                    "met_slo": metrics.met_slo,
+                    "slo_ttft_s": run.slos.ttft_s,
+                    "slo_ttst_s": run.slos.ttst_s,
+                    "slo_tbt_s": run.slos.tbt_s,
+                    "duration_s": metrics.duration_s,
+                    "goodput": metrics.goodput,
+                    "request_throughput": metrics.request_throughput,
+                    "output_throughput": metrics.output_throughput,
+                    "total_token_throughput": metrics.total_token_throughput,
+                    **{f"{m}_{k}_s": v for m, stats in metrics.latencies.items() for k, v in stats.items()},
                     "node_ttft_p50_s": node_ttft["p50"],
                     "node_ttft_p99_s": node_ttft["p99"],
                     "node_tbt_p50_s": node_tbt["p50"],
                     "node_tbt_p99_s": node_tbt["p99"],
                     "ttft_minus_node_p50_s": minus["p50"],
                     "ttft_minus_node_max_s": minus["max"],
+                    "queue_decode_s": queue.get("decode"),
+                    "queue_prefill_s": queue.get("prefill"),
+                    "link_utilisation": nodes.get("link_utilisation"),
+                    "link_utilisation_back": nodes.get("link_utilisation_back"),
+                    "link_bytes": nodes.get("link_bytes"),
+                    "link_bytes_back": nodes.get("link_bytes_back"),
+                    "prefix_hit_rate_prefill": hits.get("prefill"),
+                    "prefix_hit_rate_decode": hits.get("decode"),
+                    "failures": "; ".join(f"{reason} x{n}" for reason, n in metrics.failures.items()),
                 }
             )
     return path

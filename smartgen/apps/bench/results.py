@@ -52,7 +52,8 @@ class BenchResult:
     points: list[Point]
     regimes: list[Regime]  # one per point
     groups: list[Group] = field(default_factory=list)
-    loads: list[Any] = field(default_factory=list)  # load mode: a LoadRun per point and scheme
+    loads: list[Any] = field(default_factory=list)  # load and trace modes: a LoadRun per point, rate and scheme
+    trace: dict[str, Any] | None = None  # trace mode: the replayed slice (TraceSlice.to_json())
     machine: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     phases: list[dict[str, Any]] = field(default_factory=list)  # Phases.to_json(): where the run's time went
@@ -67,5 +68,6 @@ class BenchResult:
             "phases": self.phases,
             "points": [{**asdict(p), "regime": asdict(r)} for p, r in zip(self.points, self.regimes)],
             "groups": [asdict(g) for g in self.groups],
-            "loads": [{**asdict(run), "goodput": run.goodput, "throughput": run.throughput} for run in self.loads],
+            "loads": [run.to_json() for run in self.loads],
+            "trace": self.trace,
         }

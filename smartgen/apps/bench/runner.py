@@ -13,6 +13,8 @@
 5. A prefix-hit sweep (`prefix_hit`) starts the nodes with their prefix caches on; each point's
    prompts share their first share of tokens (cached by one warm-up request) and continue with
    tokens of their own, so every request hits exactly that prefix and nothing more.
+6. Load mode (`load_rate`) replaces the rounds with Poisson arrivals per rate and scheme on the group's nodes
+   (load.py); trace mode (`trace`) replays a trace slice per rate and scheme on fresh nodes (trace_run.py).
 
 Steps 1, 2 and 3-5 are the phases `progress` sees and results.json records ("model", "pilot", "rounds").
 """
@@ -35,6 +37,7 @@ from smartgen.apps.bench.load import run_load
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.results import BenchResult, Group, Regime
+from smartgen.apps.bench.watch import NodeWatch
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
@@ -44,6 +47,7 @@ PILOT_TOKENS = 8
 PILOT_RUNS = 3
 PREFIX_BLOCK_TOKENS = 16  # `serve --prefix-block-tokens`' default, which the benchmark's nodes run with
 PREFIX_CACHE_BYTES = "8G"  # per node in a prefix sweep: far more than a run's prompts, so nothing is evicted
+TRACE_PROFILE_LENGTH = 1024  # a profile of 512-2048 tokens: the calibration prompts have 985-2049
 TRANSFER_PATHS = ("full", "proactive", "on_demand", "speculative", "metadata")  # "full": full transfer's pushes
 
 
@@ -82,9 +86,11 @@ def run_bench(
     model_path, trained = resolve_model(config.model, config.seed)
     tokenizer = None
     layout = None
+    # a trace's median prompt may be shorter than any calibration prompt; the nodes plan with the nearest profile
+    length = config.lengths[0] if config.trace is None else max(config.lengths[0], TRACE_PROFILE_LENGTH)
     for blocks in sorted(set(config.blocks)):
         _, model, tokenizer = ensure_profile(
-            model_path, config.db, config.selector, config.budget[0], blocks, config.lengths[0], say=say_too
+            model_path, config.db, config.selector, config.budget[0], blocks, length, say=say_too
         )
         layout = kv_layout(model, num_blocks=blocks)
         del model
@@ -93,7 +99,7 @@ def run_bench(
     result = BenchResult(config, str(model_path), trained, points, [], machine=_machine())
     if not trained:
         result.notes.append("random weights: timings only, accuracy not reported")
-    elif short := [t for t in config.tasks if MAX_NEW_TOKENS[t] > config.output_tokens]:
+    elif not config.loaded and (short := [t for t in config.tasks if MAX_NEW_TOKENS[t] > config.output_tokens]):
         result.notes.append(
             f"--output-tokens {config.output_tokens} is shorter than the answers of {', '.join(short)} "
             f"({', '.join(str(MAX_NEW_TOKENS[t]) for t in short)} tokens): their scores read a cut answer"
@@ -102,9 +108,10 @@ def run_bench(
     say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
     phases.start("pilot", len(set(config.lengths)) * (PILOT_RUNS + 1), "pilot: starting unpaced nodes")
     pilot = _pilot(config, model_path, prompts, phases)
-    load = config.load_spec()
-    rounds = 1 if load is not None else config.warmup + config.reps
-    phases.start("rounds", len(points) * rounds * len(config.all_schemes), "starting the paced nodes")
+    trace = config.trace.read() if config.trace is not None else None
+    rates = len(config.load_rate) if config.loaded else 1
+    rounds = 1 if config.loaded else config.warmup + config.reps
+    phases.start("rounds", len(points) * rates * rounds * len(config.all_schemes), "starting the paced nodes")
     by_nodes: dict[tuple, list[int]] = {}
     for i, point in enumerate(points):
         by_nodes.setdefault(point.node_key(), []).append(i)
@@ -119,16 +126,27 @@ def run_bench(
             + f", CPUs {regime.cpus}"
         )
         spec = _spec(config, model_path, first, regime)
+        if trace is not None:  # fresh nodes per rate and scheme (trace_run.py), not one set for the group
+            from smartgen.apps.bench.trace_run import run_trace_point
+
+            vocab = min(len(tokenizer), 32000)
+            for i in indices:
+                regimes[i] = regime
+                runs = run_trace_point(config, i, points[i], spec, regime, trace, vocab, _request, phases, say)
+                result.loads.extend(runs)
+            continue
         phases.say(f"starting nodes ({first.label(config.link_mode)})")
         with LocalCluster(spec) as cluster:
             for i in indices:
                 regimes[i] = regime
                 point = points[i]
-                if load is not None:
+                if config.load_rate:
                     _request(cluster.url, prompts.sample(config.tasks[0], point.length, config.seed).prompt, "full", 4)
-                    for scheme in config.all_schemes:
-                        result.loads.append(_run_load(cluster, config, i, point, scheme, prompts, load))
-                        phases.step(f"{scheme} under load ({point.label(config.link_mode)})")
+                    for rate in config.load_rate:
+                        load = config.load_spec(rate)
+                        for scheme in config.all_schemes:
+                            result.loads.append(_run_load(cluster, config, i, point, scheme, prompts, load, regime))
+                            phases.step(f"{scheme} under load at {rate:g} req/s ({point.label(config.link_mode)})")
                     continue
                 if point.prefix_hit:
                     warm = prompts.prefixed(point, rep=-1, salt=0)[0].prompt  # puts the shared prefix in the caches
@@ -153,6 +171,8 @@ def run_bench(
                         phases.step(f"{scheme} ({point.label(config.link_mode)})")
     phases.end()
     result.regimes = [regimes[i] for i in range(len(points))]
+    if trace is not None:
+        result.trace = trace.to_json()
     result.phases = phases.to_json()
     return result
 
@@ -285,7 +305,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         budget=point.budget,
         speculative_ratio=point.speculative_ratio,
         prefill_nodes=point.prefill_nodes,
-        max_batch=max(config.batch),
+        max_batch=config.node_batch,
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
         separate_cpus=config.separate_cpus,
@@ -421,14 +441,23 @@ def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:
 
 
 def _run_load(
-    cluster: LocalCluster, config: BenchConfig, index: int, point: Point, scheme: str, prompts: _Prompts, load: Any
+    cluster: LocalCluster,
+    config: BenchConfig,
+    index: int,
+    point: Point,
+    scheme: str,
+    prompts: _Prompts,
+    load: Any,
+    regime: Regime,
 ) -> Any:
     tasks = config.tasks
 
     def send(i: int) -> dict[str, Any]:
         sample = prompts.sample(tasks[i % len(tasks)], point.length, config.seed + i)
-        return _request(cluster.url, sample.prompt, scheme, config.output_tokens).timings()
+        return _request(cluster.url, sample.prompt, scheme, config.output_tokens).record()
 
+    watch = NodeWatch(cluster, regime.link_gbps, num_links=point.prefill_nodes).start()
     run = run_load(send, load, index, scheme, config.seed)
+    run.nodes = watch.stop(run.wall_s, run.arrivals)
     _settle(cluster)
     return run

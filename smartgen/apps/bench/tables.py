@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from rich import box
 from rich.table import Table
 from rich.text import Text
@@ -10,7 +13,7 @@ from smartgen.apps.bench.config import lane_words
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["point_tables", "regime_line", "load_table", "prefix_table"]
+__all__ = ["point_tables", "regime_line", "load_table", "latency_table", "nodes_table", "prefix_table"]
 
 MIB = 2**20
 
@@ -155,30 +158,100 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     return timings, node, transfers, waits
 
 
+def _runs(result: BenchResult, point: int) -> list[Any]:
+    return [r for r in result.loads if r.point == point]
+
+
+def _run_label(result: BenchResult, run: Any) -> Text:
+    """The scheme, and the offered rate where several rates ran (a sweep)."""
+    swept = len({r.offered_rate for r in result.loads}) > 1
+    return Text(f"{run.scheme}@{_rate(run.offered_rate)}" if swept else run.scheme)
+
+
+def _rate(value: float | None) -> str:
+    """An offered rate in requests per second; "once" where a trace slice's requests all arrive at once."""
+    return "once" if value is None else f"{value:.3g}"
+
+
 def load_table(result: BenchResult, point: int) -> Table:
-    """The load mode's view of one point: per scheme, what was offered, what finished, goodput, latencies."""
-    config = result.config
+    """Load and trace modes, one point: per scheme (and rate), every request accounted for, goodput, throughput."""
+    runs = _runs(result, point)
+    slos = runs[0].slos.words() if runs else "-"
+    if result.trace is not None:
+        trace = result.trace
+        how = (
+            f"trace {Path(trace['path']).name}: {trace['requests']} requests ({trace['clipped']} clipped, "
+            f"{trace['refused']} refused over --max-input), {trace['block_tokens']} tokens per hash id"
+        )
+    else:
+        config = result.config
+        how = f"Poisson load for {config.load_duration_s:g} s"
     table = _table(
-        f"Poisson load, {config.load_rate:g} req/s for {config.load_duration_s:g} s; goodput: req/s within TTFT <= "
-        f"{config.slo_ttft_s:g} s and TBT <= {config.slo_tbt_s * 1e3:g} ms, as the streaming client saw them; "
-        "latencies in ms; Δ: the client's TTFT minus the node's own, per request, their median",
-        ["scheme", "sent", "done", "fail", "good/s", "done/s", "TTFT p50", "TTFT p99", "TBT p99", "Δ"],
+        f"{how}; goodput: req/s served within {slos}, as the streaming client saw them; ok: served, fail: failed "
+        "with a reason, ref: refused (files: failures by reason); req/s and tok/s: served requests and output "
+        "tokens per second of the run (first sent to last ended); Δ: the client's TTFT minus the node's, median, ms",
+        ["scheme", "rate", "sent", "ok", "fail", "ref", "good/s", "req/s", "tok/s", "Δ"],
     )
-    for run in (r for r in result.loads if r.point == point):
-        ttft, tbt = run.percentiles("ttft"), run.percentiles("tbt")
+    for run in runs:
+        metrics = run.metrics
         table.add_row(
-            Text(run.scheme),
-            str(run.arrivals),
-            str(run.completed),
-            str(run.failed),
-            f"{run.goodput:.2f}",
-            f"{run.throughput:.2f}",
-            _ms(ttft["p50"]),
-            _ms(ttft["p99"]),
-            _ms(tbt["p99"]),
+            _run_label(result, run),
+            _rate(run.offered_rate),
+            str(metrics.requests),
+            str(metrics.served),
+            str(metrics.failed),
+            str(metrics.refused),
+            f"{metrics.goodput:.2f}",
+            f"{metrics.request_throughput:.2f}",
+            f"{metrics.output_throughput:.1f}",
             _ms1(run.ttft_minus_node()["p50"]),
         )
     return table
+
+
+def latency_table(result: BenchResult, point: int) -> Table:
+    """Load and trace modes, one point: per scheme, each latency's mean and p50 / p90 / p99 as vLLM reports them."""
+    table = _table(
+        "latencies in ms as the client saw them (vllm bench serve's definitions): TTFT, TTST (second token: the "
+        "stall), TBT (mean gap after the second token, per request), TPOT ((e2e - TTFT) / (tokens - 1)), ITL (every "
+        "gap between chunks, pooled), E2E",
+        ["scheme", "metric", "mean", "p50", "p90", "p99"],
+    )
+    for run in _runs(result, point):
+        latencies = run.metrics.latencies
+        for i, (key, name) in enumerate(LATENCY_NAMES.items()):
+            stats = latencies[key]
+            label = _run_label(result, run) if i == 0 else Text("")
+            table.add_row(label, name, _ms(stats["mean"]), _ms(stats["p50"]), _ms(stats["p90"]), _ms(stats["p99"]))
+    return table
+
+
+def nodes_table(result: BenchResult, point: int) -> Table:
+    """Load and trace modes, one point: queueing, link use each way and prefix-cache hits, as the nodes saw them."""
+    table = _table(
+        "what the nodes saw: qD / qP: mean ms a request queued for a decode pool slot / for prefill (Little's law "
+        "over the nodes' sampled queues); link>% / link<%: utilisation of the prefill -> decode direction (the KV's) "
+        "and of the way back, over the run; hitP% / hitD%: prompt tokens the prefill / decode prefix cache held, of "
+        "those looked up",
+        ["scheme", "qD", "qP", "link>%", "link<%", "hitP%", "hitD%"],
+    )
+    for run in _runs(result, point):
+        nodes = run.nodes
+        queue = nodes.get("queue_s") or {}
+        hits = nodes.get("prefix_hit_rate") or {}
+        table.add_row(
+            _run_label(result, run),
+            _ms(queue.get("decode")),
+            _ms(queue.get("prefill")),
+            _pct(nodes.get("link_utilisation")),
+            _pct(nodes.get("link_utilisation_back")),
+            _pct(hits.get("prefill")),
+            _pct(hits.get("decode")),
+        )
+    return table
+
+
+LATENCY_NAMES = {"ttft": "TTFT", "ttst": "TTST", "tbt": "TBT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 
 
 def prefix_table(result: BenchResult, summaries: list[Summary]) -> Table | None:

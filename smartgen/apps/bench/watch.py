@@ -1,0 +1,131 @@
+"""What the nodes saw during a load or trace run: link bytes per direction, prefix-cache hits, mean queueing.
+
+Counters are read from every node's /status before and after the run (their differences are the run's); the
+queues are sampled from the nodes' /metrics every SAMPLE_S while it runs:
+
+- link utilisation per direction: bytes the prefill nodes sent (KV, replies: the decode node's ingress) and bytes
+  the decode node sent back (requests, fetches, notices), each over (link rate x duration x number of links);
+- prefix-cache hit rate per side: hit tokens / looked-up prompt tokens of the run (prefill nodes summed: their
+  hits skip prefill; the decode node's skip transfer);
+- mean queueing by Little's law, time-averaged queue length / arrival rate: on the decode node, requests waiting
+  for a KV pool slot (`num_requests_waiting`); on the prefill nodes, opened requests waiting for prefill
+  (`requests_queued`). The nodes do not report a request's own queueing time, so this is a mean over requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from smartgen.lanes.rate import bytes_per_second
+
+__all__ = ["NodeWatch", "read_gauges", "cache_counts", "SAMPLE_S"]
+
+SAMPLE_S = 0.25
+DECODE_QUEUE = "smartgen:num_requests_waiting"
+PREFILL_QUEUE = "smartgen:requests_queued"
+
+
+def read_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Values of unlabelled Prometheus samples `names` in an exposition text (absent ones left out)."""
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+def cache_counts(status: dict[str, Any]) -> dict[str, float]:
+    """Looked-up and hit prompt tokens of the decode node's prefix cache and of the prefill nodes' (summed), and
+    link bytes each way, from LocalCluster.status()."""
+    counts = dict.fromkeys(("decode_lookup", "decode_hit", "prefill_lookup", "prefill_hit", "ingress", "egress"), 0.0)
+    decode = status["decode"]
+    cache = decode.get("prefix_cache") or {}
+    counts["decode_lookup"] += cache.get("lookup_tokens", 0)
+    counts["decode_hit"] += cache.get("hit_tokens", 0)
+    for link in decode.get("links", []):
+        counts["egress"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
+    for node in status["prefill"]:
+        cache = node.get("prefix_cache") or {}
+        counts["prefill_lookup"] += cache.get("lookup_tokens", 0)
+        counts["prefill_hit"] += cache.get("hit_tokens", 0)
+        for link in node.get("links", []):
+            counts["ingress"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
+    return counts
+
+
+@dataclass(slots=True)
+class NodeWatch:
+    """Samples a LocalCluster's queues from `start()` to `stop()`; `stop` returns what the nodes saw."""
+
+    cluster: Any  # LocalCluster: .status(), .url, .prefill_status
+    link_gbps: float | None
+    num_links: int = 1
+    _before: dict[str, float] = field(default_factory=dict)
+    _area: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "prefill": 0.0})
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _samples: int = 0
+
+    def start(self) -> NodeWatch:
+        self._before = cache_counts(self.cluster.status())
+        self._thread = threading.Thread(target=self._run, name="bench-node-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _queues(self) -> dict[str, float]:
+        decode = read_gauges(_get(f"{self.cluster.url}/metrics"), (DECODE_QUEUE,)).get(DECODE_QUEUE, 0.0)
+        prefill = sum(
+            read_gauges(_get(f"http://{address}/metrics"), (PREFILL_QUEUE,)).get(PREFILL_QUEUE, 0.0)
+            for address in self.cluster.prefill_status
+        )
+        return {"decode": decode, "prefill": prefill}
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(SAMPLE_S):
+            try:
+                queues = self._queues()
+            except OSError:  # a node busy past the timeout: this sample is lost, the next one counts its time
+                continue
+            now = time.monotonic()
+            for side, length in queues.items():
+                self._area[side] += length * (now - last)  # the queue as sampled now, held since the last sample
+            last = now
+            self._samples += 1
+
+    def stop(self, duration_s: float, arrivals: int) -> dict[str, Any]:
+        """Ends sampling; the run's figures (see the module's docstring), None where not measurable."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        after = cache_counts(self.cluster.status())
+        delta = {key: after[key] - self._before.get(key, 0.0) for key in after}
+        capacity = (
+            bytes_per_second(self.link_gbps) * duration_s * self.num_links
+            if self.link_gbps and duration_s > 0
+            else None
+        )
+        return {
+            "link_bytes": delta["ingress"],
+            "link_bytes_back": delta["egress"],
+            "link_utilisation": delta["ingress"] / capacity if capacity else None,
+            "link_utilisation_back": delta["egress"] / capacity if capacity else None,
+            "prefix_lookup_tokens": {"prefill": delta["prefill_lookup"], "decode": delta["decode_lookup"]},
+            "prefix_hit_tokens": {"prefill": delta["prefill_hit"], "decode": delta["decode_hit"]},
+            "prefix_hit_rate": {
+                side: delta[f"{side}_hit"] / delta[f"{side}_lookup"] if delta[f"{side}_lookup"] else None
+                for side in ("prefill", "decode")
+            },
+            "queue_s": {side: area / arrivals if arrivals else None for side, area in self._area.items()},
+            "queue_samples": self._samples,
+        }
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
