@@ -162,6 +162,8 @@ def _serve(running: Any, took: float, interval: float) -> None:
     from rich.live import Live
 
     console = Console()
+    if not console.is_terminal:  # a log file: rows on one line each, so a line says all of a node
+        console = Console(width=160)
     if running.router_url:
         typer.echo(f"ready in {took:.1f} s: use {running.url}/v1 (OpenAI API, through the router)")
     else:

@@ -4,10 +4,11 @@
 1. checks the router's port is free (before anything starts);
 2. starts the prefill nodes side by side, then the decode nodes, each on every prefill node (LocalCluster: port 0,
    ready files and logs in the run folder);
-3. starts the router (regular mode, its own venv: smartgen.apps.router) before every decode node, and is ready once
+3. waits until every decode node is ready (linked with its prefill nodes);
+4. starts the router (regular mode, its own venv: smartgen.apps.router) before every decode node, and is ready once
    the router lists each of them healthy;
-4. writes cluster.json into the run folder: where everything listens (`smartgen monitor --cluster DIR` reads it);
-5. on exit stops the router first (no new requests), then the nodes; every process also dies with this one.
+5. writes cluster.json into the run folder: where everything listens (`smartgen monitor --cluster DIR` reads it);
+6. on exit stops the router first (no new requests), then the nodes; every process also dies with this one.
 Without a router (`router=None`) clients pick a decode node themselves.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, get_json
-from smartgen.apps.cluster_state import NodeState, node_state
+from smartgen.apps.cluster_state import LOST, READY, NodeState, node_state
 from smartgen.apps.router import router_command, start_router, stop_router
 from smartgen.roles.processes import write_ready_file
 
@@ -30,6 +31,7 @@ __all__ = ["RouterSpec", "ScaleOut", "PortTaken", "MANIFEST", "read_manifest"]
 
 MANIFEST = "cluster.json"
 ROUTER_READY_TIMEOUT_S = 120.0
+NODES_READY_TIMEOUT_S = 60.0  # from the ready files to every decode node linked with every prefill node
 
 
 class PortTaken(ValueError):
@@ -71,6 +73,7 @@ class ScaleOut:
         port = _free_port(self.router_spec.host, self.router_spec.port) if self.router_spec else 0
         self.cluster.__enter__()
         try:
+            self._wait_ready()
             if self.router_spec is not None:
                 self._start_router(self.router_spec, port)
             assert self.run_dir is not None
@@ -93,6 +96,15 @@ class ScaleOut:
     def url(self) -> str:
         """The one URL clients use: the router's, or the first decode node's when there is no router."""
         return self.router_url or self.cluster.url
+
+    def _wait_ready(self) -> None:
+        """Until every decode node's /health says ready (it has linked with its prefill nodes)."""
+        deadline = time.monotonic() + NODES_READY_TIMEOUT_S
+        for name, url in zip(self.cluster.decode_names, self.cluster.urls):
+            while (state := node_state(name, "decode", url, self.cluster.nodes.get(name))).state != READY:
+                if state.state == LOST or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not get ready ({state.state}: {state.detail})")
+                time.sleep(0.1)
 
     def _start_router(self, spec: RouterSpec, port: int) -> None:
         assert self.run_dir is not None

@@ -1,0 +1,245 @@
+"""`smartgen cluster`: real prefill and decode nodes (and SGLang's router) start, serve, show a lost node, and stop.
+
+The command runs as a user runs it, a process of its own with its output in a file; what it started is read back
+from cluster.json and the ready files in --run-dir. "Nothing left behind" means: none of the processes it named
+still runs, and no process anywhere has the run folder in its command line. The router test needs sglang-router
+(tests/test_router.py's venv, made on first use) and skips, saying why, where it cannot be had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import get_json, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import save_tiny_model
+from typer.testing import CliRunner
+
+from smartgen.apps.cluster import ClusterSpec
+from smartgen.apps.router import RouterUnavailable, ensure_router
+from smartgen.apps.scale_out import PortTaken, RouterSpec, ScaleOut
+from smartgen.cli.app import app
+
+runner = CliRunner()
+MODEL = "tinym"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / MODEL)
+
+
+# -- mistakes: one line, exit 2 (a router that cannot be had: exit 1, saying how) --------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "{tmp}/nothing"], "no model at"),
+        (["--prefix-cache-bytes", "lots"], "--prefix-cache-bytes takes a byte size"),
+        (["--router-python", "{tmp}/python"], "cannot import sglang_router"),
+    ],
+)
+def test_mistakes_are_one_line_errors(tmp_path, model_dir, args, says):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = runner.invoke(app, ["cluster", "--model", str(model_dir), *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_router_that_is_not_installed_says_how_to_get_it(tmp_path, model_dir):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}  # an empty cache: no router venv there
+    result = runner.invoke(app, ["cluster", "--model", str(model_dir), "--no-install"], env=env)
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "sglang-router==" in line and "installing was turned off" in line
+    assert "--router-python" in line and "--router none" in line  # the ways out
+
+
+def test_a_taken_router_port_is_refused_before_any_node_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster = ScaleOut(ClusterSpec(model=tmp_path), RouterSpec(Path(sys.executable), port=port), tmp_path)
+        with pytest.raises(PortTaken, match=f"127.0.0.1:{port}.*choose another --port"):
+            cluster.__enter__()
+    assert not cluster.cluster.nodes and not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+# -- real processes ---------------------------------------------------------------------------------------
+
+
+class Running:
+    """`smartgen cluster ARGS` as a process of its own, its output in run_dir/../cluster.out."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, *args: str) -> None:
+        self.run_dir, self.out = run_dir, run_dir.with_suffix(".out")
+        command = [sys.executable, "-m", "smartgen", "cluster", "--model", str(model_dir), "--run-dir", str(run_dir)]
+        command += ["--blocks", "16", "--max-tokens", "512", "--interval", "0.3", *args]
+        env = {**os.environ, "SMARTGEN_DB": str(run_dir.with_suffix(".db"))}
+        with self.out.open("w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 180) -> None:
+        def seen() -> bool:
+            assert self.process.poll() is None or text in self.output(), f"exited:\n{self.output()}"
+            return text in self.output()
+
+        wait_until(seen, timeout, repr(text), interval=0.2)
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "cluster.json").read_text())
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        self.process.send_signal(sig)
+        return self.process.wait(60)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped yet, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _left_behind(run_dir: Path, pids: list[int]) -> list[str]:
+    """Processes still running that the cluster started: its named pids, and any naming the run folder."""
+    left = [f"pid {pid}" for pid in pids if _alive(pid)]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_dir) in command and _alive(int(entry.name)):
+                left.append(f"{entry.name}: {command[:200]}")
+    return left
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Running]]:
+    """Kills whatever a failed test left running (the nodes die with the command: PR_SET_PDEATHSIG)."""
+    started: list[Running] = []
+    yield started
+    for running in started:
+        if running.process.poll() is None:
+            running.process.kill()
+            running.process.wait(30)
+
+
+def _complete(url: str, prompt: str) -> dict[str, Any]:
+    import httpx
+
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _served(url: str) -> int:
+    """Requests the decode node at `url` took (its e2e histogram's count)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    name = "smartgen:e2e_request_latency_seconds_count"
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name))
+
+
+@pytest.mark.slow  # three node processes start: about 20 s here
+def test_nodes_without_a_router_serve_show_a_lost_node_and_ctrl_c_leaves_nothing(tmp_path, model_dir, cleanup):
+    running = Running(model_dir, tmp_path / "run", "--router", "none", "--prefill", "1", "--decode", "2")
+    cleanup.append(running)
+    running.wait_for("Ctrl-C stops everything")
+    manifest = running.manifest()
+    assert manifest["router"] is None and manifest["decode_names"] == ["decode0", "decode1"]
+    assert sorted(manifest["pids"]) == ["decode0", "decode1", "prefill0"]
+    out = running.output()
+    assert "no router; decode nodes at" in out and all(url in out for url in manifest["decode"])
+    for name in manifest["pids"]:  # the first table: every node ready
+        assert any(name in line and " ready " in line for line in out.splitlines()), out
+    for url in manifest["decode"]:  # each decode node serves through the one prefill node
+        assert _complete(url, "the quick brown fox")["usage"]["completion_tokens"] >= 1
+        health = get_json(url + "/health")
+        assert health["ready"] and health["prefill_nodes"] == 1
+
+    os.kill(manifest["pids"]["decode1"], signal.SIGKILL)
+    running.wait_for("decode1 lost: exited with code -9", 30)
+    assert _complete(manifest["decode"][0], "still here")  # the other decode node goes on
+
+    pids = [manifest["pid"], *manifest["pids"].values()]
+    assert running.stop(signal.SIGINT) == 0
+    assert "stopped: every node" in running.output()
+    assert _left_behind(running.run_dir, pids) == []
+    assert (running.run_dir / "decode0.log").exists()  # --run-dir is kept, logs and all
+
+
+@pytest.mark.slow
+def test_sigterm_while_starting_leaves_nothing(tmp_path, model_dir, cleanup):
+    running = Running(model_dir, tmp_path / "run", "--router", "none", "--prefill", "2", "--decode", "1")
+    cleanup.append(running)
+    wait_until(lambda: (running.run_dir / "prefill0.json").exists(), 180, "the first prefill node", interval=0.1)
+    ready = json.loads((running.run_dir / "prefill0.json").read_text())
+    assert running.stop(signal.SIGTERM) == 0, running.output()
+    assert "stopped: every node" in running.output()
+    assert _left_behind(running.run_dir, [ready["pid"]]) == []
+
+
+@pytest.fixture(scope="module")
+def router_python() -> Path:
+    try:
+        return ensure_router(say=lambda line: None)
+    except RouterUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.slow
+def test_two_by_two_behind_the_router_serves_through_both_routes_around_a_lost_one_and_stops(
+    tmp_path, model_dir, router_python, cleanup
+):
+    args = ["--prefill", "2", "--decode", "2", "--port", "0", "--policy", "round_robin"]
+    running = Running(model_dir, tmp_path / "run", *args, "--router-python", str(router_python))
+    cleanup.append(running)
+    running.wait_for("Ctrl-C stops everything")
+    manifest = running.manifest()
+    url, decode = manifest["url"], manifest["decode"]
+    assert url == manifest["router"] and f"use {url}/v1" in running.output()
+    assert sorted(manifest["pids"]) == ["decode0", "decode1", "prefill0", "prefill1", "router"]
+    for address in decode:  # xPyD: every decode node on both prefill nodes
+        assert get_json(address + "/health")["prefill_nodes"] == 2
+    assert any("router" in line and "2/2 healthy" in line for line in running.output().splitlines())
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    before = [_served(address) for address in decode]
+    for i in range(4):
+        completion = client.completions.create(model=MODEL, prompt=f"the pass key is {i}", max_tokens=3)
+        assert completion.usage.completion_tokens >= 1
+    assert [_served(a) - b for a, b in zip(decode, before)] == [2, 2]  # round robin: both decode nodes served
+
+    os.kill(manifest["pids"]["decode0"], signal.SIGKILL)
+    running.wait_for("decode0 lost: exited with code -9", 30)
+    served = _served(decode[1])
+    for i in range(3):  # the router retries the refused connection on decode1, then stops sending to decode0
+        client.completions.create(model=MODEL, prompt=f"hello again {i}", max_tokens=3)
+    assert _served(decode[1]) - served == 3
+    running.wait_for("router ready: 1/2 healthy", 30)
+
+    pids = [manifest["pid"], *manifest["pids"].values()]
+    assert running.stop(signal.SIGINT) == 0
+    assert "stopped: every node and the router" in running.output()
+    assert _left_behind(running.run_dir, pids) == []
