@@ -3,6 +3,8 @@ affinity where one node likely holds the prompt's prefix, and the decode node's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
@@ -39,9 +41,7 @@ def test_no_node_to_choose_from_is_an_error():
 
 
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 10**6), st.integers(0, 64), st.integers(0, 10**5)), min_size=1, max_size=8
-    ),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 64), st.integers(0, 10**5)), min_size=1, max_size=8),
     st.integers(1, 10**5),
 )
 def test_the_choice_has_the_least_cost_of_all(nodes, prompt_tokens):
@@ -92,11 +92,11 @@ class _Link:
     alive = True
 
 
-def _peers(affinity: PrefixAffinity | None) -> tuple[PrefillPeers, list[_Link], _Engine]:
-    engine = _Engine()
-    links = [_Link(), _Link()]
+def _peers(affinity: PrefixAffinity | None) -> tuple[PrefillPeers, list[Any], Any]:
+    engine: Any = _Engine()
+    links: list[Any] = [_Link(), _Link()]
     made = iter(links)
-    peers = PrefillPeers(engine, [("a", 1), ("b", 2)], lambda host, port: next(made), affinity=affinity)  # type: ignore[arg-type]
+    peers = PrefillPeers(engine, [("a", 1), ("b", 2)], lambda host, port: next(made), affinity=affinity)
     peers.connect_all()
     return peers, links, engine
 
@@ -105,18 +105,18 @@ def test_the_peers_send_a_conversations_next_turn_where_its_prefix_went():
     peers, links, engine = _peers(PrefixAffinity(block_tokens=4))
     assert engine.choose_link == peers._choose
     turn1 = torch.arange(40)
-    first = peers._choose([LinkLoad(links[0], 0, 0), LinkLoad(links[1], 0, 0)], turn1)  # type: ignore[arg-type]
+    first = peers._choose([LinkLoad(links[0], 0, 0), LinkLoad(links[1], 0, 0)], turn1)
     assert first is links[0]
     # its next turn: the first node now has a bit more queued, but it holds the 40-token prefix
     turn2 = torch.cat([turn1, torch.arange(200, 220)])
     loads = [LinkLoad(links[0], 20, 1), LinkLoad(links[1], 0, 0)]
-    assert peers._choose(loads, turn2) is links[0]  # type: ignore[arg-type]
+    assert peers._choose(loads, turn2) is links[0]
     # another conversation goes to the idle node
-    assert peers._choose(loads, torch.arange(500, 540)) is links[1]  # type: ignore[arg-type]
+    assert peers._choose(loads, torch.arange(500, 540)) is links[1]
     sent = {p["address"]: (p["sent"], p["affine"]) for p in peers.snapshot()}
     assert sent == {"a:1": (2, 1), "b:2": (1, 0)}
     # node a lost: what it held is forgotten, and a turn of its conversation goes by load alone
-    peers._on_lost(links[0], "test")  # type: ignore[arg-type]
+    peers._on_lost(links[0], "test")
     peers.stop()
     assert peers.affinity is not None and peers.affinity.cached_tokens(block_hashes(turn2, 4), ("a", 1)) == 0
 
@@ -124,6 +124,6 @@ def test_the_peers_send_a_conversations_next_turn_where_its_prefix_went():
 def test_without_affinity_the_peers_choose_by_queued_tokens():
     peers, links, _ = _peers(None)
     loads = [LinkLoad(links[0], 900, 1), LinkLoad(links[1], 100, 4)]
-    assert peers._choose(loads, torch.arange(64)) is links[1]  # type: ignore[arg-type]
-    assert peers._choose(loads, None) is links[1]  # type: ignore[arg-type]
+    assert peers._choose(loads, torch.arange(64)) is links[1]
+    assert peers._choose(loads, None) is links[1]
     peers.stop()
