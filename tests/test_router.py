@@ -30,40 +30,21 @@ from conftest import Nodes, get_json, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import save_tiny_model
 
+from smartgen.apps.router import RouterUnavailable, ensure_router
 from smartgen.roles.processes import stop_processes
 
 pytestmark = pytest.mark.slow
 
-ROUTER = "sglang-router==0.3.2"  # the version this test was written against; bump it here on purpose
 MODEL = "tinym"
-
-
-def _cache_home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 @pytest.fixture(scope="module")
 def router_python() -> Path:
     """A Python with `sglang_router` importable, in a venv of its own (made once, kept in the cache folder)."""
-    home = _cache_home() / "smartgen" / ROUTER.replace("==", "-")
-    python = home / "bin" / "python"
-    probe = [str(python), "-c", "import sglang_router.launch_router"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    made = subprocess.run([sys.executable, "-m", "venv", "--clear", str(home)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot make a venv for the router: {(made.stderr.strip().splitlines() or ['?'])[-1]}")
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", ROUTER]
     try:
-        installed = subprocess.run(pip, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip install {ROUTER} took over 15 minutes")
-    if installed.returncode != 0 or subprocess.run(probe, capture_output=True).returncode != 0:
-        lines = installed.stderr.strip().splitlines()
-        errors = [line for line in lines if line.startswith("ERROR")]  # pip's own warnings come first
-        reason = (errors or lines or ["it installed, but sglang_router does not import"])[-1]
-        pytest.skip(f"cannot install {ROUTER} here: {reason}")
-    return python
+        return ensure_router(say=lambda line: None)
+    except RouterUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def _free_port() -> int:
