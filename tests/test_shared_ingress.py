@@ -3,9 +3,11 @@ over real loopback TCP take at least all their bytes / the ingress rate, not hal
 
 from __future__ import annotations
 
+import shutil
 import ssl
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from smartgen.lanes.link import LinkEnd
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.rate import bytes_per_second
 from smartgen.lanes.tcp_link import TcpListener, tcp_connect
+from smartgen.lanes.tls import TlsFiles
+from smartgen.roles.launch import NodeSettings
+from smartgen.roles.serve_settings import ServeSettings
 
 IDENTITY = {"fingerprint": "f00d", "model": "tiny", "layout": None}
 SECRET = "s"
@@ -23,12 +28,16 @@ INGRESS_GBPS = 0.2  # 25 MB/s: a few MB take a fraction of a second
 PUSH_BYTES = 3 * 2**20  # per prefill node
 
 
-def _connect_two(ingress: Pacer | None) -> tuple[list[TcpListener], list[LinkEnd], list[LinkEnd]]:
-    """Two unpaced prefill ends (each its own listener, as two nodes) and the decode node's two links to them."""
-    listeners = [TcpListener("127.0.0.1", 0, SECRET, IDENTITY) for _ in range(2)]
+def _connect_two(
+    ingress: Pacer | None, tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None
+) -> tuple[list[TcpListener], list[LinkEnd], list[LinkEnd]]:
+    """Two unpaced prefill ends (each its own listener, as two nodes) and the decode node's two links to them;
+    `tls`: (server, client) contexts to wrap the connections in."""
+    server, client = tls if tls is not None else (None, None)
+    listeners = [TcpListener("127.0.0.1", 0, SECRET, IDENTITY, tls=server) for _ in range(2)]
     decode_ends, prefill_ends = [], []
     for listener in listeners:
-        decode_ends.append(tcp_connect(*listener.address, SECRET, IDENTITY, ingress=ingress))
+        decode_ends.append(tcp_connect(*listener.address, SECRET, IDENTITY, ingress=ingress, tls=client))
         accepted = listener.accept(timeout=10)
         assert accepted is not None, list(listener.rejections)
         prefill_ends.append(accepted[0])
@@ -85,6 +94,21 @@ def test_two_prefill_nodes_into_one_shared_ingress_take_all_their_bytes_over_its
     assert elapsed >= floor - 0.01, f"{elapsed:.3f} s for {2 * PUSH_BYTES} bytes; the shared link needs {floor:.3f} s"
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_a_shared_ingress_paces_tls_links_too(tmp_path: Path):
+    from test_tls import _self_signed
+
+    cert, key = _self_signed(tmp_path, "prefill")
+    tls = (TlsFiles(cert, key).server_context(), TlsFiles(ca=cert).client_context())
+    listeners, prefill_ends, decode_ends = _connect_two(Pacer(INGRESS_GBPS), tls)
+    try:
+        assert all(isinstance(end.push._sock, ssl.SSLSocket) for end in decode_ends)  # type: ignore[attr-defined]
+        elapsed, _ = _push_together(prefill_ends, decode_ends)
+    finally:
+        _close(decode_ends, prefill_ends, listeners)
+    assert elapsed >= 2 * PUSH_BYTES / bytes_per_second(INGRESS_GBPS) - 0.01
+
+
 def test_an_ingress_socket_paces_every_read_call_and_keeps_the_wrapped_sockets_class():
     left, right = __import__("socket").socketpair()
     pacer = Pacer(INGRESS_GBPS)
@@ -116,3 +140,23 @@ def test_an_ingress_link_needs_a_rate():
     finally:
         left.close()
         right.close()
+
+
+@pytest.mark.parametrize(
+    ("role", "lane", "gbps", "says"),
+    [
+        ("prefill", "tcp", 1.0, "--role prefill"),
+        ("both", "inproc", 1.0, "--role both"),
+        ("decode", "mooncake", 1.0, "--lane mooncake"),
+        ("decode", "tcp", float("inf"), "positive rate"),
+    ],
+)
+def test_serve_refuses_an_ingress_link_it_cannot_pace_in_one_line(role, lane, gbps, says, tmp_path):
+    settings = ServeSettings(role, NodeSettings(tmp_path, lane=lane), ingress_gbps=gbps, insecure=True)
+    with pytest.raises(ValueError, match="--ingress-gbps") as refused:
+        settings.check()
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_serve_takes_an_ingress_link_on_a_decode_node_over_tcp(tmp_path):
+    ServeSettings("decode", NodeSettings(tmp_path), ingress_gbps=25.0, insecure=True).check()
