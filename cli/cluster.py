@@ -211,14 +211,6 @@ def _table(states: list[NodeState]) -> Table:
         )
     for row in states:
         state = Text(row.state, style=_STYLES.get(row.state, ""))
-        cells = (
-            row.name,
-            row.role,
-            row.url.removeprefix("http://"),
-            state,
-            _count(row.running),
-            _count(row.waiting),
-            row.detail,
-        )
+        cells = (row.name, row.url.removeprefix("http://"), state, _count(row.running), _count(row.waiting), row.detail)
         table.add_row(*(c if isinstance(c, Text) else Text(c) for c in cells))  # a detail may hold brackets
     return table

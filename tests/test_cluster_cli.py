@@ -8,12 +8,15 @@ still runs, and no process anywhere has the run folder in its command line. The 
 
 from __future__ import annotations
 
+import http.server
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,7 @@ from tiny_models import save_tiny_model
 from typer.testing import CliRunner
 
 from smartgen.apps.cluster import ClusterSpec
+from smartgen.apps.cluster_state import LOST, NO_ANSWER, NOT_READY, READY, NodeState, node_state
 from smartgen.apps.router import RouterUnavailable, ensure_router
 from smartgen.apps.scale_out import PortTaken, RouterSpec, ScaleOut
 from smartgen.cli.app import app
@@ -75,6 +79,89 @@ def test_a_taken_router_port_is_refused_before_any_node_starts(tmp_path):
         with pytest.raises(PortTaken, match=f"127.0.0.1:{port}.*choose another --port"):
             cluster.__enter__()
     assert not cluster.cluster.nodes and not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+# -- the table: each process's state from what it answers ------------------------------------------------
+
+
+@pytest.fixture
+def answers() -> Iterator[tuple[str, dict[str, tuple[int, Any]]]]:
+    """An HTTP server on 127.0.0.1 answering each path with the (status, JSON) the test puts in the dict."""
+    routes: dict[str, tuple[int, Any]] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            code, body = routes.get(self.path, (404, {}))
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", routes
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_each_process_state_comes_from_its_own_endpoint(answers):
+    url, routes = answers
+    health = {"ready": True, "prefill_nodes": 2, "running": 1, "prefilling": 1, "parked": 0, "waiting": 3}
+    routes["/health"] = (200, health)
+    assert node_state("decode0", "decode", url, None) == NodeState(
+        "decode0", "decode", url, READY, 2, 3, "2 prefill linked"
+    )
+    routes["/health"] = (503, {**health, "ready": False, "prefill_nodes": 0})  # no live prefill node: 503
+    assert node_state("decode0", "decode", url, None).state == NOT_READY
+    routes["/status"] = (200, {"role": "prefill", "requests_open": 1, "requests_held": 2, "bytes_held": 3 * 2**20})
+    row = node_state("prefill0", "prefill", url, None)
+    assert (row.state, row.running, row.waiting) == (READY, 1, None) and "2 held 3.0 MiB" in row.detail
+    routes["/workers"] = (200, {"workers": [{"url": "a", "is_healthy": True}, {"url": "b", "is_healthy": False}]})
+    assert node_state("router", "router", url, None).detail == "1/2 healthy"
+
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
+    assert node_state("decode1", "decode", url, exited) == NodeState(
+        "decode1", "decode", url, LOST, detail="exited with code 3"
+    )
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert node_state("decode1", "decode", refused, alive).state == NO_ANSWER  # running, not answering
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_the_table_puts_each_value_in_its_column():
+    from rich.console import Console
+
+    from smartgen.cli.cluster import _table
+
+    rows = [
+        NodeState("prefill0", "prefill", "http://127.0.0.1:1", READY, 0, None, "2 decode linked, 0 held 0.0 MiB"),
+        NodeState("decode1", "decode", "http://127.0.0.1:2", LOST, detail="exited with code -9 [killed]"),
+    ]
+    console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
+    console.print(_table(rows))
+    lines = console.export_text().splitlines()
+    header = [cell.strip() for cell in next(line for line in lines if "node" in line).split("┃")[1:-1]]
+    assert header == ["node", "address", "state", "running", "waiting", "detail"]
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert cells == [
+        ["prefill0", "127.0.0.1:1", "ready", "0", "-", "2 decode linked, 0 held 0.0 MiB"],
+        ["decode1", "127.0.0.1:2", "lost", "-", "-", "exited with code -9 [killed]"],  # brackets are not markup
+    ]
 
 
 # -- real processes ---------------------------------------------------------------------------------------
@@ -243,3 +330,14 @@ def test_two_by_two_behind_the_router_serves_through_both_routes_around_a_lost_o
     assert running.stop(signal.SIGINT) == 0
     assert "stopped: every node and the router" in running.output()
     assert _left_behind(running.run_dir, pids) == []
+
+
+@pytest.mark.slow  # a venv is made (ensurepip): about 15 s here
+def test_a_router_pip_cannot_install_gives_pips_reason_and_the_way_out(tmp_path, model_dir):
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PIP_NO_INDEX": "1"}  # as on a machine without a package index
+    result = runner.invoke(app, ["cluster", "--model", str(model_dir)], env=env)
+    assert result.exit_code == 1, result.output
+    progress, error = result.stderr.strip().splitlines()
+    assert progress.startswith("installing sglang-router==") and "first use only" in progress
+    assert "cannot install sglang-router" in error and "No matching distribution" in error
+    assert "--router-python" in error and "--router none" in error

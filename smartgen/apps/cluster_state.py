@@ -53,9 +53,7 @@ def _decode(name: str, url: str, health: dict[str, Any]) -> NodeState:
 
 def _prefill(name: str, url: str, status: dict[str, Any]) -> NodeState:
     held_mib = status.get("bytes_held", 0) / 2**20
-    detail = (
-        f"{status.get('decode_nodes', 0)} decode linked, {status.get('requests_held', 0)} held ({held_mib:.1f} MiB)"
-    )
+    detail = f"{status.get('decode_nodes', 0)} decode linked, {status.get('requests_held', 0)} held {held_mib:.1f} MiB"
     return NodeState(name, "prefill", url, READY, int(status.get("requests_open", 0)), None, detail)
 
 
