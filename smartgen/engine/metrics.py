@@ -55,6 +55,8 @@ class RequestMetrics:
     first_step_selected: int = 0
     first_step_remote: int = 0
     first_step_wait_s: float = 0.0
+    # of those, entries the step had to ask for itself: neither local nor asked ahead (a forecast's fetches)
+    first_step_unforeseen: int = 0
     fetch_wait_s: float = 0.0
     # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token
     # arrived: what the link had to have carried by then (the benchmark's CTL bound)
@@ -103,6 +105,14 @@ class RequestMetrics:
         return 1.0 - self.first_step_remote / self.first_step_selected
 
     @property
+    def first_step_foreseen(self) -> float | None:
+        """Share of the first decode step's selected entries in layers >= 2 that were local or already on their way
+        when it selected them (a forecast's fetches): what the prediction of step one covered (None before it ran)."""
+        if not self.first_step_selected:
+            return None
+        return 1.0 - self.first_step_unforeseen / self.first_step_selected
+
+    @property
     def ttft(self) -> float | None:
         """Time to first token, from the request's arrival."""
         return self.token_times[0] - self.created if self.token_times else None
@@ -149,6 +159,7 @@ class RequestMetrics:
             "remote_entries": self.remote_entries,
             "first_step_coverage": self.first_step_coverage,
             "first_step_wait_s": self.first_step_wait_s,
+            "first_step_foreseen": self.first_step_foreseen,
             "fetch_wait_s": self.fetch_wait_s,
             "selected_union_bytes": self.selected_union_bytes,
             "error": self.error,

@@ -143,8 +143,8 @@ POLICIES: dict[str, Policy] = {
         # the paper's SmartGen: its three paths (proactive push, parallel fetch, speculative push)
         Policy("smartgen-paper", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
         Policy("smartgen-paper+hints", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5),
-        # ours, the default: the paper's paths with hints, prefetch and chained speculation (docs/results/2026-12-01-separate-cpus-8bit-bounds.md: better
-        # TBT, same TTST)
+        # ours, the default: the paper's paths with hints, prefetch, chained speculation (docs/results/2026-12-01-separate-cpus-8bit-bounds.md: better
+        # TBT, same TTST) and the first step's forecast (docs/engine.md)
         Policy(
             "smartgen",
             proactive=ProactiveMode.BUDGET,

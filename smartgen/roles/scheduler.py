@@ -330,6 +330,7 @@ class DecodeScheduler:
             "prefetched_entries": metrics.prefetched_entries if metrics else None,
             # the first decode step's selection already local, and the time decoding waited for the link
             "first_step_coverage": metrics.first_step_coverage if metrics else None,
+            "first_step_foreseen": metrics.first_step_foreseen if metrics else None,
             "first_step_wait": metrics.first_step_wait_s if metrics else None,
             "fetch_wait": metrics.fetch_wait_s if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had

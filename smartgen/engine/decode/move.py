@@ -273,6 +273,8 @@ class DecodePath:
                 request.late = [entry for entry in request.late if entry[0] != layer]
                 fetches += [(request, asked, fut, sent) for _, asked, fut, sent in in_flight]
             entries = decide.remote_entries(split.index[rows], split.status[rows], [e[1] for e in in_flight])
+            if request.metrics.in_first_step and layer >= DENSE_LAYERS:
+                request.metrics.first_step_unforeseen += int(entries.numel())
             if entries.numel():
                 fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
         return fetches
