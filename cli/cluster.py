@@ -170,18 +170,19 @@ def _serve(running: Any, took: float, interval: float) -> None:
         urls = " ".join(running.cluster.urls)
         typer.echo(f"ready in {took:.1f} s: no router; decode nodes at {urls} (each /v1)")
     typer.echo(f"run folder: {running.run_dir} (logs; watch: smartgen monitor --cluster {running.run_dir})")
-    typer.echo("Ctrl-C stops everything")
-    states = running.states()
+    states = running.watch()
     if console.is_terminal:
+        typer.echo("Ctrl-C stops everything")
         with Live(_table(states), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_table(running.states()), refresh=True)
+                live.update(_table(running.watch()), refresh=True)
     console.print(_table(states))
+    typer.echo("Ctrl-C stops everything")  # the last line of the start, after the table (a reader waits for it)
     seen = {row.name: _shown(row) for row in states}
     while True:
         time.sleep(interval)
-        for row in running.states():
+        for row in running.watch():
             if seen.get(row.name) != _shown(row):
                 typer.echo(f"{time.strftime('%H:%M:%S')} {row.name} {row.state}: {row.detail}")
                 seen[row.name] = _shown(row)

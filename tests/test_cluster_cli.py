@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from smartgen.apps.cluster import ClusterSpec
 from smartgen.apps.cluster_state import LOST, NO_ANSWER, NOT_READY, READY, NodeState, node_state
-from smartgen.apps.router import RouterUnavailable, ensure_router
+from smartgen.apps.router import RouterUnavailable, ensure_router, remove_worker
 from smartgen.apps.scale_out import PortTaken, RouterSpec, ScaleOut
 from smartgen.cli.app import app
 
@@ -99,6 +99,12 @@ def answers() -> Iterator[tuple[str, dict[str, tuple[int, Any]]]]:
             self.end_headers()
             self.wfile.write(data)
 
+        def do_DELETE(self) -> None:  # noqa: N802
+            routes.setdefault("deleted", (202, []))[1].append(self.path)
+            self.send_response(202)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
         def log_message(self, *args: Any) -> None:
             pass
 
@@ -141,6 +147,15 @@ def test_each_process_state_comes_from_its_own_endpoint(answers):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_worker_is_removed_from_the_router_by_its_id(answers):
+    url, routes = answers
+    listed = [{"id": "a1", "url": "http://127.0.0.1:1/"}, {"id": "b2", "url": "http://127.0.0.1:2"}]
+    routes["/workers"] = (200, {"workers": listed})
+    assert remove_worker(url, "http://127.0.0.1:1")
+    assert not remove_worker(url, "http://127.0.0.1:3")  # not listed: nothing to remove
+    assert routes["deleted"][1] == ["/workers/a1"]
 
 
 def test_the_table_puts_each_value_in_its_column():
@@ -295,7 +310,7 @@ def router_python() -> Path:
 
 
 @pytest.mark.slow
-def test_two_by_two_behind_the_router_serves_through_both_routes_around_a_lost_one_and_stops(
+def test_two_by_two_behind_the_router_serves_through_both_drops_a_lost_one_and_stops(
     tmp_path, model_dir, router_python, cleanup
 ):
     args = ["--prefill", "2", "--decode", "2", "--port", "0", "--policy", "round_robin"]
@@ -320,11 +335,13 @@ def test_two_by_two_behind_the_router_serves_through_both_routes_around_a_lost_o
 
     os.kill(manifest["pids"]["decode0"], signal.SIGKILL)
     running.wait_for("decode0 lost: exited with code -9", 30)
+    # the cluster takes the dead node out of the router at once (not after its health checks)
+    running.wait_for("router ready: 1/1 healthy", 30)
+    assert [w["url"].rstrip("/") for w in get_json(url + "/workers")["workers"]] == [decode[1]]
     served = _served(decode[1])
-    for i in range(3):  # the router retries the refused connection on decode1, then stops sending to decode0
+    for i in range(3):
         client.completions.create(model=MODEL, prompt=f"hello again {i}", max_tokens=3)
     assert _served(decode[1]) - served == 3
-    running.wait_for("router ready: 1/2 healthy", 30)
 
     pids = [manifest["pid"], *manifest["pids"].values()]
     assert running.stop(signal.SIGINT) == 0

@@ -7,10 +7,12 @@ cannot be had (no network, no wheel for this platform), `RouterUnavailable` says
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ __all__ = [
     "router_command",
     "start_router",
     "stop_router",
+    "remove_worker",
 ]
 
 ROUTER_PACKAGE = "sglang-router==0.3.2"  # the version the tests were written against; bump it here on purpose
@@ -102,7 +105,21 @@ def router_command(
     # a dead or not-ready node is out of rotation within about two checks (the default checks once a minute);
     # requests in between are retried on another node (the router retries our 503s and refused connections)
     command += ["--health-check-interval-secs", str(health_interval_s), "--health-failure-threshold", "2"]
-    return command + ["--health-success-threshold", "1", "--health-check-timeout-secs", "5"]
+    command += ["--health-success-threshold", "1", "--health-check-timeout-secs", "5"]
+    return command + ["--log-level", "warn"]  # not a line per request: the cluster asks /workers every second
+
+
+def remove_worker(router_url: str, worker_url: str, timeout: float = 5.0) -> bool:
+    """Takes `worker_url` out of the router's rotation at once (`DELETE /workers/{id}`); False where the router does
+    not list it. For a node known dead: the health checks would take a few seconds, and cache_aware's retries go back
+    to the node a request's prefix points at."""
+    with urllib.request.urlopen(f"{router_url}/workers", timeout=timeout) as response:
+        workers = json.loads(response.read()).get("workers", [])
+    ids = [w["id"] for w in workers if w.get("url", "").rstrip("/") == worker_url.rstrip("/") and "id" in w]
+    for worker_id in ids:
+        request = urllib.request.Request(f"{router_url}/workers/{worker_id}", method="DELETE")
+        urllib.request.urlopen(request, timeout=timeout).close()
+    return bool(ids)
 
 
 def start_router(command: list[str], log: Path) -> subprocess.Popen:

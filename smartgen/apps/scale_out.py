@@ -8,7 +8,8 @@
 4. starts the router (regular mode, its own venv: smartgen.apps.router) before every decode node, and is ready once
    the router lists each of them healthy;
 5. writes cluster.json into the run folder: where everything listens (`smartgen monitor --cluster DIR` reads it);
-6. on exit stops the router first (no new requests), then the nodes; every process also dies with this one.
+6. while it runs (`watch()`), takes a decode node whose process exited out of the router at once;
+7. on exit stops the router first (no new requests), then the nodes; every process also dies with this one.
 Without a router (`router=None`) clients pick a decode node themselves.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, get_json
 from smartgen.apps.cluster_state import LOST, READY, NodeState, node_state
-from smartgen.apps.router import router_command, start_router, stop_router
+from smartgen.apps.router import remove_worker, router_command, start_router, stop_router
 from smartgen.roles.processes import write_ready_file
 
 __all__ = ["RouterSpec", "ScaleOut", "PortTaken", "MANIFEST", "read_manifest"]
@@ -68,6 +69,7 @@ class ScaleOut:
         self.router: subprocess.Popen | None = None
         self.router_url: str | None = None
         self.metrics_url: str | None = None
+        self.removed: set[str] = set()  # decode nodes taken out of the router (their process exited)
 
     def __enter__(self) -> ScaleOut:
         port = _free_port(self.router_spec.host, self.router_spec.port) if self.router_spec else 0
@@ -169,6 +171,18 @@ class ScaleOut:
         ]
         if self.router_url is not None:
             rows.append(node_state("router", "router", self.router_url, self.router))
+        return rows
+
+    def watch(self) -> list[NodeState]:
+        """`states()`, and each decode node found lost (its process exited) taken out of the router at once."""
+        rows = self.states()
+        for row in rows:
+            if row.role == "decode" and row.state == LOST and self.router_url and row.url not in self.removed:
+                try:
+                    remove_worker(self.router_url, row.url)
+                except (OSError, ValueError):
+                    continue  # the router is busy or gone: its health checks drop the node, or the next watch does
+                self.removed.add(row.url)
         return rows
 
 
