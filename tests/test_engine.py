@@ -666,6 +666,7 @@ def test_remote_layers_are_scanned_once_a_step():
         assert decode.hint_factor([rid], 2) == 0
         assert decode.hint_factor([rid], 3) > 0  # still remote
         values[2, slot, 0] = REMOTE  # cannot happen in use; here it shows the answer is the step's scan
+        decode.pool.masks.forget(slot)  # what the table saw local of the slot no longer holds (MaskTable says so)
         values[3, slot, :120] = LOCAL  # layer 3 landed during the step
         assert decode.hint_factor([rid], 2) == 0 and not decode.prefetch_wanted([rid], 2)
         assert decode.hint_factor([rid], 3) > 0 and decode.prefetch_wanted([rid], 3)  # the step's answer

@@ -122,7 +122,8 @@ class _SyntheticPrefill:
 
 class _SyntheticDecode:
     """The decode runner's part with emulated compute: per layer, the idle notice, the selector's index from the
-    trace, `assemble` (checked against the ground truth), the emulated layer time, the new token's true K/V."""
+    trace, `assemble` (checked against the ground truth), the emulated layer time, the new token's true K/V.
+    `bench/context_cost.py` times the engine's share of each step through this runner."""
 
     def __init__(
         self,
@@ -146,10 +147,16 @@ class _SyntheticDecode:
         truths = [self.truths[i] for i in requests]
         for layer in range(layout.num_layers):
             self.engine.begin_layer(layer, batch.request_ids)
+            # the questions the runtime asks every layer (runtime/decode.py: hints' width, whether the next layer
+            # prefetches): the answers are not acted on here (the trace has no wider ranking nor speculated query),
+            # but asking them costs the decode node what it costs in serving
+            self.engine.hint_factor(batch.request_ids, layer)
             index = _step_index(self.trace, config, requests, steps, layer)
             assembled = self.engine.assemble(layer, batch.request_ids, index)
             if config.verify:
                 self.mismatches += _count_mismatches(assembled, truths, layer)
+            if layer + 1 < layout.num_layers:
+                self.engine.prefetch_wanted(batch.request_ids, layer + 1)
             if config.decode_layer_seconds:
                 time.sleep(config.decode_layer_seconds)
             for b, rid in enumerate(batch.request_ids):

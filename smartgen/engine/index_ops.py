@@ -30,29 +30,55 @@ __all__ = [
 
 def entry_status(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Operator (1): status = mask[slot(b), index, head(r)] -> [R, k] int8, 0 for out-of-range entries."""
-    if mask.dim() == 2:
-        mask = mask.unsqueeze(-1).expand(-1, -1, num_heads)
     num_tokens = mask.shape[1]
+    invalid = (index < 0) | (index >= num_tokens)
+    safe = index.clamp(0, num_tokens - 1)
     row_slot = slots.repeat_interleave(num_heads)  # [R]
-    row_head = torch.arange(num_heads, device=index.device).repeat(slots.shape[0])  # [R]: row r is head r % H
-    valid = (index >= 0) & (index < num_tokens)
-    safe = torch.where(valid, index, torch.zeros_like(index))
-    status = mask[row_slot.unsqueeze(1).expand_as(index), safe, row_head.unsqueeze(1).expand_as(index)]
-    return torch.where(valid, status, torch.zeros_like(status)).to(torch.int8)
+    if mask.is_contiguous():
+        # one flat read of the mask: (slot, token, head) -> (slot * N + token) * H + head, a [S, N] mask with H = 1
+        heads = num_heads if mask.dim() == 3 else 1
+        base = row_slot * (num_tokens * heads)
+        if heads > 1:
+            base = base + torch.arange(num_heads, device=index.device).repeat(slots.shape[0])  # row r is head r % H
+        flat = safe * heads + base.unsqueeze(1)
+        status = mask.view(-1).index_select(0, flat.view(-1)).view(index.shape)
+    else:
+        if mask.dim() == 2:
+            mask = mask.unsqueeze(-1).expand(-1, -1, num_heads)
+        row_head = torch.arange(num_heads, device=index.device).repeat(slots.shape[0])  # [R]: row r is head r % H
+        status = mask[row_slot.unsqueeze(1).expand_as(index), safe, row_head.unsqueeze(1).expand_as(index)]
+    return status.to(torch.int8).masked_fill_(invalid, 0)
 
 
 def split_reorder_reference(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
-    """Operators (1)-(5) of the on-demand path: status, local/remote split, stable remote-first reorder."""
+    """Operators (1)-(5) of the on-demand path: status, local/remote split, stable remote-first reorder.
+
+    The reorder is a stable partition of each row into remote, local, then everything else (padding), as a stable
+    descending sort by status would give for mask values 0-2; counted with prefix sums rather than sorted, so it
+    costs a few passes over the index (a sort of a 32K-token step's 26K entries per layer took 0.4 ms on the CPU).
+    """
     if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
         raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
     status = entry_status(index, mask, slots, num_heads)
-    # A stable descending sort keeps each lane's entries in selection order.
-    order = torch.sort(status.to(torch.int16), dim=1, descending=True, stable=True).indices
+    if index.shape[1] == 0:
+        empty = torch.zeros(index.shape[0], dtype=torch.int32, device=index.device)
+        return IndexSplit(index.clone(), status, empty, empty.clone())
+    remote, local = status == REMOTE, status == LOCAL
+    remote_rank, local_rank = remote.cumsum(1), local.cumsum(1)  # [R, k]: how many of each up to and at j
+    num_remote, num_local = remote_rank[:, -1:], local_rank[:, -1:]  # [R, 1]
+    # where entry j goes: its rank among the remote, after the remote among the local, after both among the rest
+    # (j - earlier remote - earlier local)
+    column = torch.arange(index.shape[1], device=index.device)
+    dest = torch.where(
+        remote,
+        remote_rank - 1,
+        torch.where(local, num_remote + local_rank - 1, num_remote + num_local + column - remote_rank - local_rank),
+    )
     return IndexSplit(
-        index=torch.gather(index, 1, order),
-        status=torch.gather(status, 1, order),
-        num_remote=(status == REMOTE).sum(dim=1, dtype=torch.int32),
-        num_local=(status == LOCAL).sum(dim=1, dtype=torch.int32),
+        index=torch.empty_like(index).scatter_(1, dest, index),
+        status=torch.empty_like(status).scatter_(1, dest, status),
+        num_remote=num_remote.squeeze(1).to(torch.int32),
+        num_local=num_local.squeeze(1).to(torch.int32),
     )
 
 
@@ -74,16 +100,16 @@ def gather_kv_reference(
     num_slots, num_tokens, num_heads, head_dim = k_pool.shape
     num_rows, k = index.shape
     cols = torch.arange(k, device=index.device).unsqueeze(0)
-    take = (cols >= start.unsqueeze(1).long()) & (cols < stop.unsqueeze(1).long())  # [R, k]
-    flat_take = take.flatten().nonzero().squeeze(1)  # [T] positions in the [R·k] output rows
+    take = (cols >= start.unsqueeze(1)) & (cols < stop.unsqueeze(1))  # [R, k]
+    flat_take = take.view(-1).nonzero().squeeze(1)  # [T] positions in the [R·k] output rows
     if flat_take.numel() == 0:
         return
-    rows = torch.arange(num_rows, device=index.device)
-    # One flat row id per entry into the pool seen as [S·N·H, d]: a single index_select per tensor.
-    pool_row = (slots[rows // num_heads].unsqueeze(1) * num_tokens + index) * num_heads + (rows % num_heads).unsqueeze(
-        1
-    )
-    pool_row = pool_row.flatten()[flat_take]
+    # One flat row id per taken entry into the pool seen as [S·N·H, d]: (slot * N + token) * H + head, computed for
+    # the taken entries only (a step at 32K tokens gathers 26K entries a layer in two or three calls)
+    row_base = slots.repeat_interleave(num_heads) * (num_tokens * num_heads) + torch.arange(
+        num_heads, device=index.device
+    ).repeat(slots.shape[0])  # [R]
+    pool_row = index.reshape(-1).index_select(0, flat_take) * num_heads + row_base.index_select(0, flat_take // k)
     for pool, out in ((k_pool, k_out), (v_pool, v_out)):
         values = pool.reshape(-1, head_dim).index_select(0, pool_row)  # a view when the pool is contiguous
         if out.is_contiguous():

@@ -119,9 +119,8 @@ def remote_entries(index: torch.Tensor, status: torch.Tensor, asked: Sequence[to
     token * H + head, sorted (token-major, on the CPU), less those already `asked` for: exactly what a FETCH
     moves (a head no query of the step selected is not moved)."""
     num_heads = index.shape[0]
-    remote = status == REMOTE
-    head = torch.arange(num_heads, device=status.device).unsqueeze(1).expand_as(status)
-    entries = (index[remote] * num_heads + head[remote]).unique().cpu()
+    flat = index * num_heads + torch.arange(num_heads, device=status.device).unsqueeze(1)  # [H, k]
+    entries = flat[status == REMOTE].unique().cpu()
     if asked:
         entries = entries[~torch.isin(entries, torch.cat(list(asked)))]
     return entries
