@@ -4,16 +4,22 @@ records, every request accounted for, and (slow) a tiny trace replayed end to en
 from __future__ import annotations
 
 import csv
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
+from smartgen.apps.bench.config import BenchConfig, TraceSpec
+from smartgen.apps.bench.figures import goodput_figure, goodput_series
 from smartgen.apps.bench.goodput import SLOs, serve_metrics, tpot
-from smartgen.apps.bench.load import replay
+from smartgen.apps.bench.load import LoadRun, replay
+from smartgen.apps.bench.results import BenchResult, Regime
+from smartgen.apps.bench.tables import latency_table, load_table, nodes_table
 from smartgen.apps.bench.trace import (
     MIN_OUTPUT_TOKENS,
     TraceRequest,
@@ -237,3 +243,44 @@ def test_a_tiny_trace_replays_end_to_end_with_the_hits_its_ids_say(tmp_path: Pat
     with (out / "load.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["scheme"] for row in rows] == ["full", "smartgen"] and rows[0]["mode"] == "trace"
+
+
+def _swept_result(tmp_path: Path) -> BenchResult:
+    """A trace run's result at two rates, full and smartgen, from the hand-made records."""
+    config = BenchConfig(schemes=("full", "smartgen"), strategies=(), load_rate=(1.0, 2.0), trace=TraceSpec(tmp_path))
+    regime = Regime(0.03, 4.7, 1024, {1024: 0.3}, {1024: 0.008}, 0.0, 0.02, 3072, 6)
+    result = BenchResult(config, "m", False, config.points(), [regime])
+    result.trace = {"path": "t.jsonl", "block_tokens": 64, "requests": 6, "clipped": 1, "refused": 0}
+    nodes = {"queue_s": {"decode": 0.5, "prefill": 0.25}, "link_utilisation": 0.9, "link_utilisation_back": 0.01,
+             "prefix_hit_rate": {"prefill": 0.3, "decode": None}}  # fmt: skip
+    for rate in (1.0, 2.0):
+        for scheme in ("full", "smartgen"):
+            run = LoadRun(0, scheme, rate, 5.0, 2.0 * rate, SLOs(ttft_s=0.3), RECORDS, mode="trace", nodes=nodes)
+            result.loads.append(run)
+    return result
+
+
+def test_the_load_tables_fit_80_columns_and_name_each_rate(tmp_path: Path) -> None:
+    result = _swept_result(tmp_path)
+    console = Console(width=80, file=io.StringIO(), record=True)
+    for table in (load_table(result, 0), latency_table(result, 0), nodes_table(result, 0)):
+        console.print(table)
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80 and not any("…" in line for line in lines)
+    flat = " ".join(" ".join(lines).split())
+    assert "trace t.jsonl: 6 requests (1 clipped, 0 refused over --max-input), 64 tokens per hash id" in flat
+    row = next(line.split() for line in lines if line.split()[:1] == ["smartgen@2"])
+    # rate, sent, ok, fail, ref, good/s (3 within TTFT 0.3 s over 4 s), req/s, tok/s, Δ (no node clock: -)
+    assert row[1:] == ["2", "6", "4", "1", "1", "0.75", "1.00", "11.0", "-"]
+    nodes_row = [line.split() for line in lines if line.split()[:1] == ["full@1"]][-1]  # the last table's
+    assert nodes_row[1:] == ["500", "250", "90.0", "1.0", "30.0", "-"]
+    assert any(line.split()[:2] == ["smartgen@1", "TTFT"] for line in lines)
+
+
+def test_a_rate_sweep_draws_goodput_against_the_offered_rate(tmp_path: Path) -> None:
+    result = _swept_result(tmp_path)
+    assert goodput_series(result) == {0: {"full": [(1.0, 1.5), (2.0, 0.75)], "smartgen": [(1.0, 1.5), (2.0, 0.75)]}}
+    pytest.importorskip("matplotlib")
+    assert goodput_figure(result, tmp_path) == [tmp_path / "goodput.png"]
+    result.loads = result.loads[:2]  # one rate: no curve
+    assert goodput_figure(result, tmp_path / "one") == []
