@@ -16,7 +16,7 @@ __all__ = ["PAD", "LOCAL", "REMOTE", "MaskTable", "MaskSummary"]
 
 # tokens a span scan reads first past a layer's local prefix; each further round reads twice as many, so finding the
 # first non-local entry costs about its distance from the prefix, and a span that is local at once costs one round
-SCAN_TOKENS = 512
+SCAN_TOKENS = 64
 
 
 class MaskSummary(NamedTuple):
@@ -113,8 +113,11 @@ class MaskTable:
     ) -> list[bool]:
         """For each of `layers`: whether every head of tokens [start, stop) is LOCAL in it. A span starting inside
         the layer's local prefix is read from the prefix's end, and what the read finds local extends the prefix.
-        `all_of`: only whether all are (the answer is then one bool, repeated): the read stops at the first
-        layer with a non-local entry."""
+        `all_of`: only whether all are (the answer is then one bool, repeated): layers are read one at a time and
+        the read stops at the first with a non-local entry."""
+        if all_of:  # one layer at a time: a request still arriving has a non-local entry in one of its first layers
+            whole = all(self.spans_local([layer], slot, start, stop)[0] for layer in layers)
+            return [whole] * len(layers)
         answers: dict[int, bool] = {}
         with self._lock:
             epoch, prompt = self._epoch[slot], self._prompt[slot]
@@ -140,9 +143,6 @@ class MaskTable:
                     answers[layer] = False
                     if grows:
                         grown[layer] = min(first, prompt)
-                    if all_of:
-                        still = []
-                        break
                     continue
                 if grows:
                     grown[layer] = min(end, prompt)
@@ -158,20 +158,24 @@ class MaskTable:
                     for layer, below in grown.items():
                         row = self._local_below[layer]
                         row[slot] = max(row[slot], below)
-        if all_of:
-            whole = len(answers) == len(layers) and all(answers.values())
-            return [whole] * len(layers)
         return [answers[layer] for layer in layers]
 
     def _first_nonlocal(self, layers: list[int], slot: int, begins: list[int], stop: int, width: int) -> list[int]:
         """Per layer, the first token in [begin, min(begin + width, stop)) with a non-LOCAL head, or that range's end:
-        one read of [len(layers), width, H] entries for all of them."""
+        one read of [len(layers), width, H] entries for all of them (a slice for one layer)."""
+        if len(layers) == 1:
+            at = begins[0]
+            bad = (self.values[layers[0], slot, at : min(at + width, stop)] != LOCAL).any(dim=-1)
+            return [at + (int(bad.to(torch.uint8).argmax()) if bool(bad.any()) else bad.numel())]
+        _, num_slots, num_tokens, num_heads = self.values.shape
         device = self.values.device
         begin = torch.tensor(begins, dtype=torch.int64, device=device)
-        positions = begin.unsqueeze(1) + torch.arange(width, device=device)  # [P, width]
-        inside = positions < stop
-        rows = torch.tensor(layers, dtype=torch.int64, device=device).unsqueeze(1)
-        window = self.values[rows, slot, positions.clamp(max=stop - 1)]  # [P, width, H]
+        inside = begin.unsqueeze(1) + torch.arange(width, device=device) < stop  # [P, width]
+        # flat ids ((layer * S + slot) * N + token) * H + head of each layer's window, read in one index_select
+        start = torch.tensor([(layer * num_slots + slot) * num_tokens * num_heads for layer in layers], device=device)
+        flat = (start + begin * num_heads).unsqueeze(1) + torch.arange(width * num_heads, device=device)
+        flat = flat.clamp_(max=self.values.numel() - 1).view(-1)  # past the table: outside the span, masked below
+        window = self.values.view(-1).index_select(0, flat).view(len(layers), width, num_heads)
         bad = (window != LOCAL).any(dim=-1) & inside
         first = torch.where(bad.any(dim=1), bad.to(torch.uint8).argmax(dim=1), inside.sum(dim=1))
         return (begin + first).tolist()
