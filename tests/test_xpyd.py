@@ -1,8 +1,9 @@
 """xPyD: two prefill nodes and two decode nodes, each decode node on both prefill nodes, each prefill node serving
 both decode nodes. Requests go through both decode nodes at once; then a prefill node goes, then a decode node.
 Every request ends served (the in-process pipeline's text) or with a reason (503/504 and its message; a client of the
-decode node that went sees its connection end), nothing waits past a bound, and nothing is left held: the surviving
-prefill node's store is empty and the surviving decode node's pool is free.
+decode node that went sees its connection end; a decode node with `--on-prefill-failure recompute` serves them all),
+nothing waits past a bound, and nothing is left held: the surviving prefill node's store is empty and the surviving
+decode node's pool is free.
 
 The default run starts the four nodes in this process (`start_node`, TCP between them, one decode node behind a shared
 ingress link) and stops the two nodes gracefully; the slow run starts them as `smartgen serve` processes and kills
@@ -247,7 +248,9 @@ def process_cluster(model_dir, tmp_path) -> Iterator[dict[str, Any]]:
     decode2: subprocess.Popen | None = None
     try:
         prefill = ",".join(listen for _, listen, _ in nodes.prefills.values())
-        decode2 = _start_decode(model_dir, tmp_path, "decode2", prefill, (*extra, "--lane", "tcp"))
+        # decode 2 prefills a lost prefill node's requests again on the other; decode 1 fails them with the reason
+        recompute = ("--on-prefill-failure", "recompute")
+        decode2 = _start_decode(model_dir, tmp_path, "decode2", prefill, (*extra, "--lane", "tcp", *recompute))
         nodes.wait_ready()
 
         def written() -> bool:
@@ -294,13 +297,15 @@ def test_two_by_two_processes_survive_a_prefill_then_a_decode_node_killed(proces
     sent = [[peer["sent"] for peer in get_json(url + "/health")["peers"]] for url in urls]
     assert sum(row[0] for row in sent) and sum(row[1] for row in sent), sent  # both prefill nodes were used
 
-    # prefill 2 killed while requests are in flight: each ends served (prefill 1's, or before the loss) or with a 503
+    # prefill 2 killed while requests are in flight: each ends served (prefill 1's, or before the loss) or with a 503;
+    # decode 2's are all served, those of prefill 2 prefilled again on prefill 1
     jobs = [(url, seed) for seed in range(6, 14) for url in urls]
     outcomes = Outcomes()
     _together(jobs, outcomes, _when_streaming(urls[0], lambda: prefill2.send_signal(signal.SIGKILL)))
     _summary("prefill 2 killed", outcomes)
     _check_outcomes(outcomes, jobs, texts)
     assert not outcomes.lost
+    assert all(job in outcomes.served for job in jobs if job[0] == urls[1]), outcomes.refused
     for url in urls:
         wait_until(lambda u=url: _peer_states(u) == ["up", "down"], BOUND_S, "the decode nodes to see prefill 2 gone")
         wait_until(lambda u=url: _idle_decode(u), BOUND_S, "the decode nodes to free the failed requests")
