@@ -5,7 +5,8 @@ A request's life on the decode node:
    pool slot; 503 with no live prefill node) and queued (a bounded queue: 503 with the reason
    when full). A refused request changes nothing on either node.
 2. Dispatched when a pool slot is free: handed to the decode driver (`runtime.driver`), which
-   opens it on the engine (slot, masks remote, OPEN to the least-loaded prefill node).
+   opens it on the engine (slot, masks remote, OPEN to the prefill node roles.placement chooses: least queued
+   prompt tokens, less what its prefix cache likely holds of this prompt).
 3.-4. The driver's lifecycle: prefilling, first token (streamed: TTFT), joining the running
    batch at a step boundary, one token per step (the first of them is TTST).
 5. Finished (EOS, a stop token, max_tokens) or cancelled (client gone) or failed (prefill node
