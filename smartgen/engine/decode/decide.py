@@ -181,6 +181,8 @@ def plan_assembly(split: IndexSplit, *, drop: list[bool], parallel: list[bool]) 
     if len(drop) != len(parallel) or (num_rows % len(drop) if drop else num_rows):
         raise ValueError(f"one drop and one parallel flag per request, got {len(drop)} and {len(parallel)}")
     num_heads = num_rows // len(drop) if drop else 0
+    if not any(drop) and all(parallel):  # the common batch: nothing dropped, every local entry gathered early
+        return AssemblyPlan(split, torch.zeros_like(split.num_remote), split.num_remote + split.num_local, True)
     device = split.num_remote.device
     drop_rows = torch.tensor(drop, dtype=torch.bool, device=device).repeat_interleave(num_heads)
     dropped = torch.zeros_like(split.num_remote)

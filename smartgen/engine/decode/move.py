@@ -267,7 +267,7 @@ class DecodePath:
         fetches = []
         for b, request in enumerate(requests):
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            if not bool((split.status[rows] == REMOTE).any()) or request.metrics.error:
+            if not bool(split.num_remote[rows].any()) or request.metrics.error:
                 continue  # a failed request's rows are assembled from what is local; it leaves after the step
             if request.resuming:  # nothing to fetch from until its new prefill node has prefilled: park it
                 request.deferred = True
