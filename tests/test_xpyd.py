@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,48 +144,76 @@ def model_dir(tmp_path_factory) -> Path:
 # -- in this process, stopped gracefully (the default run) ----------------------------------------------------------
 
 
-def _node(model_dir: Path) -> NodeSettings:
-    return NodeSettings(model_dir, blocks=16, secret=SECRET, link_gbps=1.0, lease_s=LEASE_S)
+def _node(model_dir: Path, prefix_cache_bytes: int = 0) -> NodeSettings:
+    return NodeSettings(
+        model_dir, blocks=16, secret=SECRET, link_gbps=1.0, lease_s=LEASE_S, prefix_cache_bytes=prefix_cache_bytes
+    )
 
 
 def _quiet(line: str) -> None:
     pass
 
 
-@pytest.fixture
-def inproc_cluster(model_dir) -> Iterator[dict[str, Any]]:
+@contextmanager
+def _inproc_nodes(
+    model_dir: Path, ingresses: tuple[float | None, ...], prefix_cache_bytes: int = 0
+) -> Iterator[dict[str, Any]]:
+    """Two prefill nodes and a decode node per entry of `ingresses` (its --ingress-gbps), all on both prefill nodes."""
     started: list[RunningNode] = []
     try:
         for _ in range(2):
-            settings = ServeSettings("prefill", _node(model_dir), listen="127.0.0.1:0", status="127.0.0.1:0")
-            started.append(start_node(settings, say=_quiet))
-        prefill = ",".join(node.addresses["listen"] for node in started)
-        for ingress in (2.0, None):  # decode 1 behind a shared ingress link, decode 2 without
+            node = _node(model_dir, prefix_cache_bytes)
+            started.append(
+                start_node(ServeSettings("prefill", node, listen="127.0.0.1:0", status="127.0.0.1:0"), _quiet)
+            )
+        prefill = ",".join(running.addresses["listen"] for running in started)
+        for ingress in ingresses:
             settings = ServeSettings(
                 "decode",
-                _node(model_dir),
+                _node(model_dir, prefix_cache_bytes),
                 prefill=prefill,
                 http="127.0.0.1:0",
                 decode=DecodeSettings(max_batch=MAX_BATCH, max_tokens=512),
                 ingress_gbps=ingress,
             )
             started.append(start_node(settings, say=_quiet))
+        urls = [f"http://{running.addresses['http']}" for running in started[2:]]
+        wait_until(lambda: all(get_json(u + "/health")["ready"] for u in urls), BOUND_S, "the decode nodes' readiness")
         yield {
             "prefills": started[:2],
             "decodes": started[2:],
-            "status": [f"http://{node.addresses['status']}" for node in started[:2]],
-            "urls": [f"http://{node.addresses['http']}" for node in started[2:]],
+            "status": [f"http://{running.addresses['status']}" for running in started[:2]],
+            "urls": urls,
         }
     finally:
-        for node in reversed(started):
-            node.stop()
+        for running in reversed(started):
+            running.stop()
+
+
+@pytest.fixture
+def inproc_cluster(model_dir) -> Iterator[dict[str, Any]]:
+    with _inproc_nodes(model_dir, (2.0, None)) as nodes:  # decode 1 behind a shared ingress link, decode 2 without
+        yield nodes
+
+
+def test_a_conversations_next_turn_goes_to_the_prefill_node_that_prefilled_its_prefix(model_dir):
+    with _inproc_nodes(model_dir, (None,), prefix_cache_bytes=64 * 2**20) as nodes:
+        url = nodes["urls"][0]
+        turn = _prompt(1, 160)
+        for n, more in enumerate((0, 40, 40)):  # each turn: the conversation so far, and 40 tokens more
+            turn = turn + _prompt(100 + n, more)
+            body = {"prompt": turn, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+            assert answer.status_code == 200, answer.text
+            cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (cached > 0) == (n > 0), cached  # the node it went to had the prefix: a prefill cache hit
+        peers = get_json(url + "/health")["peers"]
+        assert [(p["sent"], p["affine"]) for p in peers] == [(3, 2), (0, 0)]
 
 
 def test_two_by_two_in_process_serve_together_and_survive_a_prefill_then_a_decode_node_going(inproc_cluster, model_dir):
     urls, status = inproc_cluster["urls"], inproc_cluster["status"]
     texts = _Texts(model_dir)
-    for url in urls:
-        wait_until(lambda u=url: get_json(u + "/health")["ready"], BOUND_S, "the decode nodes to be ready")
     # the shared ingress link is said where the bench reads it, and so is each prefill node's own pacing
     assert get_json(urls[0] + "/status")["link"] == {
         "pacing": "shared ingress",
