@@ -159,7 +159,7 @@ def goodput_figure(result: BenchResult, out: Path) -> list[Path]:
         for scheme, pairs in lines.items():
             ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", label=scheme)
         slos = next(r.slos for r in result.loads if r.point == point)
-        ax.set_title(f"{result.points[point].label(result.config.link_mode)}; SLOs: {slos.words()}", fontsize=8)
+        ax.set_title(f"{result.points[point].label(result.config.link_mode)}\nSLOs: {slos.words()}", fontsize=8)
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel("goodput (requests/s within SLOs)")
         ax.legend(fontsize=7)

@@ -73,7 +73,6 @@ def run_trace_point(
     spec = trace_spec(config, spec, trace)
     schemes = ["full", *(s for s in config.all_schemes if s != "full")]
     slices = [trace.rescaled(rate) for rate in config.load_rate] if config.load_rate else [trace]
-    prompts = [prompt_tokens(r, trace.block_tokens, vocab, config.seed) for r in trace.requests]
     skipped = {i: _refusal(r, config) for i, r in enumerate(trace.requests) if r.refused}
     slos = config.slos()
     runs = []
@@ -91,8 +90,12 @@ def run_trace_point(
                     slos = _slos_from_full(cluster, config, unloaded, request, say)
 
                 def send(i: int, url: str = cluster.url, scheme: str = scheme) -> dict[str, Any]:
-                    # outputs are the slice's, whatever the rate: trace.requests[i] is part.requests[i] but its time
-                    return request(url, prompts[i], scheme, trace.requests[i].output_tokens).record()
+                    # built as it is sent, not all at once (a whole trace at full length is billions of ids); the
+                    # client's clock starts after. trace.requests[i] is part.requests[i] but for its time
+                    r = trace.requests[i]
+                    return request(
+                        url, prompt_tokens(r, trace.block_tokens, vocab, config.seed), scheme, r.output_tokens
+                    ).record()
 
                 watch = NodeWatch(cluster, regime.link_gbps, num_links=point.prefill_nodes).start()
                 records, wall = replay(send, [r.at_s for r in part.requests], skipped)
