@@ -403,7 +403,7 @@ class DecodePath:
             return
         else:
             self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
-        request.fetch_counts[layer].view(-1)[entries] += 1
+        request.fetch_counts[layer].view(-1).index_add_(0, entries, torch.ones_like(entries, dtype=torch.int32))
         request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
         self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
 
