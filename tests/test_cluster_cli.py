@@ -288,6 +288,7 @@ def test_nodes_without_a_router_serve_show_a_lost_node_and_ctrl_c_leaves_nothing
     assert "stopped: every node" in running.output()
     assert _left_behind(running.run_dir, pids) == []
     assert (running.run_dir / "decode0.log").exists()  # --run-dir is kept, logs and all
+    assert not (running.run_dir / "cluster.json").exists()  # but not the addresses: nothing listens there now
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@
    the router lists each of them healthy;
 5. writes cluster.json into the run folder: where everything listens (`smartgen monitor --cluster DIR` reads it);
 6. while it runs (`watch()`), takes a decode node whose process exited out of the router at once;
-7. on exit stops the router first (no new requests), then the nodes; every process also dies with this one.
+7. on exit stops the router first (no new requests), then the nodes, and removes cluster.json; every process also
+   dies with this one.
 Without a router (`router=None`) clients pick a decode node themselves.
 """
 
@@ -89,6 +90,8 @@ class ScaleOut:
         if self.router is not None:
             stop_router(self.router)
         self.cluster.__exit__(None, None, None)
+        if self.run_dir is not None:  # a kept run folder keeps its logs, not addresses nothing listens on any more
+            (self.run_dir / MANIFEST).unlink(missing_ok=True)
 
     @property
     def run_dir(self) -> Path | None:
