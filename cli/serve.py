@@ -35,6 +35,7 @@ from .sizes import half_of_memory, parse_size
 from .store_options import Db
 
 PREFILL, DECODE, CACHE, PROCESS = "Prefill node", "Decode node", "Prefix caching", "Node process"
+EVENTS = "KV events"
 
 
 class Role(str, enum.Enum):
@@ -128,7 +129,8 @@ PrefixCacheBytes = Annotated[
         CACHE,
         "KV of recent prompts kept by token blocks, up to this size (K/M/G suffixes; 0 = off). Prefill node: a prompt "
         "starting with cached blocks prefills only the rest. Decode node: finished requests' prompt KV is kept, and a "
-        "new request's cached leading blocks are never transferred. LRU eviction; blocks in use are never evicted.",
+        "new request's cached leading blocks are never transferred. Eviction by --prefix-retention; blocks in use are never "
+        "evicted.",
     ),
 ]
 PrefixBlockTokens = Annotated[
@@ -138,6 +140,44 @@ PrefixBlockTokens = Annotated[
         "Tokens per prefix-cache block (a prompt's cached part is a whole number of blocks); the same on both nodes.",
         min=1,
         max=4096,
+    ),
+]
+PrefixRetention = Annotated[
+    str,
+    option(
+        CACHE,
+        "Which prefix-cache blocks stay when room is needed: lru (least recently used first) or cost (the most "
+        "expected saved seconds per byte: reuse rate learned from the cache's own hit history by hit count and age, "
+        "times what a miss costs here: link time on a decode node, recompute time on a prefill node, where later "
+        "blocks cost more; stale blocks age out, and a new block worth less than all it would evict is not stored). "
+        "Either way a block is evicted only after every cached block that extends it.",
+    ),
+]
+KvEventsEndpoint = Annotated[
+    str,
+    option(
+        EVENTS,
+        "Publish this node's prefix-cache events in vLLM's KV-events format (ZMQ PUB, msgpack KVEventBatch of "
+        "BlockStored / BlockRemoved / AllBlocksCleared) for routers that score prefix overlap (Dynamo, llm-d). As "
+        "vLLM: tcp://*:5557 binds, tcp://HOST:PORT connects; tcp://127.0.0.1:* binds a free port (the ready file says "
+        "which). --role both publishes its decode half. Empty = off. Needs pyzmq and msgpack (smartgen[events]).",
+    ),
+]
+KvEventsReplay = Annotated[
+    str,
+    option(
+        EVENTS,
+        "Bind a ROUTER here (tcp://*:5558) that answers a start sequence number (8 bytes, big-endian) with the "
+        "buffered event batches from it on, then -1, as vLLM's replay endpoint does. Empty = no replay.",
+    ),
+]
+KvEventsTopic = Annotated[str, option(EVENTS, "The topic frame of every published batch (vLLM's default: empty).")]
+KvEventsEncoding = Annotated[
+    str,
+    option(
+        EVENTS,
+        "How each event is encoded: array (tagged arrays, msgspec array_like: vLLM up to 0.23 and every subscriber "
+        "written for it) or map (tagged maps with field names: vLLM since 0.24). The batch is an array either way.",
     ),
 ]
 ReadyFile = Annotated[
@@ -207,6 +247,11 @@ def serve(
     db: Db = None,
     prefix_cache_bytes: PrefixCacheBytes = "1G",
     prefix_block_tokens: PrefixBlockTokens = 16,
+    prefix_retention: PrefixRetention = "lru",
+    kv_events_endpoint: KvEventsEndpoint = "",
+    kv_events_replay: KvEventsReplay = "",
+    kv_events_topic: KvEventsTopic = "",
+    kv_events_encoding: KvEventsEncoding = "array",
     ready_file: ReadyFile = None,
     record: Record = None,
 ) -> None:
@@ -215,6 +260,7 @@ def serve(
     from smartgen.lanes.tls import TlsFiles
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.colocated import DecodeSettings
+    from smartgen.roles.kv_events import KvEventsSettings
     from smartgen.roles.launch import NodeSettings
     from smartgen.roles.limits import DecodeLimits, PrefillLimits
     from smartgen.roles.node_runner import run_node
@@ -222,6 +268,8 @@ def serve(
     from smartgen.runtime.models import ModelLoadError
 
     lane = lane or (INPROC if role == Role.both else "tcp")
+    if kv_events_replay and not kv_events_endpoint:
+        fail("--kv-events-replay replays what --kv-events-endpoint publishes: give both")
     if role == Role.both:
         _refuse_socket_options(ctx, tls_cert or tls_key or tls_ca)
     rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
@@ -243,6 +291,12 @@ def serve(
             tls=TlsFiles(tls_cert, tls_key, tls_ca) if (tls_cert or tls_key or tls_ca) else None,
             prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes", minimum=0),
             prefix_block_tokens=prefix_block_tokens,
+            prefix_retention=prefix_retention,
+            kv_events=KvEventsSettings(
+                kv_events_endpoint, kv_events_replay or None, kv_events_topic, kv_events_encoding
+            )
+            if kv_events_endpoint
+            else None,
             db=db,
         )
         timeouts = dict(

@@ -1,24 +1,30 @@
-"""A KV prefix cache keyed by chained hashes of token blocks, under a byte budget with LRU eviction.
+"""A KV prefix cache keyed by chained hashes of token blocks, under a byte budget, evicting by a retention policy.
 
 Both roles keep one: the prefill node to skip prefill of a cached prefix, the decode node to
 skip transferring KV it already holds. A block of `block_tokens` tokens is keyed by a hash of
 its tokens chained with the hash of the block before it, so a key names the whole prefix up to
 and including its block, and a prompt's cached part is the longest leading run of keys found.
 
-A hit pins its blocks until `release`: a block in use is never evicted. Touched blocks become
-most recent deepest-first, so eviction takes a prefix's tail before its head (a head evicted
-would strand every block after it).
+A hit pins its blocks until `release`: a block in use is never evicted. Only leaves are evicted (a
+block none of whose children is cached), so eviction takes a prefix's tail before its head (a head
+evicted would strand every block after it). Which leaf goes is the retention policy's choice
+(`smartgen.engine.retention`: LRU by default, or cost-aware). A listener, when set, hears every
+block stored and removed (`smartgen.engine.cache_events`), as KV events publish them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from smartgen.engine.cache_events import BlocksRemoved, BlocksStored, CacheEvent, CacheListener
+from smartgen.engine.retention import LruRetention, Retention
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "block_hashes", "PrefixHit", "PrefixCache", "PrefixCacheStats"]
 
@@ -30,10 +36,9 @@ def block_hashes(token_ids: torch.Tensor | list[int], block_tokens: int, salt: s
     ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().cpu()
     keys = []
     previous = hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    for start in range(0, ids.numel() - block_tokens + 1, block_tokens):
-        previous = hashlib.blake2b(
-            previous + ids[start : start + block_tokens].numpy().tobytes(), digest_size=16
-        ).digest()
+    data, step = memoryview(ids.numpy().tobytes()), block_tokens * 8  # one copy, then slices of it
+    for start in range(0, (ids.numel() // block_tokens) * step, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=16).digest()
         keys.append(previous)
     return keys
 
@@ -42,7 +47,9 @@ def block_hashes(token_ids: torch.Tensor | list[int], block_tokens: int, salt: s
 class _Block:
     k: torch.Tensor  # [L, B, H, d]
     v: torch.Tensor
+    parent: bytes | None = None  # the key of the block before it (None: the prompt's first)
     pins: int = 0
+    children: int = 0  # cached blocks whose parent this is: while any, it is not evicted
 
     @property
     def nbytes(self) -> int:
@@ -73,12 +80,22 @@ class PrefixCacheStats:
     inserted_blocks: int = 0
     evicted_blocks: int = 0
     refused_blocks: int = 0  # not inserted: the budget was held by pinned blocks
+    declined_blocks: int = 0  # not inserted: the retention policy judged them worth less than what they would evict
 
 
 class PrefixCache:
     """Token-block KV under `budget_bytes` (0 turns it off: nothing is kept, nothing found)."""
 
-    def __init__(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, salt: str = "") -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        salt: str = "",
+        retention: Retention | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`retention`: which block leaves when room is needed (None: LRU); `clock`: seconds, for the policy's ages
+        (a trace replay passes the trace's own)."""
         if budget_bytes < 0:
             raise ValueError("a prefix cache budget cannot be negative")
         if block_tokens < 1:
@@ -87,9 +104,17 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.salt = salt
         self.stats = PrefixCacheStats()
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
+        self.retention = retention or LruRetention()
+        self.clock = clock
+        self.listener: CacheListener | None = None  # hears stored and removed blocks (`set_listener`)
+        self._blocks: dict[bytes, _Block] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """From now on `listener` hears every change (None: nobody); blocks already held are not announced."""
+        with self._lock:
+            self.listener = listener
 
     @property
     def enabled(self) -> bool:
@@ -118,8 +143,9 @@ class PrefixCache:
             if tokens <= 0:
                 return None
             blocks = [self._blocks[key] for key in found]
+            now = self.clock()
             for key in reversed(found):  # the head ends most recent: the tail is evicted first
-                self._blocks.move_to_end(key)
+                self.retention.hit(key, now)
             for block in blocks:
                 block.pins += 1
             self.stats.hits += 1
@@ -145,6 +171,8 @@ class PrefixCache:
         first = start // self.block_tokens
         added = 0
         with self._lock:
+            now = self.clock()
+            events: list[CacheEvent] = []
             # the prompt's cached blocks are held while room is made, so its head is never evicted for its tail
             held = [self._blocks[key] for key in keys[:first] if key in self._blocks]
             for block in held:
@@ -154,41 +182,92 @@ class PrefixCache:
                     lo = index * self.block_tokens - start
                     if lo + self.block_tokens > k.shape[1]:
                         break
-                    if keys[index] in self._blocks:
+                    if keys[index] in self._blocks:  # held too: the next block's room must not cost it its parent
+                        self._blocks[keys[index]].pins += 1
+                        held.append(self._blocks[keys[index]])
                         continue
-                    block = _Block(k[:, lo : lo + self.block_tokens].clone(), v[:, lo : lo + self.block_tokens].clone())
-                    if not self._make_room(block.nbytes):
-                        self.stats.refused_blocks += 1
+                    parent = keys[index - 1] if index else None
+                    if parent is not None and parent not in self._blocks:
+                        break  # its prefix is not cached (evicted meanwhile): a match could never reach it
+                    block = _Block(
+                        k[:, lo : lo + self.block_tokens].clone(), v[:, lo : lo + self.block_tokens].clone(), parent
+                    )
+                    if not self._make_room(block.nbytes, now, events, (keys[index], index, block.nbytes)):
                         break
                     self._blocks[keys[index]] = block
+                    if parent is not None:
+                        self._blocks[parent].children += 1
+                    self.retention.added(keys[index], parent, index, block.nbytes, now)
                     block.pins += 1
                     held.append(block)
                     self._bytes += block.nbytes
                     added += 1
+                    if self.listener is not None:
+                        self._stored(events, keys[index], parent, token_ids, index, block.k)
             finally:
                 for block in held:
                     block.pins -= 1
             for key in reversed(keys):  # the head ends most recent: the tail is evicted first
                 if key in self._blocks:
-                    self._blocks.move_to_end(key)
+                    self.retention.touch(key, now)
             self.stats.inserted_blocks += added
+            if events and self.listener is not None:
+                self.listener(events)
         return added
 
-    def _make_room(self, needed: int = 0) -> bool:
-        """Drops least recently used unpinned blocks until `needed` more bytes fit the budget (lock held);
-        False when pinned blocks leave no room."""
+    def _stored(
+        self, events: list[CacheEvent], key: bytes, parent: bytes | None, token_ids: Any, index: int, k: torch.Tensor
+    ) -> None:
+        """Adds one stored block to `events`: to the last BlocksStored when it continues that run."""
+        lo = index * self.block_tokens
+        tokens = [int(t) for t in torch.as_tensor(token_ids).flatten()[lo : lo + self.block_tokens].tolist()]
+        last = events[-1] if events else None
+        if isinstance(last, BlocksStored) and last.keys[-1] == parent:
+            last.keys.append(key)
+            last.token_ids.extend(tokens)
+        else:
+            events.append(BlocksStored([key], parent, tokens, self.block_tokens, _medium(k)))
+
+    def _make_room(
+        self,
+        needed: int,
+        now: float,
+        events: list[CacheEvent],
+        incoming: tuple[bytes, int, int] | None = None,
+    ) -> bool:
+        """Evicts the policy's victims (unpinned leaves) until `needed` more bytes fit the budget (lock held); False
+        when pinned blocks leave no room or the policy declines the incoming block (key, index, bytes)."""
         if needed > self.budget_bytes:
+            self.stats.refused_blocks += 1
             return False
-        for key in list(self._blocks):
-            if self._bytes + needed <= self.budget_bytes:
-                break
-            block = self._blocks[key]
-            if block.pins:
-                continue
-            del self._blocks[key]
-            self._bytes -= block.nbytes
-            self.stats.evicted_blocks += 1
-        return self._bytes + needed <= self.budget_bytes
+        while self._bytes + needed > self.budget_bytes:
+            key = self.retention.victim(now, self._evictable, incoming)
+            if key is None:
+                if any(self._evictable(key) for key in self._blocks):
+                    self.stats.declined_blocks += 1
+                else:
+                    self.stats.refused_blocks += 1
+                return False
+            self._evict(key, now, events)
+        return True
+
+    def _evictable(self, key: bytes) -> bool:
+        block = self._blocks[key]
+        return not block.pins and not block.children
+
+    def _evict(self, key: bytes, now: float, events: list[CacheEvent]) -> None:
+        block = self._blocks.pop(key)
+        if block.parent is not None and block.parent in self._blocks:
+            self._blocks[block.parent].children -= 1
+        self._bytes -= block.nbytes
+        self.retention.removed(key, now)
+        self.stats.evicted_blocks += 1
+        if self.listener is not None:
+            last = events[-1] if events else None
+            if isinstance(last, BlocksRemoved):
+                last.keys.append(key)
+            else:
+                events.append(BlocksRemoved([key], _medium(block.k)))
 
     @property
     def bytes_held(self) -> int:
@@ -219,4 +298,10 @@ class PrefixCache:
                 "inserted_blocks": stats.inserted_blocks,
                 "evicted_blocks": stats.evicted_blocks,
                 "refused_blocks": stats.refused_blocks,
+                "declined_blocks": stats.declined_blocks,
+                "retention": self.retention.snapshot(),
             }
+
+
+def _medium(k: torch.Tensor) -> str:
+    return "GPU" if k.device.type == "cuda" else "CPU"

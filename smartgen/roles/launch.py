@@ -11,11 +11,13 @@ from transformers import PreTrainedModel
 
 from smartgen.engine.policy import check_servable, get_policy
 from smartgen.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
+from smartgen.engine.retention import ComputeCost, LinkCost, MissCost, make_retention
 from smartgen.lanes.liveness import DEFAULT_LEASE_S
 from smartgen.lanes.rate import transfer_seconds
 from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.decode_node import DecodeNode
+from smartgen.roles.kv_events import KvEventsSettings
 from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.peers import Connect
 from smartgen.roles.planner import NodePlanner, ProfileMatch
@@ -48,9 +50,13 @@ class NodeSettings:
     lease_s: float = DEFAULT_LEASE_S  # a peer silent this long is declared dead (heartbeats every lease / 4)
     prefix_cache_bytes: int = 0  # this node's prefix cache (prefill: skips prefill; decode: skips transfer); 0 = off
     prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS
+    prefix_retention: str = "lru"  # which cached blocks stay (smartgen.engine.retention): lru or cost
+    kv_events: KvEventsSettings | None = None  # publish the prefix cache's block events (vLLM's format); None: off
 
-    def prefix_cache(self) -> PrefixCache:
-        return PrefixCache(self.prefix_cache_bytes, self.prefix_block_tokens)
+    def prefix_cache(self, cost: MissCost) -> PrefixCache:
+        """This node's prefix cache; `cost` is what a miss costs here (the cost retention policy weighs it)."""
+        retention = make_retention(self.prefix_retention, cost)
+        return PrefixCache(self.prefix_cache_bytes, self.prefix_block_tokens, retention=retention)
 
     tls: TlsFiles | None = None  # TLS on the TCP connections between the nodes (None: plain TCP)
     db: Path | None = None  # the profile store (HATA's hash weights); None: $SMARTGEN_DB or the default
@@ -69,6 +75,13 @@ def _load(settings: NodeSettings, model: PreTrainedModel | None = None):
         params["weights"] = _hash_weights(settings.db, model)
     selector = make_selector(settings.selector, model_info(model), **params)
     return model, layout, selector
+
+
+def _recompute_cost(model: PreTrainedModel, block_tokens: int) -> ComputeCost:
+    """What a prefill node's miss costs: the block's tokens prefilled again (only the ranking matters here)."""
+    info = model_info(model)
+    width = info.num_q_heads * info.head_dim
+    return ComputeCost.for_model(model.num_parameters(), info.num_layers, width, block_tokens)
 
 
 def _hash_weights(db: Path | None, model) -> dict:
@@ -157,7 +170,7 @@ def build_prefill_node(
         delay_s=settings.delay_ms / 1e3,
         lane=settings.lane,
         rdma=settings.rdma,
-        prefix_cache=settings.prefix_cache(),
+        prefix_cache=settings.prefix_cache(_recompute_cost(model, settings.prefix_block_tokens)),
         limits=replace(limits or PrefillLimits(), lease_s=settings.lease_s),
         tls=settings.tls,
         listen=listen,
@@ -209,7 +222,7 @@ def build_decode_node(
         rdma=settings.rdma,
         emulate_layer_s=emulate_layer_ms / 1e3,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
-        prefix_cache=settings.prefix_cache(),
+        prefix_cache=settings.prefix_cache(LinkCost(settings.link_gbps or 25.0)),  # unpaced: any rate ranks the same
         tls=settings.tls,
         connect=connect,
         ingress_gbps=ingress_gbps,

@@ -15,11 +15,13 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import INPROC
 from smartgen.lanes.tcp_link import parse_address
 from smartgen.roles.colocated import build_colocated_node
 from smartgen.roles.decode_node import DecodeNode
 from smartgen.roles.http_server import HttpServer
+from smartgen.roles.kv_events import KvEventPublisher
 from smartgen.roles.launch import build_decode_node, build_prefill_node
 from smartgen.roles.limits import DecodeLimits
 from smartgen.roles.prefill_node import PrefillNode
@@ -80,6 +82,8 @@ class RunningNode:
             self.addresses["status"] = "{}:{}".format(*server.address)
         if s.record is not None and s.role == "prefill":
             self._cleanup.callback(StatusRecorder(s.record, "prefill", node.snapshot).close)
+        if s.role == "prefill":  # --role both publishes its decode half's cache, the one a router in front sees
+            self._publish_events(node.engine.prefix_cache)
         gbps = s.node.link_gbps
         if s.role == "prefill":
             rate = f"{gbps:g} Gbit/s" if gbps else "unpaced"
@@ -91,6 +95,22 @@ class RunningNode:
             rate = f"{gbps:g} Gbit/s each way" if gbps else "unpaced"
             where = f" (status on {self.addresses['status']})" if "status" in self.addresses else ""
             self._say(f"prefill node in this process{where}: in-process lane, link {rate}, profiles: {profile_note}")
+
+    def _publish_events(self, cache: PrefixCache) -> None:
+        """`--kv-events-endpoint`: the cache's block events go out in vLLM's format until the node stops."""
+        events = self.settings.node.kv_events
+        if events is None:
+            return
+        publisher = KvEventPublisher(events)
+        self._cleanup.callback(publisher.close)
+        cache.set_listener(publisher.listener)
+        self._cleanup.callback(cache.set_listener, None)  # runs first: nothing is queued on a closing publisher
+        self.addresses["kv_events"] = publisher.endpoint
+        replay = ""
+        if publisher.replay_endpoint is not None:
+            self.addresses["kv_events_replay"] = publisher.replay_endpoint
+            replay = f", replay on {publisher.replay_endpoint}"
+        self._say(f"KV events ({events.encoding} encoding) on {publisher.endpoint}{replay}")
 
     def _start_decode(self, node: DecodeNode, limits: DecodeLimits) -> None:
         s = self.settings
@@ -104,6 +124,7 @@ class RunningNode:
             recorder = StatusRecorder(s.record, "decode", node.scheduler.status, prefill_snapshot=prefill)
             self._cleanup.callback(recorder.close)
         self._cleanup.callback(http.stop)
+        self._publish_events(node.engine.prefix_cache)
         http.start()
         self.http = http
         self.addresses["http"] = "{}:{}".format(*http.address)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smartgen.engine.retention import RETENTIONS
 from smartgen.lanes.backends import INPROC, lane_problem
 from smartgen.roles.colocated import DecodeSettings
+from smartgen.roles.kv_events import events_problem
 from smartgen.roles.launch import DTYPES, NodeSettings
 from smartgen.roles.limits import PrefillLimits
 
@@ -78,6 +80,12 @@ class ServeSettings:
                     f"--ingress-gbps paces what the tcp lane's sockets read; --lane {node.lane} moves KV outside them"
                 )
         if problem := lane_problem(node.lane):
+            raise ValueError(problem)
+        if node.prefix_retention not in RETENTIONS:
+            raise ValueError(
+                f"--prefix-retention must be one of {', '.join(RETENTIONS)}, got {node.prefix_retention!r}"
+            )
+        if node.kv_events is not None and (problem := events_problem(node.kv_events)):
             raise ValueError(problem)
         if node.tls is not None and self.role == "prefill":  # loaded now: a bad file fails before the model loads
             node.tls.server_context()
