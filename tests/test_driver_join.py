@@ -114,17 +114,29 @@ def _forecast_driver() -> tuple[_Engine, _Runner, DecodeDriver]:
     return engine, runner, DecodeDriver(runner)  # type: ignore[arg-type]
 
 
-def test_a_promised_forecast_is_waited_for_then_fetched_and_a_lone_request_joins_at_once():
+def test_a_lone_request_does_not_wait_for_its_forecast():
     engine, runner, driver = _forecast_driver()
     engine.pending.add("a")
     driver.prefilling = [_request("a")]
     events = driver.collect_first_tokens()
-    assert [e.request_id for e in events] == ["a"] and not driver.running  # first token out; the forecast not in
-    engine.pending.clear()
-    engine.forecasts["a"] = {2: torch.zeros(2, 4), 3: torch.zeros(2, 4)}
+    assert [e.request_id for e in events] == ["a"]
+    assert [r.request_id for r in driver.running] == ["a"] and not runner.fetched  # its own step asks as it goes
+
+
+def test_a_promised_forecast_is_waited_for_while_others_run_then_fetched():
+    engine, runner, driver = _forecast_driver()
+    driver.prefilling = [_request("a")]
     driver.collect_first_tokens()
-    assert runner.fetched == [("a", [2, 3], 4)]  # its picks asked for, with its prompt length
-    assert [r.request_id for r in driver.running] == ["a"]  # nobody to hold up: its step waits for them itself
+    engine.dense_local.add("b")
+    engine.pending.add("b")
+    driver.prefilling = [_request("b")]
+    events = driver.collect_first_tokens()
+    assert [e.request_id for e in events] == ["b"] and [r.request_id for r in driver.running] == ["a"]
+    engine.pending.clear()
+    engine.forecasts["b"] = {2: torch.zeros(2, 4), 3: torch.zeros(2, 4)}
+    driver.collect_first_tokens()
+    assert runner.fetched == [("b", [2, 3], 4)]  # its picks asked for, with its prompt length
+    assert [r.request_id for r in driver.running] == ["a"]  # in flight: it waits outside the batch
 
 
 def test_a_joining_request_waits_outside_the_batch_until_its_forecast_picks_are_local():

@@ -57,6 +57,7 @@ class RequestMetrics:
     first_step_wait_s: float = 0.0
     # of those, entries the step had to ask for itself: neither local nor asked ahead (a forecast's fetches)
     first_step_unforeseen: int = 0
+    forecast_entries: int = 0  # entries a forecast asked for before the first step (Policy.forecast)
     fetch_wait_s: float = 0.0
     # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token
     # arrived: what the link had to have carried by then (the benchmark's CTL bound)
@@ -160,6 +161,7 @@ class RequestMetrics:
             "first_step_coverage": self.first_step_coverage,
             "first_step_wait_s": self.first_step_wait_s,
             "first_step_foreseen": self.first_step_foreseen,
+            "forecast_entries": self.forecast_entries,
             "fetch_wait_s": self.fetch_wait_s,
             "selected_union_bytes": self.selected_union_bytes,
             "error": self.error,

@@ -6,8 +6,8 @@ A request's life in the driver:
 2. `step()` collects FIRST_TOKEN: the first token is emitted (TTFT). Under a wait-for-all
    policy (full transfer) it waits until every block is local, and while other requests are
    running any other policy waits until its layers 0-1 are (its first step would wait for them,
-   and the whole batch with it). A request whose FIRST_TOKEN promised a forecast waits for it, fetches the
-   picks its queries give, and, while others run, joins only once they are local; then it joins the running
+   and the whole batch with it); a request whose FIRST_TOKEN promised a forecast waits, while others run, for
+   it, fetches the picks its queries give and joins only once they are local; then it joins the running
    batch at the step boundary.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
@@ -191,16 +191,17 @@ class DecodeDriver:
                 waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
                     self.running and not self.engine.dense_layers_local(rid)
                 )
-                # the first step's forecast: wait for it, fetch its picks, and join a running batch only once they
-                # are local (its step would wait for them, and the batch with it); alone, it starts at once and its
-                # step waits for what is in flight layer by layer
-                if not waiting and self.engine.forecast_pending(rid):
-                    waiting = True
-                elif not waiting:
-                    if (queries := self.engine.take_forecast(rid)) is not None:
-                        metadata = self.engine.request_metadata(rid)
-                        self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
-                    waiting = bool(self.running) and not self.engine.forecast_landed(rid)
+                # the first step's forecast, while others run: wait for it, fetch its picks, and join only once they
+                # are local (its step would wait for them, and the batch with it). Alone it starts at once: its
+                # step asks layer by layer as it goes, no later than the forecast's picks could arrive
+                if not waiting and self.running:
+                    if self.engine.forecast_pending(rid):
+                        waiting = True
+                    else:
+                        if (queries := self.engine.take_forecast(rid)) is not None:
+                            metadata = self.engine.request_metadata(rid)
+                            self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
+                        waiting = not self.engine.forecast_landed(rid)
                 if waiting:
                     if stall := self.engine.stall(rid, self.prefill_timeout):
                         reason = f"its KV stalled: {stall.describe(self.prefill_timeout)}"

@@ -147,7 +147,7 @@ class DecodeEngine(DecodeControl):
         if not entries.numel():
             return 0
         request.late.append((layer, entries, self._send_fetch(request, layer, entries, low=True), time.monotonic()))
-        request.metrics.prefetched_entries += int(entries.numel())
+        request.metrics.forecast_entries += int(entries.numel())
         return int(entries.numel())
 
     def forecast_landed(self, request_id: str) -> bool:
