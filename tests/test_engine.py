@@ -618,7 +618,8 @@ def test_dense_layers_local_says_when_layers_0_and_1_have_landed():
         rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
         prefill_end.push.flush(5)
         assert decode.dense_layers_local(rid)
-        decode.pool.masks.values[1, decode.slot_of(rid), 5] = REMOTE
+        decode.pool.masks.values[1, decode.slot_of(rid), 5] = REMOTE  # cannot happen in use (local stays local):
+        decode.pool.masks.forget(decode.slot_of(rid))  # so the table's memory of the local prefix is dropped
         assert not decode.dense_layers_local(rid)
         decode._require(rid).metrics.error = "gone"
         assert decode.dense_layers_local(rid)  # a failed request is let through, to fail in its step

@@ -160,3 +160,29 @@ def test_serve_refuses_an_ingress_link_it_cannot_pace_in_one_line(role, lane, gb
 
 def test_serve_takes_an_ingress_link_on_a_decode_node_over_tcp(tmp_path):
     ServeSettings("decode", NodeSettings(tmp_path), ingress_gbps=25.0, insecure=True).check()
+
+
+def test_connections_behind_a_shared_ingress_keep_a_small_receive_buffer():
+    """What the kernel buffers is out of reach of the sender's priorities (a fetch reply behind bulk pushes): behind a
+    shared ingress each connection's receive buffer holds about 10 ms of the link, not the kernel's megabytes."""
+    import socket
+
+    from smartgen.lanes.tcp_link import ingress_buffer_bytes
+
+    assert ingress_buffer_bytes(Pacer(0.01)) == 32 * 1024  # 12.5 kB of link in 10 ms: the floor
+    assert ingress_buffer_bytes(Pacer(1.0)) == 1_250_000
+    assert ingress_buffer_bytes(Pacer(100.0)) == 4 * 1024 * 1024  # the cap
+    listeners, prefill_ends, decode_ends = _connect_two(Pacer(INGRESS_GBPS))
+    try:
+        for end in decode_ends:
+            for lane in (end.push, end.control):
+                sock = lane._sock  # type: ignore[attr-defined]
+                # Linux doubles what is asked for its bookkeeping: still far under its default maximum of megabytes
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) <= 4 * ingress_buffer_bytes(
+                    Pacer(INGRESS_GBPS)
+                )
+    finally:
+        for end in prefill_ends + decode_ends:
+            end.close()
+        for listener in listeners:
+            listener.close()

@@ -208,7 +208,7 @@ def tcp_connect(
     lanes = {}
     try:
         for channel in CHANNELS:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            sock = _connect(host, port, timeout, ingress)
             try:
                 if tls is not None:
                     sock = tls.wrap_socket(sock, server_hostname=host)
@@ -232,6 +232,31 @@ def tcp_connect(
             lane.close()
         raise
     return LinkEnd(lanes["push"], lanes["control"], pacer)
+
+
+def ingress_buffer_bytes(pacer: Pacer) -> int:
+    """The receive buffer of a connection behind a shared ingress: about 10 ms of the link (32 KiB to 4 MiB). What the
+    kernel buffers waits there in arrival order, out of reach of the sender's priorities (a fetch reply behind bulk
+    pushes); a switch port's buffer is small too, and TCP's window then holds the senders back in their own queues."""
+    rate = pacer.bytes_per_second or 0.0
+    return int(min(max(rate * 0.010, 32 * 1024), 4 * 1024 * 1024))
+
+
+def _connect(host: str, port: int, timeout: float, ingress: Pacer | None) -> socket.socket:
+    """A TCP connection; behind a shared ingress, with a receive buffer set before connecting (`ingress_buffer_bytes`:
+    the window is agreed at the handshake)."""
+    if ingress is None or ingress.gbps is None:
+        return socket.create_connection((host, port), timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, ingress_buffer_bytes(ingress))
+        sock.settimeout(timeout)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _tls_hint(exc: OSError, tls: bool) -> OSError:

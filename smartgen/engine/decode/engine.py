@@ -162,8 +162,8 @@ class DecodeEngine(DecodeControl):
         if request.metrics.error or request.flags.drop_remote:
             return True
         self.pool.sync_staged(None, [request.slot])
-        dense = self.pool.masks.values[:DENSE_LAYERS, request.slot, : request.length]
-        return bool((dense == LOCAL).all())
+        # read from each layer's local prefix on (the mask table remembers it), not the whole of both layers
+        return self.pool.masks.spans_local(range(DENSE_LAYERS), request.slot, 0, request.length, all_of=True)[0]
 
     def is_all_local(self, request_id: str) -> bool:
         request = self._require(request_id)
