@@ -71,7 +71,7 @@ def test_a_recompute_miss_grows_with_the_block_s_position():
 def test_lru_evicts_the_least_recently_used_evictable_block():
     lru = LruRetention()
     for i, key in enumerate([b"a", b"b", b"c"]):
-        lru.added(key, None, i, 1, float(i))
+        lru.added(key, i, 1, float(i))
     lru.hit(b"a", 5.0)
     assert lru.victim(6.0, _all) == b"b"
     assert lru.victim(6.0, lambda key: key != b"b") == b"c"
@@ -89,8 +89,8 @@ def _trained(model: ReuseModel) -> ReuseModel:
 
 def test_cost_keeps_the_block_with_more_hits_and_evicts_the_stale_one():
     policy = CostRetention(LinkCost(10.0), model=_trained(ReuseModel(rebuild_every=10)), candidates=2)
-    policy.added(b"once", None, 0, 100, 0.0)
-    policy.added(b"twice", None, 0, 100, 0.0)
+    policy.added(b"once", 0, 100, 0.0)
+    policy.added(b"twice", 0, 100, 0.0)
     policy.hit(b"twice", 1.0)
     policy.hit(b"twice", 2.0)
     assert policy.victim(3.0, _all) == b"once"
@@ -102,44 +102,45 @@ def test_cost_weighs_the_miss_cost_per_byte():
             return float(index + 1)
 
     policy = CostRetention(ByIndex())
-    policy.added(b"cheap", None, 0, 100, 0.0)
-    policy.added(b"dear", None, 9, 100, 0.0)  # same history, ten times the miss cost
+    policy.added(b"cheap", 0, 100, 0.0)
+    policy.added(b"dear", 9, 100, 0.0)  # same history, ten times the miss cost
     assert policy.victim(1.0, _all) == b"cheap"
 
 
-def test_cost_never_offers_a_block_that_has_cached_children_and_offers_it_once_they_are_gone():
+def test_cost_offers_only_what_the_cache_may_evict_and_weighs_it_at_its_own_recency():
     policy = CostRetention(LinkCost(10.0))
-    policy.added(b"head", None, 0, 100, 0.0)
-    policy.added(b"tail", b"head", 1, 100, 50.0)  # younger: LRU alone would pick the head
-    assert policy.victim(60.0, _all) == b"tail"
+    policy.added(b"head", 0, 100, 0.0)
+    policy.added(b"tail", 1, 100, 50.0)  # younger: the head alone would go first
+    assert policy.victim(60.0, _all) == b"head"
+    assert policy.victim(60.0, lambda key: key != b"head") == b"tail"  # the cache says the head has a child
     policy.removed(b"tail", 60.0)
     assert policy.victim(60.0, _all) == b"head"
 
 
 def test_an_evicted_block_that_comes_back_gets_its_hit_history_back():
     policy = CostRetention(LinkCost(10.0))
-    policy.added(b"x", None, 0, 100, 0.0)
+    policy.added(b"x", 0, 100, 0.0)
     for t in (1.0, 2.0, 3.0):
         policy.hit(b"x", t)
     policy.removed(b"x", 4.0)
     observed = policy.model.observations
-    policy.added(b"x", None, 0, 100, 10.0)
+    policy.added(b"x", 0, 100, 10.0)
     assert policy._entries[b"x"].hits == 4  # three hits, and this return counts as a fourth reuse
     assert policy.model.observations == observed + 1  # the missed reuse was learned from
 
 
 def test_admission_declines_a_new_block_worth_less_than_everything_it_would_evict():
     model = _trained(ReuseModel(rebuild_every=10))
-    policy = CostRetention(LinkCost(10.0), model=model)
-    policy.added(b"hot", None, 0, 100, 0.0)
+    policy = CostRetention(LinkCost(10.0), model=model, admission=True)
+    policy.added(b"hot", 0, 100, 0.0)
     policy.hit(b"hot", 1.0)
     policy.hit(b"hot", 2.0)
     assert policy.victim(2.5, _all, incoming=(b"new", 0, 100)) is None and policy.declined == 1
     assert policy.victim(2.5, _all) == b"hot"  # without an incoming block the victim is still named
     # seen before and declined: it comes back with that history and is worth more now
     assert policy._ghosts[b"new"][0] == 0
-    off = CostRetention(LinkCost(10.0), model=model, admission=False)
-    off.added(b"hot", None, 0, 100, 0.0)
+    off = CostRetention(LinkCost(10.0), model=model)  # the default: every new block is stored
+    off.added(b"hot", 0, 100, 0.0)
     assert off.victim(2.5, _all, incoming=(b"new", 0, 100)) == b"hot"
 
 

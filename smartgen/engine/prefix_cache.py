@@ -197,7 +197,7 @@ class PrefixCache:
                     self._blocks[keys[index]] = block
                     if parent is not None:
                         self._blocks[parent].children += 1
-                    self.retention.added(keys[index], parent, index, block.nbytes, now)
+                    self.retention.added(keys[index], index, block.nbytes, now)
                     block.pins += 1
                     held.append(block)
                     self._bytes += block.nbytes

@@ -1,8 +1,8 @@
 """Which prefix-cache blocks stay when room is needed: least recently used, or the most saved seconds per byte.
 
 A retention policy sees a block stored, hit, touched and removed, and names the next block to evict among those the
-cache may evict (unpinned leaves: a block whose child is cached is never evicted before the child, so no cached block
-ever loses its prefix). Two policies:
+cache says it may evict (unpinned leaves: a block whose child is cached is never evicted before the child, so no
+cached block ever loses its prefix). Two policies:
 
 - `lru`: the least recently used block goes first (blocks touched deepest-first, so a prefix's tail leaves before
   its head).
@@ -11,8 +11,9 @@ ever loses its prefix). Two policies:
   (`MissCost`: link time on a decode node, recompute time on a prefill node, where a block later in the prompt costs
   more as attention grows with position) over its bytes. Age is the aging term: a block unused for long falls in
   worth and leaves. Evicted blocks' keys and hit counts are remembered (metadata only, "ghosts") so that a block that
-  comes back gets its history back, and the model sees reuses the cache did not hold. With `admission`, a new block
-  that is worth less than every block it would displace is not stored.
+  comes back gets its history back, and the model sees reuses the cache did not hold. With `admission` (off by
+  default: on the Mooncake conversation trace it refused the first turn's blocks of conversations that went on, and
+  lost hits), a new block that is worth less than every block it would displace is not stored.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class ComputeCost:
 class Retention(Protocol):
     name: str
 
-    def added(self, key: bytes, parent: bytes | None, index: int, nbytes: int, now: float) -> None: ...
+    def added(self, key: bytes, index: int, nbytes: int, now: float) -> None: ...
 
     def hit(self, key: bytes, now: float) -> None: ...
 
@@ -107,7 +108,7 @@ class LruRetention:
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
 
-    def added(self, key: bytes, parent: bytes | None, index: int, nbytes: int, now: float) -> None:
+    def added(self, key: bytes, index: int, nbytes: int, now: float) -> None:
         self._order[key] = None
 
     def hit(self, key: bytes, now: float) -> None:
@@ -131,8 +132,6 @@ class _Entry:
     last: float
     index: int
     nbytes: int
-    parent: bytes | None
-    children: int = 0  # while any, the block is no candidate (and not in a class list)
 
 
 class CostRetention:
@@ -144,7 +143,7 @@ class CostRetention:
         model: ReuseModel | None = None,
         candidates: int = 4,
         ghost_factor: int = 4,
-        admission: bool = True,
+        admission: bool = False,
     ) -> None:
         """`candidates`: the oldest evictable blocks of each hit class compared per eviction; `ghost_factor`: evicted
         keys remembered, as a multiple of the most blocks held."""
@@ -153,7 +152,8 @@ class CostRetention:
         self.cost, self.model = cost, model or ReuseModel()
         self.candidates, self.ghost_factor, self.admission = candidates, ghost_factor, admission
         self._entries: dict[bytes, _Entry] = {}
-        # the leaves by hit class, least recently used first: the only blocks the cache may evict (pins aside)
+        # every block by hit class, least recently used first (a block keeps its place while it has children, so it
+        # is weighed at its true recency once they are gone)
         self._classes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(NUM_CLASSES)]
         self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # evicted: (hits, last use)
         self._most_held = 0
@@ -163,48 +163,32 @@ class CostRetention:
         """Expected saved seconds per byte per second held."""
         return self.model.rate(hits, age) * self.cost.seconds(index, nbytes) / max(nbytes, 1)
 
-    def added(self, key: bytes, parent: bytes | None, index: int, nbytes: int, now: float) -> None:
+    def added(self, key: bytes, index: int, nbytes: int, now: float) -> None:
         hits = 0
         ghost = self._ghosts.pop(key, None)
         if ghost is not None:  # it was cached before and came back: a reuse the cache missed, and its history returns
             self.model.observe(ghost[0], now - ghost[1], True)
             hits = ghost[0] + 1
-        entry = self._entries[key] = _Entry(hits, now, index, nbytes, parent)
-        self._classes[ReuseModel.hit_class(entry.hits)][key] = None
-        above = self._entries.get(parent) if parent is not None else None
-        if parent is not None and above is not None:
-            above.children += 1
-            if above.children == 1:
-                self._classes[ReuseModel.hit_class(above.hits)].pop(parent, None)
+        self._entries[key] = _Entry(hits, now, index, nbytes)
+        self._classes[ReuseModel.hit_class(hits)][key] = None
         self._most_held = max(self._most_held, len(self._entries))
 
     def hit(self, key: bytes, now: float) -> None:
         entry = self._entries[key]
         self.model.observe(entry.hits, now - entry.last, True)
-        old = ReuseModel.hit_class(entry.hits)
+        del self._classes[ReuseModel.hit_class(entry.hits)][key]
         entry.hits += 1
         entry.last = now
-        if not entry.children:
-            self._classes[old].pop(key, None)
-            self._classes[ReuseModel.hit_class(entry.hits)][key] = None
+        self._classes[ReuseModel.hit_class(entry.hits)][key] = None
 
     def touch(self, key: bytes, now: float) -> None:
         entry = self._entries[key]
         entry.last = now
-        if not entry.children:
-            self._classes[ReuseModel.hit_class(entry.hits)].move_to_end(key)
+        self._classes[ReuseModel.hit_class(entry.hits)].move_to_end(key)
 
     def removed(self, key: bytes, now: float) -> None:
         entry = self._entries.pop(key)
-        self._classes[ReuseModel.hit_class(entry.hits)].pop(key, None)
-        parent = entry.parent
-        above = self._entries.get(parent) if parent is not None else None
-        if parent is not None and above is not None:
-            above.children -= 1
-            if not above.children:  # a leaf again, and likely as stale as the child that just left: first in line
-                keys = self._classes[ReuseModel.hit_class(above.hits)]
-                keys[parent] = None
-                keys.move_to_end(parent, last=False)
+        del self._classes[ReuseModel.hit_class(entry.hits)][key]
         self._remember(key, entry.hits, entry.last, now)
 
     def victim(self, now: float, evictable: Evictable, incoming: tuple[bytes, int, int] | None = None) -> bytes | None:
@@ -212,7 +196,7 @@ class CostRetention:
         chosen = None
         for keys in self._classes:
             found = 0
-            for key in keys:
+            for key in keys:  # least recently used first; blocks with cached children or pins are passed over
                 if found >= self.candidates:
                     break
                 if not evictable(key):
