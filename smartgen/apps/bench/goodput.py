@@ -22,7 +22,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from smartgen.apps.bench.stats import percentile
+from smartgen.apps.bench.percentiles import percentile
 
 __all__ = ["SLOs", "ServeMetrics", "serve_metrics", "meets", "OUTCOMES", "LATENCIES", "PERCENTILES"]
 

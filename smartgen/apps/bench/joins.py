@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from smartgen.apps.bench.stats import percentile
+from smartgen.apps.bench.percentiles import percentile
 
 __all__ = ["Join", "find_joins"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from smartgen.apps.bench.config import LoadSpec
 from smartgen.apps.bench.goodput import ServeMetrics, SLOs, serve_metrics
-from smartgen.apps.bench.stats import percentile
+from smartgen.apps.bench.percentiles import percentile
 
 __all__ = ["LoadSpec", "LoadRun", "run_load", "replay", "poisson_arrivals", "DROPPED"]
 

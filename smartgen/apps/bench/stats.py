@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smartgen.apps.bench.config import Point
+from smartgen.apps.bench.percentiles import percentile
 from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
 
@@ -21,17 +22,6 @@ __all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS"
 NODE_METRICS = ("ttft", "ttst", "tbt")  # the timings both the client and the node measure
 # the timings whose spread across measured rounds is reported: the client's, then the node's
 ROUND_METRICS = (*NODE_METRICS, *(f"node_{m}" for m in NODE_METRICS))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _mean(values: list[float]) -> float | None:
