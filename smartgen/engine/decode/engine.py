@@ -221,11 +221,15 @@ class DecodeEngine(DecodeControl):
         return held
 
     def _cache_prompt(self, request: DecodeRequest) -> None:
-        """A finished request's prompt blocks that are local in every layer go to the prefix cache (only the
-        prompt: generated tokens' K/V come from sparse decode steps, not from prefill)."""
+        """A finished request's leading prompt blocks that are local in every layer and head go to the prefix cache,
+        whether or not the rest of the prompt arrived (only the prompt: generated tokens' K/V come from sparse decode
+        steps, not from prefill)."""
         prompt = request.open_message.prompt_ids if request.open_message is not None else None
         if prompt is None or not self.prefix_cache.enabled or request.flags.quantized:
             return
+        # whatever is wholly local counts, however little of the rest arrived (a short answer under speculation ends
+        # early); staged landings are moved in first, or a GPU pool would leave out what the host already holds
+        self.pool.sync_staged(None, [request.slot])
         local = self.pool.masks.local_prefix(request.slot, request.length)
         local -= local % self.prefix_cache.block_tokens
         if local:
