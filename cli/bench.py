@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -220,6 +221,39 @@ def bench(
             min=1e-6,
         ),
     ] = None,
+    shared_link: Annotated[
+        bool,
+        option(
+            PANEL_WORK,
+            "Many prefill nodes into one shared decode link: the decode node's ingress is one paced link at the "
+            "regime's rate (serve --ingress-gbps) that every prefill node's bytes cross, as the paper's DP 6 -> 1 "
+            "shares the decode machine's NIC; each prefill node also keeps its own --link-gbps at that rate (its own "
+            "NIC; with one prefill node the two agree). Without it each prefill node has a link of its own. The "
+            "regime line says which applied (the decode node's /status). Rounds, load and trace modes; tcp lane.",
+        ),
+    ] = False,
+    decode_nodes: Annotated[
+        int,
+        option(
+            PANEL_TRACE,
+            "Trace mode: this many decode nodes, each on every prefill node, behind SGLang's router (--router); "
+            "the placement table reports decode-side prefix hits, bytes moved, TTFT and TTST per policy.",
+            min=1,
+        ),
+    ] = 1,
+    router: Annotated[
+        str,
+        option(
+            PANEL_TRACE,
+            "Trace mode with --decode-nodes 2+: the router's policies, comma-separated (cache_aware, round_robin, "
+            "power_of_two), each replayed on fresh nodes per scheme. The router (sglang-router, its own venv under "
+            "~/.cache/smartgen) is installed on first use; where it cannot be, the run stops with the reason.",
+        ),
+    ] = "",
+    router_python: Annotated[
+        Path | None,
+        option(PANEL_TRACE, "A Python that imports sglang_router, instead of the cached venv (--router)."),
+    ] = None,
     lane: Lane = "tcp",
     rdma_device: RdmaDevice = None,
     rdma_port: RdmaPort = None,
@@ -273,6 +307,7 @@ def bench(
         latency_table,
         load_table,
         nodes_table,
+        placement_table,
         point_tables,
         prefix_table,
         regime_line,
@@ -339,9 +374,14 @@ def bench(
             trace=trace_spec,
             db=db,
             device=device,
+            shared_link=shared_link,
+            decode_nodes=decode_nodes,
+            routers=names(router),
         )
     except ValueError as exc:
         fail(str(exc))
+    if config.routers:
+        config = replace(config, router_python=_router_python(router_python))
     config = replace(config, lane_flags=lane_flags(lane, rdma_device, rdma_port, gid_index))
     out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     console = Console()
@@ -360,6 +400,8 @@ def bench(
             if result.loads
             else point_tables(result, summaries, index)
         )
+        if (placement := placement_table(result, index)) is not None:
+            tables = [*tables, placement]
         for table in tables:
             console.print(table)
     if (sweep := prefix_table(result, summaries)) is not None:
@@ -369,6 +411,21 @@ def bench(
     console.print(f"\nwrote {', '.join(str(p) for p in written)}")
     if not result.loads and not any(p.suffix == ".png" for p in written):
         console.print("no figures: they need matplotlib (pip install 'smartgen\\[plot]')")
+
+
+def _router_python(given: Path | None) -> Path:
+    """The Python SGLang's router runs under: `given` (checked), else the cached venv's, installed on first use;
+    exits 2 with the reason where it cannot be had."""
+    from smartgen.apps.router import RouterUnavailable, ensure_router, router_importable
+
+    if given is not None:
+        if not router_importable(given):
+            fail(f"--router-python {given} cannot import sglang_router (pip install sglang-router there)")
+        return given
+    try:
+        return ensure_router(say=lambda line: print(line, file=sys.stderr))
+    except RouterUnavailable as exc:
+        fail(f"--router needs SGLang's router: {exc}")
 
 
 def _trace_spec(

@@ -175,6 +175,13 @@ class BenchConfig:
     slo_ttst_s: float | None = None
     trace: TraceSpec | None = None  # trace mode: replay this trace (trace.py) instead of rounds or Poisson arrivals
     max_batch: int | None = None  # the decode node's --max-batch; None: the largest batch (8 in trace mode)
+    # one paced link into the decode node that every prefill node's bytes cross (`serve --ingress-gbps` at the
+    # regime's rate), as the paper's DP 6 -> 1 shares the decode machine's NIC; each prefill node still sends at
+    # that rate too (its own NIC), so with one prefill node the two pacings agree
+    shared_link: bool = False
+    decode_nodes: int = 1  # trace mode: more than one stand behind SGLang's router, one run per --router policy
+    routers: tuple[str, ...] = ()  # the router's policies (router.POLICIES), each a run of its own per scheme
+    router_python: Path | None = None  # a Python with sglang_router; None: router.ensure_router's venv
     db: Path | None = None
     out: Path | None = None
 
@@ -229,6 +236,18 @@ class BenchConfig:
             raise ValueError("--lane inproc sizes both nodes' prefix caches alike: use --prefix-cache both")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError("--max-batch must be at least 1")
+        if self.shared_link and self.lane not in ("tcp",):
+            raise ValueError(f"--shared-link paces what the tcp lane's sockets read; --lane {self.lane} cannot")
+        if self.decode_nodes < 1:
+            raise ValueError("--decode-nodes must be at least 1")
+        if self.decode_nodes > 1 and (self.trace is None or not self.routers):
+            raise ValueError("--decode-nodes above 1 runs in trace mode behind the router: give --trace and --router")
+        if self.routers and self.decode_nodes < 2:
+            raise ValueError("--router places requests over decode nodes: give --decode-nodes 2 or more")
+        from smartgen.apps.router import POLICIES
+
+        if unknown := [r for r in self.routers if r not in POLICIES]:
+            raise ValueError(f"--router policies are {', '.join(POLICIES)} (unknown: {', '.join(unknown)})")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
         self.load_spec()  # its own checks
@@ -299,4 +318,5 @@ class BenchConfig:
         data["out"] = str(self.out) if self.out else None
         if self.trace is not None:
             data["trace"]["path"] = str(self.trace.path)
+        data["router_python"] = str(self.router_python) if self.router_python else None
         return data

@@ -132,7 +132,7 @@ def goodput_series(result: BenchResult) -> dict[int, dict[str, list[tuple[float,
     """goodput.png's data: {point: {scheme: [(offered req/s, goodput req/s), ...] by rate}}."""
     series: dict[int, dict[str, list[tuple[float, float]]]] = {}
     for run in (r for r in result.loads if r.offered_rate is not None):
-        series.setdefault(run.point, {}).setdefault(run.scheme, []).append((run.offered_rate, run.goodput))
+        series.setdefault(run.point, {}).setdefault(run.label, []).append((run.offered_rate, run.goodput))
     for lines in series.values():
         for line in lines.values():
             line.sort()

@@ -44,6 +44,12 @@ class LoadRun:
     mode: str = "poisson"  # or "trace"
     # watch.py: link utilisation per direction, prefix-cache hit rates per node, mean queueing (Little's law)
     nodes: dict[str, Any] = field(default_factory=dict)
+    router: str | None = None  # trace mode over several decode nodes: the router policy that placed the requests
+
+    @property
+    def label(self) -> str:
+        """The scheme, and the router policy where one placed the requests ("smartgen/cache_aware")."""
+        return self.scheme if self.router is None else f"{self.scheme}/{self.router}"
 
     @property
     def metrics(self) -> ServeMetrics:

@@ -24,6 +24,8 @@ class Regime:
     kv_bytes_per_token: int
     num_layers: int
     cpus: str = "shared"  # which CPUs the nodes ran on: "shared", or "prefill 0, decode 1" (ClusterSpec.separate_cpus)
+    # the decode node's /status "link" as its nodes ran (pacing: "per prefill node" or "shared ingress", ingress_gbps)
+    link: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from smartgen.apps.bench.load import run_load
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.results import BenchResult, Group, Regime
-from smartgen.apps.bench.watch import NodeWatch
+from smartgen.apps.bench.watch import NodeWatch, num_links, read_link
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
@@ -75,6 +75,10 @@ def run_bench(
     from smartgen.apps.stored_profile import ensure_profile
     from smartgen.runtime.models import kv_layout
 
+    if config.routers and config.router_python is None:  # before any node starts: RouterUnavailable says why not
+        from smartgen.apps.router import ensure_router
+
+        config = replace(config, router_python=ensure_router(say=say))
     phases = Phases(progress)
     # no count here: ensure_profile does not report its calibration prompts, so the bar says what runs instead
     phases.start("model", None, "loading the model (first run: profiling it)")
@@ -127,16 +131,19 @@ def run_bench(
         )
         spec = _spec(config, model_path, first, regime)
         if trace is not None:  # fresh nodes per rate and scheme (trace_run.py), not one set for the group
+            from smartgen.apps.bench.trace import single_token_words
             from smartgen.apps.bench.trace_run import run_trace_point
 
             vocab = min(len(tokenizer), 32000)
+            words = single_token_words(tokenizer) if config.routers else None  # the router takes text prompts only
             for i in indices:
                 regimes[i] = regime
-                runs = run_trace_point(config, i, points[i], spec, regime, trace, vocab, _request, phases, say)
+                runs = run_trace_point(config, i, points[i], spec, regime, trace, vocab, _request, phases, say, words)
                 result.loads.extend(runs)
             continue
         phases.say(f"starting nodes ({first.label(config.link_mode)})")
         with LocalCluster(spec) as cluster:
+            regime.link = read_link(cluster.url)
             for i in indices:
                 regimes[i] = regime
                 point = points[i]
@@ -295,6 +302,8 @@ def _cpu_words(config: BenchConfig) -> str:
 
 def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -> ClusterSpec:
     extra = emulate_flags(regime.emulate_layer_ms)
+    if config.shared_link:  # one link into the decode node at the regime's rate, whatever sends over it
+        extra = (*extra, "--ingress-gbps", f"{regime.link_gbps:.9f}")
     return ClusterSpec(
         model=model_path,
         link_gbps=regime.link_gbps,
@@ -305,6 +314,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         budget=point.budget,
         speculative_ratio=point.speculative_ratio,
         prefill_nodes=point.prefill_nodes,
+        decode_nodes=config.decode_nodes,
         max_batch=config.node_batch,
         max_tokens=max(config.lengths) + config.output_tokens + 64,
         db=config.db,
@@ -456,7 +466,7 @@ def _run_load(
         sample = prompts.sample(tasks[i % len(tasks)], point.length, config.seed + i)
         return _request(cluster.url, sample.prompt, scheme, config.output_tokens).record()
 
-    watch = NodeWatch(cluster, regime.link_gbps, num_links=point.prefill_nodes).start()
+    watch = NodeWatch(cluster, regime.link_gbps, num_links=num_links(config, point)).start()
     run = run_load(send, load, index, scheme, config.seed)
     run.nodes = watch.stop(run.wall_s, run.arrivals)
     _settle(cluster)

@@ -46,7 +46,21 @@ def regime_line(result: BenchResult, point: int) -> str:
         f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
         + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
         + f", CPUs {r.cpus}"
+        + pacing_words(r.link, p.prefill_nodes)
     )
+
+
+def pacing_words(link: dict[str, Any], prefill_nodes: int) -> str:
+    """Which pacing the decode node said applies (its /status "link"), for the regime line; "" where not read."""
+    nodes = f"{prefill_nodes} prefill node{'s' * (prefill_nodes > 1)}"
+    if link.get("pacing") == "shared ingress":
+        return (
+            f", pacing: shared ingress, one {link['ingress_gbps'] * 1e3:.1f} Mbit/s link into the decode node for "
+            f"{nodes} (each also sending at most that)"
+        )
+    if link.get("pacing"):
+        return f", pacing: {link['pacing']} ({nodes}, a link each)"
+    return ""
 
 
 def _table(title: str, columns: list[str]) -> Table:
@@ -165,7 +179,7 @@ def _runs(result: BenchResult, point: int) -> list[Any]:
 def _run_label(result: BenchResult, run: Any) -> Text:
     """The scheme, and the offered rate where several rates ran (a sweep)."""
     swept = len({r.offered_rate for r in result.loads}) > 1
-    return Text(f"{run.scheme}@{_rate(run.offered_rate)}" if swept else run.scheme)
+    return Text(f"{run.label}@{_rate(run.offered_rate)}" if swept else run.label)
 
 
 def _rate(value: float | None) -> str:
@@ -247,6 +261,35 @@ def nodes_table(result: BenchResult, point: int) -> Table:
             _pct(nodes.get("link_utilisation_back")),
             _pct(hits.get("prefill")),
             _pct(hits.get("decode")),
+        )
+    return table
+
+
+def placement_table(result: BenchResult, point: int) -> Table | None:
+    """Trace mode behind the router, one point: per scheme and router policy, what placement changed (None when no
+    router placed the requests)."""
+    runs = [run for run in _runs(result, point) if run.router is not None]
+    if not runs:
+        return None
+    table = _table(
+        f"placement over {result.config.decode_nodes} decode nodes by SGLang's router: hitD%: prompt tokens the "
+        "decode nodes' prefix caches held, of those looked up; MB>: bytes over the links into the decode nodes (KV, "
+        "replies), MB<: back; TTFT and TTST p50 / p99 in ms as the client saw them",
+        ["scheme/router", "hitD%", "hitP%", "MB>", "MB<", "TTFT50", "TTFT99", "TTST50", "TTST99"],
+    )
+    for run in runs:
+        nodes, latencies = run.nodes, run.metrics.latencies
+        hits = nodes.get("prefix_hit_rate") or {}
+        table.add_row(
+            _run_label(result, run),
+            _pct(hits.get("decode")),
+            _pct(hits.get("prefill")),
+            f"{nodes.get('link_bytes', 0) / 1e6:.1f}",
+            f"{nodes.get('link_bytes_back', 0) / 1e6:.2f}",
+            _ms(latencies["ttft"]["p50"]),
+            _ms(latencies["ttft"]["p99"]),
+            _ms(latencies["ttst"]["p50"]),
+            _ms(latencies["ttst"]["p99"]),
         )
     return table
 

@@ -24,8 +24,11 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "single_token_words",
+    "prompt_text",
     "TRACE_BLOCK_TOKENS",
     "MIN_OUTPUT_TOKENS",
     "OVER_LENGTH",
@@ -208,6 +211,31 @@ def prompt_tokens(request: TraceRequest, block_tokens: int, vocab: int, seed: in
         rng = random.Random(f"smartgen-trace:{seed}:{hash_id}")
         tokens.extend(rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(block_tokens))
     return tokens[: request.input_tokens]
+
+
+MIN_WORDS = 64  # single-token words a tokenizer must have for text prompts (fewer: blocks would repeat too often)
+
+
+def single_token_words(tokenizer: Any) -> list[str]:
+    """Words of the tokenizer's vocabulary that encode back to their one token with their leading space (" key"), in
+    id order: any run of them encodes to exactly those tokens, so a text prompt made of them is a known token list.
+    ValueError where there are fewer than MIN_WORDS."""
+    words = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text[:1] == " " and text[1:].isalpha() and tokenizer.encode(text, add_special_tokens=False) == [token_id]:
+            words.append(text)
+    if len(words) < MIN_WORDS:
+        raise ValueError(f"the tokenizer has {len(words)} single-token words, fewer than {MIN_WORDS}: no text prompts")
+    return words
+
+
+def prompt_text(request: TraceRequest, block_tokens: int, words: list[str], seed: int = 0) -> str:
+    """The request's prompt as text, for a router that takes no token ids (SGLang's refuses them with 422): the
+    words of `single_token_words`, one per token, drawn as `prompt_tokens` draws ids, so equal hash ids give equal
+    text blocks and the node's tokenizer gives back one token per word (after its BOS, if it adds one)."""
+    ids = prompt_tokens(request, block_tokens, FIRST_TOKEN_ID + len(words), seed)
+    return "".join(words[i - FIRST_TOKEN_ID] for i in ids)
 
 
 def expected_cached(requests: list[TraceRequest], block_tokens: int) -> list[int]:

@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -23,8 +25,8 @@ from smartgen.apps.bench.goodput import SLOs
 from smartgen.apps.bench.load import LoadRun, replay
 from smartgen.apps.bench.phases import Phases
 from smartgen.apps.bench.results import Regime
-from smartgen.apps.bench.trace import TraceRequest, TraceSlice, prompt_tokens
-from smartgen.apps.bench.watch import NodeWatch
+from smartgen.apps.bench.trace import TraceRequest, TraceSlice, prompt_text, prompt_tokens
+from smartgen.apps.bench.watch import NodeWatch, num_links, read_link, served_model
 from smartgen.apps.cluster import ClusterSpec, LocalCluster
 
 __all__ = ["run_trace_point", "trace_spec", "reference_length", "WARM_SEED"]
@@ -66,9 +68,11 @@ def run_trace_point(
     request: Callable[..., Any],
     phases: Phases,
     say: Callable[[str], None],
+    words: list[str] | None = None,
 ) -> list[LoadRun]:
-    """Every rate and scheme of one point; `request(url, prompt, scheme, max_tokens)` streams one completion
-    (runner._request). Returns a LoadRun per (rate, scheme), rates in order, full transfer first in each."""
+    """Every rate, scheme and router policy of one point; `request(url, prompt, scheme, max_tokens)` streams one
+    completion (runner._request); `words` (trace.single_token_words): the prompts' words where a router places them.
+    Returns a LoadRun per (rate, scheme, policy), rates in order, full transfer first in each."""
     assert config.trace is not None
     spec = trace_spec(config, spec, trace)
     schemes = ["full", *(s for s in config.all_schemes if s != "full")]
@@ -76,12 +80,17 @@ def run_trace_point(
     skipped = {i: _refusal(r, config) for i, r in enumerate(trace.requests) if r.refused}
     slos = config.slos()
     runs = []
+    routers: list[str | None] = list(config.routers) or [None]
     for part in slices:
         rate = part.offered_rate
-        for scheme in schemes:
-            phases.say(f"{scheme}: starting fresh nodes for the trace")
-            with LocalCluster(spec) as cluster:
-                request(cluster.url, _warm_prompt(trace, point.length, vocab, config.seed * 7919 + 1), "full", 4)
+        for scheme, router in itertools.product(schemes, routers):
+            label = scheme if router is None else f"{scheme}/{router}"
+            phases.say(f"{label}: starting fresh nodes for the trace")
+            with _nodes(spec, router, config) as (cluster, url):
+                regime.link = read_link(cluster.url)
+                model = served_model(cluster.url)
+                for warm_url in cluster.urls or [url]:  # every decode node's first request is a warm-up
+                    request(warm_url, _warm_prompt(trace, point.length, vocab, config.seed * 7919 + 1), "full", 4)
                 if config.trace.slo_from_full is not None and scheme == "full" and part is slices[0]:
                     unloaded = [
                         _warm_prompt(trace, point.length, vocab, config.seed * 7919 + 2 + run)
@@ -89,23 +98,46 @@ def run_trace_point(
                     ]
                     slos = _slos_from_full(cluster, config, unloaded, request, say)
 
-                def send(i: int, url: str = cluster.url, scheme: str = scheme) -> dict[str, Any]:
+                def send(
+                    i: int, url: str = url, scheme: str = scheme, text: bool = router is not None, name: str = model
+                ) -> dict[str, Any]:
                     # built as it is sent, not all at once (a whole trace at full length is billions of ids); the
-                    # client's clock starts after. trace.requests[i] is part.requests[i] but for its time
+                    # client's clock starts after. trace.requests[i] is part.requests[i] but for its time. Through
+                    # the router, as text: it refuses token ids
                     r = trace.requests[i]
-                    return request(
-                        url, prompt_tokens(r, trace.block_tokens, vocab, config.seed), scheme, r.output_tokens
-                    ).record()
+                    if not text:
+                        prompt = prompt_tokens(r, trace.block_tokens, vocab, config.seed)
+                        return request(url, prompt, scheme, r.output_tokens).record()
+                    text_prompt = prompt_text(r, trace.block_tokens, words or [], config.seed)
+                    # the router's request type requires the model's name (the node's own API does not)
+                    return request(url, text_prompt, scheme, r.output_tokens, {"model": name}).record()
 
-                watch = NodeWatch(cluster, regime.link_gbps, num_links=point.prefill_nodes).start()
+                watch = NodeWatch(cluster, regime.link_gbps, num_links=num_links(config, point)).start()
                 records, wall = replay(send, [r.at_s for r in part.requests], skipped)
                 nodes = watch.stop(wall, len(records) - len(skipped))
             for record, r in zip(records, part.requests):
                 record.update(trace_index=r.index, hash_blocks=len(r.hash_ids), clipped=r.clipped)
-            run = LoadRun(index, scheme, rate, part.span_s, wall, slos, records, mode="trace", nodes=nodes)
+            run = LoadRun(
+                index, scheme, rate, part.span_s, wall, slos, records, mode="trace", nodes=nodes, router=router
+            )
             runs.append(run)
-            phases.step(f"{scheme}: replayed {len(records)} requests")
+            phases.step(f"{label}: replayed {len(records)} requests")
     return runs
+
+
+@contextmanager
+def _nodes(spec: ClusterSpec, router: str | None, config: BenchConfig) -> Iterator[tuple[LocalCluster, str]]:
+    """Fresh nodes, and the URL requests go to: the decode node's, or with `router` SGLang's router in front of
+    every decode node (scale_out.ScaleOut), on a free port."""
+    if router is None:
+        with LocalCluster(spec) as cluster:
+            yield cluster, cluster.url
+        return
+    from smartgen.apps.scale_out import RouterSpec, ScaleOut
+
+    assert config.router_python is not None  # runner.run_bench found it (router.ensure_router) before any node started
+    with ScaleOut(spec, RouterSpec(config.router_python, router, port=0)) as scale:
+        yield scale.cluster, scale.url
 
 
 def _refusal(request: TraceRequest, config: BenchConfig) -> str:

@@ -14,6 +14,7 @@ queues are sampled from the nodes' /metrics every SAMPLE_S while it runs:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -22,7 +23,7 @@ from typing import Any
 
 from smartgen.lanes.rate import bytes_per_second
 
-__all__ = ["NodeWatch", "read_gauges", "cache_counts", "SAMPLE_S"]
+__all__ = ["NodeWatch", "read_gauges", "cache_counts", "statuses", "read_link", "served_model", "num_links", "SAMPLE_S"]
 
 SAMPLE_S = 0.25
 DECODE_QUEUE = "smartgen:num_requests_waiting"
@@ -40,15 +41,16 @@ def read_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def cache_counts(status: dict[str, Any]) -> dict[str, float]:
-    """Looked-up and hit prompt tokens of the decode node's prefix cache and of the prefill nodes' (summed), and
-    link bytes each way, from LocalCluster.status()."""
+    """Looked-up and hit prompt tokens of the decode nodes' prefix caches and of the prefill nodes' (each side
+    summed), and link bytes each way, from LocalCluster.status() or `statuses` (a list of decode nodes)."""
     counts = dict.fromkeys(("decode_lookup", "decode_hit", "prefill_lookup", "prefill_hit", "ingress", "egress"), 0.0)
-    decode = status["decode"]
-    cache = decode.get("prefix_cache") or {}
-    counts["decode_lookup"] += cache.get("lookup_tokens", 0)
-    counts["decode_hit"] += cache.get("hit_tokens", 0)
-    for link in decode.get("links", []):
-        counts["egress"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
+    decodes = status["decode"] if isinstance(status["decode"], list) else [status["decode"]]
+    for decode in decodes:  # several behind a router: summed, as the prefill nodes are
+        cache = decode.get("prefix_cache") or {}
+        counts["decode_lookup"] += cache.get("lookup_tokens", 0)
+        counts["decode_hit"] += cache.get("hit_tokens", 0)
+        for link in decode.get("links", []):
+            counts["egress"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
         cache = node.get("prefix_cache") or {}
         counts["prefill_lookup"] += cache.get("lookup_tokens", 0)
@@ -62,7 +64,7 @@ def cache_counts(status: dict[str, Any]) -> dict[str, float]:
 class NodeWatch:
     """Samples a LocalCluster's queues from `start()` to `stop()`; `stop` returns what the nodes saw."""
 
-    cluster: Any  # LocalCluster: .status(), .url, .prefill_status
+    cluster: Any  # LocalCluster: .urls (every decode node), .prefill_status
     link_gbps: float | None
     num_links: int = 1
     _before: dict[str, float] = field(default_factory=dict)
@@ -72,13 +74,16 @@ class NodeWatch:
     _samples: int = 0
 
     def start(self) -> NodeWatch:
-        self._before = cache_counts(self.cluster.status())
+        self._before = cache_counts(statuses(self.cluster))
         self._thread = threading.Thread(target=self._run, name="bench-node-watch", daemon=True)
         self._thread.start()
         return self
 
     def _queues(self) -> dict[str, float]:
-        decode = read_gauges(_get(f"{self.cluster.url}/metrics"), (DECODE_QUEUE,)).get(DECODE_QUEUE, 0.0)
+        decode = sum(
+            read_gauges(_get(f"{url}/metrics"), (DECODE_QUEUE,)).get(DECODE_QUEUE, 0.0)
+            for url in decode_urls(self.cluster)
+        )
         prefill = sum(
             read_gauges(_get(f"http://{address}/metrics"), (PREFILL_QUEUE,)).get(PREFILL_QUEUE, 0.0)
             for address in self.cluster.prefill_status
@@ -103,7 +108,7 @@ class NodeWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        after = cache_counts(self.cluster.status())
+        after = cache_counts(statuses(self.cluster))
         delta = {key: after[key] - self._before.get(key, 0.0) for key in after}
         capacity = (
             bytes_per_second(self.link_gbps) * duration_s * self.num_links
@@ -124,6 +129,35 @@ class NodeWatch:
             "queue_s": {side: area / arrivals if arrivals else None for side, area in self._area.items()},
             "queue_samples": self._samples,
         }
+
+
+def statuses(cluster: Any) -> dict[str, Any]:
+    """Every decode node's /status (a list) and every prefill node's, of a LocalCluster."""
+    return {
+        "decode": [json.loads(_get(f"{url}/status", 30.0)) for url in decode_urls(cluster)],
+        "prefill": [json.loads(_get(f"http://{address}/status", 30.0)) for address in cluster.prefill_status],
+    }
+
+
+def read_link(url: str) -> dict[str, Any]:
+    """A decode node's /status "link": which pacing applies to what it receives (the regime line says it)."""
+    return dict(json.loads(_get(f"{url}/status", 30.0)).get("link") or {})
+
+
+def served_model(url: str) -> str:
+    """The model name a decode node serves (its /v1/models), which requests through the router must name."""
+    return str(json.loads(_get(f"{url}/v1/models", 30.0))["data"][0]["id"])
+
+
+def num_links(config: Any, point: Any) -> int:
+    """Paced links the KV crosses at the regime's rate (BenchConfig, Point): one shared ingress per decode node,
+    else one per prefill node; NodeWatch's link utilisation is over their capacity."""
+    return config.decode_nodes if config.shared_link else point.prefill_nodes
+
+
+def decode_urls(cluster: Any) -> list[str]:
+    """Every decode node's base URL (a colocated `serve --role both` cluster lists none: its one URL)."""
+    return list(cluster.urls) or [cluster.url]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
