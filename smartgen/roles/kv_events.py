@@ -44,7 +44,7 @@ class KvEventsSettings:
     """`serve --kv-events-endpoint` and its companions."""
 
     endpoint: str  # tcp://*:5557 binds (any address with '*', or ipc:// / inproc://); tcp://host:port connects
-    replay_endpoint: str | None = None  # a ROUTER bound here answers replay requests; None: no replay
+    replay_endpoint: str | None = None  # a ROUTER bound here (always bound, as vLLM's) answers replays; None: none
     topic: str = ""
     encoding: str = "array"
     buffer_steps: int = 10_000  # batches kept for replay
@@ -62,8 +62,6 @@ def events_problem(settings: KvEventsSettings) -> str | None:
     ):
         if endpoint is not None and "://" not in endpoint:
             return f"{option} takes a ZMQ endpoint such as tcp://*:5557, got {endpoint!r}"
-    if settings.replay_endpoint is not None and not _binds(settings.replay_endpoint):
-        return "--kv-events-replay is bound, so it needs '*' for the host (tcp://*:5558) or an ipc:// path"
     try:
         import msgpack  # noqa: F401
         import zmq  # noqa: F401
