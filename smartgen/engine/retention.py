@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 RETENTIONS = ("lru", "cost")
+SCAN_FACTOR = 16  # cost: blocks looked at per hit class and eviction, per candidate, before all are
 Evictable = Callable[[bytes], bool]
 
 
@@ -192,20 +193,9 @@ class CostRetention:
         self._remember(key, entry.hits, entry.last, now)
 
     def victim(self, now: float, evictable: Evictable, incoming: tuple[bytes, int, int] | None = None) -> bytes | None:
-        best: tuple[float, float] | None = None
-        chosen = None
-        for keys in self._classes:
-            found = 0
-            for key in keys:  # least recently used first; blocks with cached children or pins are passed over
-                if found >= self.candidates:
-                    break
-                if not evictable(key):
-                    continue
-                found += 1
-                entry = self._entries[key]
-                rank = (self.worth(entry.hits, now - entry.last, entry.index, entry.nbytes), entry.last)
-                if best is None or rank < best:
-                    best, chosen = rank, key
+        best, chosen = self._least_worth(now, evictable, self.candidates * SCAN_FACTOR)
+        if chosen is None:  # every class's oldest blocks had children or pins: look at all of them
+            best, chosen = self._least_worth(now, evictable, None)
         if chosen is None or best is None or incoming is None or not self.admission:
             return chosen
         key, index, nbytes = incoming
@@ -218,6 +208,29 @@ class CostRetention:
             self.model.observe(ghost[0], now - ghost[1], True)
         self._remember(key, hits, now, now)  # seen now: if it comes back, it has this history
         return None
+
+    def _least_worth(
+        self, now: float, evictable: Evictable, scan: int | None
+    ) -> tuple[tuple[float, float] | None, bytes | None]:
+        """The least worth (and its key) among the oldest `candidates` evictable blocks of each hit class, looking at
+        most `scan` blocks a class (None: all): a block with cached children keeps its place in the order and is passed
+        over, and a bounded scan keeps a run of them (a hot shared prefix) from costing every eviction its length."""
+        best: tuple[float, float] | None = None
+        chosen = None
+        for keys in self._classes:
+            found = looked = 0
+            for key in keys:  # least recently used first
+                if found >= self.candidates or (scan is not None and looked >= scan):
+                    break
+                looked += 1
+                if not evictable(key):
+                    continue
+                found += 1
+                entry = self._entries[key]
+                rank = (self.worth(entry.hits, now - entry.last, entry.index, entry.nbytes), entry.last)
+                if best is None or rank < best:
+                    best, chosen = rank, key
+        return best, chosen
 
     def _remember(self, key: bytes, hits: int, last: float, now: float) -> None:
         self._ghosts.pop(key, None)
