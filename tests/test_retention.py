@@ -192,3 +192,12 @@ def test_a_pinned_prefix_is_not_evicted_by_the_cost_policy():
     assert cache.snapshot()["refused_blocks"] == 1 and cache.num_blocks == 3
     cache.release(hit)
     assert cache.insert(list(range(100, 100 + BLOCK)), *_kv(BLOCK)) == 1
+
+
+def test_a_long_run_of_blocks_with_children_does_not_hide_the_evictable_one_behind_it():
+    policy = CostRetention(LinkCost(10.0), candidates=1)  # looks at 16 a class before it looks at all
+    keys = [bytes([i]) for i in range(40)]
+    for i, key in enumerate(keys):
+        policy.added(key, i, 100, float(i))
+    assert policy.victim(50.0, lambda key: key == keys[-1]) == keys[-1]
+    assert policy.victim(50.0, lambda key: False) is None
