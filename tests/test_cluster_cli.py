@@ -208,7 +208,12 @@ class Running:
 
     def stop(self, sig: int = signal.SIGINT) -> int:
         self.process.send_signal(sig)
-        return self.process.wait(60)
+        # a hang guard, not a timing: the nodes get 15 s together to stop, then are killed; a loaded CI machine
+        # (two test workers beside other nodes) has taken over 60 s to start and stop one
+        try:
+            return self.process.wait(180)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"smartgen cluster did not stop; it said:\n{self.output()}") from None
 
 
 def _alive(pid: int) -> bool:
