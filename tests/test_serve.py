@@ -43,6 +43,10 @@ def test_the_prefill_node_frees_a_finished_request(nodes):
     body = {"prompt": _prompt_ids(2, 100), "max_tokens": 6, "ignore_eos": True}
     assert httpx.post(nodes.url + "/v1/completions", json=body, timeout=60).status_code == 200
     wait_until(lambda: get_json(nodes.status_url)["requests_held"] == 0, 10, "the prefill node to free the request")
+    status = get_json(nodes.status_url)
+    assert status["crossed_twice_bytes"] >= 0  # KV a fetch resent while a push of it was on the link
+    metrics = httpx.get(nodes.status_url.rsplit("/", 1)[0] + "/metrics", timeout=10).text
+    assert "smartgen:kv_crossed_twice_bytes_total" in metrics
 
 
 def test_a_client_that_disconnects_mid_stream_frees_both_nodes(nodes):

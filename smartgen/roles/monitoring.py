@@ -131,7 +131,13 @@ def prefill_monitoring(engine: PrefillEngine, model: str, num_prefilled: Callabl
         }
 
     def totals() -> dict[str, tuple[str, float]]:
-        return {"requests_prefilled": ("Requests prefilled.", num_prefilled())}
+        return {
+            "requests_prefilled": ("Requests prefilled.", num_prefilled()),
+            "kv_crossed_twice_bytes": (
+                "KV bytes fetches sent that a push had already put on the link (they crossed twice).",
+                sum(engine.crossed_twice.snapshot()["bytes"].values()),
+            ),
+        }
 
     def prefix() -> dict[str, Any]:
         saved = engine.held_saved.snapshot()["bytes"]

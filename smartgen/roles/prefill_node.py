@@ -127,6 +127,8 @@ class PrefillNode:
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
             "paths": self.engine.counters.snapshot(),
+            # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
+            "crossed_twice_bytes": sum(self.engine.crossed_twice.snapshot()["bytes"].values()),
             "decode_nodes": len(self.engine.links),
             # one pacer for every decode node this node sends to, as one NIC (a decode node's --ingress-gbps paces
             # what arrives there, in that node's /status)

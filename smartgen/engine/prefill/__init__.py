@@ -15,6 +15,8 @@ Split by concern, as vLLM's KV connector splits a scheduler side from a worker s
 - decide.py: pure decisions from the policy flags (read once): which blocks a prefilled layer pushes, the next
   speculative slice (hinted tokens first, sized to the link's idle window), how pushes bridge sent gaps;
 - move.py: the data path (`PrefillPath`): the request's store, pushes posted, fetches served;
+- gate.py: one link's schedule across requests: speculation waits while pushes (proactive sets first) fill the
+  link's room ahead, and requests speculate in turn;
 - control.py: `PrefillEngine`, links, leases and failures, and the request's life listed above;
 - request.py: a request's state, and the errors an OPEN or a message meets.
 """

@@ -154,6 +154,7 @@ class PrefillEngine(PrefillPath):
         )
         for request_id in gone:
             self.release(request_id)
+        self.gate.forget(id(link))
 
     # -- request life -----------------------------------------------------------------
     def _open(self, link: LinkEnd, geometry: PoolGeometry, message: msg.Open) -> None:
@@ -256,7 +257,9 @@ class PrefillEngine(PrefillPath):
     def release(self, request_id: str) -> bool:
         """Frees a request's KV (RELEASE, ABORT, or its decode node gone)."""
         with self._lock:
-            self._requests.pop(request_id, None)
+            request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.gate.drop(id(request.link), request_id)
         return self.store.release(request_id)
 
     @property

@@ -18,8 +18,9 @@ from smartgen.engine.layout import KVLayout
 from smartgen.engine.metrics import PathCounters
 from smartgen.engine.planning import speculative_slice_size
 from smartgen.engine.pool import PrefillStore
+from smartgen.engine.prefill.gate import PushGate
 from smartgen.engine.prefill.request import OpenedRequest, RequestGone
-from smartgen.lanes.base import WriteOp
+from smartgen.lanes.base import Completion, WriteOp
 from smartgen.lanes.link import LinkEnd
 
 __all__ = ["PrefillPath"]
@@ -38,6 +39,9 @@ class PrefillPath:
         self.store = PrefillStore(layout, max_store_bytes)
         self.counters = PathCounters()  # KV bytes per path (masks and headers not counted)
         self.held_saved = PathCounters()  # per path: KV bytes not pushed because the decode node held them
+        # per path: KV bytes a fetch sent that a push had sent already (still on the link when the step asked)
+        self.crossed_twice = PathCounters()
+        self.gate = PushGate()  # per link: speculation waits while pushes fill the room ahead (`gate`)
         self._requests: dict[str, OpenedRequest] = {}
         self._lock = threading.Lock()
         self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quant-pack")  # quant2's layers, in order
@@ -166,11 +170,23 @@ class PrefillPath:
 
     def _push_next_slice(self, request: OpenedRequest, window: float, fetched: int) -> int:
         if not request.flags.speculative or request.speculation_done:
+            self.gate.drop(id(request.link), request.request_id)
             return 0
         if request.spec_in_flight is not None and not request.spec_in_flight.done():
             return 0
         if request.kv.layers_ready < self.layout.num_layers:
             return 0  # speculation starts once prefill is over
+        key = id(request.link)
+        if not self.gate.try_speculate(key, request.request_id, request.link_rate):
+            return 0  # pushes fill the link's room ahead: its turn comes as one lands (`_hand_on`)
+        if request.flags.chain:  # chained slices keep the link busy: a notice's window is not idle link time
+            window = min(window, self.gate.ahead_s)
+        sent = self._post_slice(request, window, fetched)
+        if not sent and self.gate.next_waiting(key, request.link_rate) is not None:
+            self._submit_speculation(lambda _: self._hand_on(request.link), request)  # no landing will hand on
+        return sent
+
+    def _post_slice(self, request: OpenedRequest, window: float, fetched: int) -> int:
         if request.hint_queue and request.unsent is not None:
             hinted = self._take_hinted(request, window, fetched)
             if hinted is not None:
@@ -259,6 +275,7 @@ class PrefillPath:
                     request.link_rate = request.pushed_bytes / (now - request.first_push)
 
         completion.add_done_callback(landed)
+        self._gate_push(request, completion, kv_bytes)
         if tag == "speculative":
             request.spec_in_flight = completion
             if request.flags.chain:
@@ -269,6 +286,46 @@ class PrefillPath:
 
                 completion.add_done_callback(chain)
         return kv_bytes
+
+    def _gate_push(self, request: OpenedRequest, completion: Completion, kv_bytes: int) -> None:
+        """Counts a posted push (any request's: proactive sets go first) against its link's room ahead (`gate`)
+        until it lands or fails; the landing hands the room on to the requests waiting to speculate."""
+        key = id(request.link)
+        self.gate.posted(key, kv_bytes)
+
+        def freed(_: bool) -> None:
+            turn = self.gate.landed(key, kv_bytes, request.link_rate)
+            if turn is not None:
+                self._submit_speculation(lambda _r: self._hand_on(request.link), request)
+
+        completion.add_done_callback(freed)
+
+    def _hand_on(self, link: LinkEnd) -> None:
+        """Room opened on `link`: the requests waiting there post their slices in turn while room lasts (on the
+        speculation thread). One with nothing left to send leaves the queue and hands on to the next."""
+        key = id(link)
+        with self._spec_lock:
+            for _ in range(len(self.gate.waiting(key))):
+                head = self.gate.next_waiting(key, self._link_rate(link))
+                if head is None:
+                    return
+                request = self._get(head)
+                if request is None or request.link is not link:
+                    self.gate.drop(key, head)
+                    continue
+                try:
+                    if self._push_next_slice(request, decide.CHAIN_WINDOW_S, 0):
+                        return  # its landing hands on again
+                except Exception:  # a broken link fails the request elsewhere; the queue goes on
+                    log.debug("prefill: speculation for %s stopped", head, exc_info=True)
+                if head in self.gate.waiting(key):
+                    return  # the room filled meanwhile (a proactive set posted): it keeps its turn
+                self.gate.drop(key, head)
+
+    def _link_rate(self, link: LinkEnd) -> float:
+        """The link's rate as its requests' proactive pushes measured it (the fastest measure; 0: none yet)."""
+        with self._lock:
+            return max((r.link_rate for r in self._requests.values() if r.link is link), default=0.0)
 
     def _submit_chain(self, request: OpenedRequest) -> None:
         self._submit_speculation(self._chain, request)
@@ -350,16 +407,23 @@ class PrefillPath:
         if heads is not None and tuple(heads.shape) != (positions.numel(), self.layout.num_kv_heads):
             raise msg.MessageError(f"FETCH: heads must be [{positions.numel()}, {self.layout.num_kv_heads}] bool")
         k, v = request.kv.k[layer, positions], request.kv.v[layer, positions]  # [p, H, d]
+        again = 0  # entries asked for that a push sent already: it was still on the link when the step asked
         if heads is None:  # every head of each token
             k, v = k.contiguous(), v.contiguous()
             if request.unsent is not None:
+                again = int((~request.unsent[layer, positions]).sum())
                 request.unsent[layer, positions] = False  # a speculative push will not send these again
         else:  # only the (token, head) entries asked for: [E, d], token-major
             k, v = k[heads], v[heads]
             if request.unsent is not None:
                 sent = request.unsent[layer, positions]
+                again = int((~sent[heads]).sum())
                 sent[heads] = False
                 request.unsent[layer, positions] = sent  # a push still sends a token while any head is unsent
+        if again:
+            self.crossed_twice.add(
+                "on_demand", again * self.layout.kv_bytes(1, num_layers=1) // self.layout.num_kv_heads
+            )
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         if message.low:  # a forecast's fetch: after every reply a running request's step waits for
             reply.priority = 1

@@ -1,0 +1,195 @@
+"""One link shared by many requests: speculation waits behind proactive sets, in turn, and a fetch trims what waits."""
+
+import threading
+import time
+
+import pytest
+import torch
+from test_engine import LAYOUT, _engines, _prefilled, _wait, config
+
+import smartgen.engine.prefill as prefill_module
+from smartgen.apps.simulate import calibrate
+from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
+from smartgen.engine.layout import block_bounds
+from smartgen.engine.planning import Planner
+from smartgen.engine.policy import get_policy
+from smartgen.engine.prefill.gate import PushGate
+from smartgen.lanes.base import Completion
+
+
+@pytest.fixture(scope="module")
+def importance():
+    cfg = config()
+    return calibrate(cfg, SyntheticTrace(LAYOUT.num_layers, LAYOUT.num_kv_heads, ratio=cfg.select_ratio))
+
+
+def test_speculation_waits_while_pushes_fill_the_room_and_takes_turns():
+    gate = PushGate(ahead_s=0.02)
+    rate = 1000.0  # room: 20 bytes
+    assert gate.room(rate) == pytest.approx(20) and gate.room(0) == float("inf")
+    assert gate.try_speculate("link", "a", rate)
+    gate.posted("link", 30)  # a's slice fills the room
+    assert not gate.try_speculate("link", "b", rate) and not gate.try_speculate("link", "c", rate)
+    assert not gate.try_speculate("link", "b", rate), "asking again keeps one place"
+    assert gate.waiting("link") == ["b", "c"]
+    assert gate.try_speculate("other", "d", rate), "each link has its own room"
+    assert gate.landed("link", 30, rate) == "b", "a landing hands the room to the first waiting"
+    assert not gate.try_speculate("link", "c", rate), "c waits for its turn behind b"
+    assert gate.try_speculate("link", "b", rate) and gate.waiting("link") == ["c"]
+    gate.posted("link", 5)
+    assert gate.next_waiting("link", rate) == "c", "room left: the next may go"
+    gate.posted("link", 100)  # a proactive set, never held back
+    assert gate.next_waiting("link", rate) is None and gate.in_flight("link") == 105
+    gate.drop("link", "c")
+    assert gate.landed("link", 105, rate) is None and gate.in_flight("link") == 0
+    gate.forget("link")
+    assert gate.waiting("link") == [] and gate.in_flight("link") == 0
+    with pytest.raises(ValueError):
+        PushGate(ahead_s=0)
+
+
+class _Held:
+    """Holds back every write batch a lane is asked to post until `release`: the engine sees it posted (and counts
+    it in flight), the peer does not have it yet."""
+
+    def __init__(self, lane):
+        self.batches = []  # (request id, tag, ops) in posting order
+        self._held = []
+        self._lock = threading.Lock()
+        self._real = lane.post_writes
+        lane.post_writes = self._post
+
+    def _post(self, request_id, sources, ops, *, tag):
+        mine = Completion()
+        with self._lock:
+            self.batches.append((request_id, tag, list(ops)))
+            self._held.append((request_id, sources, list(ops), tag, mine))
+        return mine
+
+    def release(self, request_id=None) -> None:
+        with self._lock:
+            go = [h for h in self._held if request_id is None or h[0] == request_id]
+            self._held = [h for h in self._held if not (request_id is None or h[0] == request_id)]
+        for rid, sources, ops, tag, mine in go:
+            real = self._real(rid, sources, ops, tag=tag)
+            assert real.wait(5)
+            mine.set(real.applied)
+
+    def speculative(self, request_id):
+        return [ops for rid, tag, ops in self.batches if rid == request_id and tag == "speculative"]
+
+
+def _tokens_of(ops, decode, request, layer):
+    """Tokens of `layer` whose K a batch writes."""
+    geometry = decode.pool.geometry
+    per_layer = geometry.num_slots * geometry.max_tokens * LAYOUT.token_bytes
+    tokens = set()
+    for op in ops:
+        if op.dst != "k" or op.dst_offset // per_layer != layer:
+            continue
+        start = (op.dst_offset % per_layer - geometry.kv_offset(0, request.slot, 0)) // LAYOUT.token_bytes
+        tokens.update(range(start, start + op.length // LAYOUT.token_bytes))
+    return tokens
+
+
+def _block_tokens(request, flat_block):
+    layer, block = divmod(int(flat_block), request.plan.num_blocks)
+    bounds = block_bounds(request.length, LAYOUT.num_blocks)
+    return layer, torch.arange(int(bounds[block]), int(bounds[block + 1]))
+
+
+def _fetch(decode, rid, layer, tokens):
+    """A decode step's selection of `tokens` (every KV head) in `layer`: what is remote is fetched."""
+    index = tokens.expand(LAYOUT.num_kv_heads, tokens.numel()).contiguous()
+    decode.assemble(layer, [rid], index)
+
+
+def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(importance, monkeypatch):
+    """Request A speculates while request B prefills on the same link: B's proactive pushes fill the link's room,
+    so A's next slice waits until they land, and is planned then, without the entries A's step fetched meanwhile.
+    Entries a fetch sends while a push of them is still on the link are counted as crossing twice."""
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)  # no bridging: slices are whole blocks
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)  # layers 0-1 proactive
+    prefill, decode, prefill_end = _engines(planner)
+    held = _Held(prefill_end.push)
+    try:
+        policy = get_policy("smartgen")
+        rid_a, request_a = _prefilled(prefill, decode, policy)
+        held.release()  # A's proactive set lands
+        prefill_end.push.flush(5)
+        block_bytes = 2 * LAYOUT.token_bytes * 13  # K and V of the largest block (200 tokens in 16)
+        request_a.link_rate = 1.25 * block_bytes / prefill_module.CHAIN_WINDOW_S  # one block a slice, room for 2.5
+        decode.end_step([rid_a])
+        decode.begin_layer(2, [rid_a])  # A's first notice: a one-block slice, held on the link
+        _wait(lambda: len(held.speculative(rid_a)) == 1)
+        order = request_a.speculative_order()
+        first_layer, first_tokens = _block_tokens(request_a, order[0])
+        assert _tokens_of(held.speculative(rid_a)[0], decode, request_a, first_layer) == set(first_tokens.tolist())
+
+        _fetch(decode, rid_a, first_layer, first_tokens)  # the slice is still on the link: these cross twice
+        entry_bytes = 2 * LAYOUT.token_bytes // LAYOUT.num_kv_heads
+        twice = prefill.crossed_twice.snapshot()["bytes"]["on_demand"]
+        assert twice == first_tokens.numel() * LAYOUT.num_kv_heads * entry_bytes
+
+        rid_b = decode.open(200, policy)
+        request_b = prefill.next_request(timeout=5)
+        request_b.link_rate = request_a.link_rate
+        k, v = synthetic_kv(LAYOUT, 200, seed=2)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(rid_b, layer, k[layer], v[layer])  # B's proactive set: posted, held
+        key = id(request_a.link)
+        assert prefill.gate.in_flight(key) > prefill.gate.room(request_a.link_rate)
+
+        held.release(rid_a)  # A's slice lands: its chain asks for the next, but B's proactive set fills the room
+        _wait(lambda: prefill.gate.waiting(key) == [rid_a])
+        time.sleep(0.2)
+        assert len(held.speculative(rid_a)) == 1, "speculation waits behind a proactive set"
+
+        next_layer, next_tokens = _block_tokens(request_a, order[1])
+        _fetch(decode, rid_a, next_layer, next_tokens)  # fetched while A's slice waits: nothing crosses twice
+        assert prefill.crossed_twice.snapshot()["bytes"]["on_demand"] == twice
+
+        held.release(rid_b)  # B's proactive set lands: the room goes to A, whose slice is planned now
+        _wait(lambda: len(held.speculative(rid_a)) == 2)
+        second = held.speculative(rid_a)[1]
+        assert not _tokens_of(second, decode, request_a, next_layer) & set(next_tokens.tolist()), "trimmed"
+        after_layer, after_tokens = _block_tokens(request_a, order[2])
+        assert _tokens_of(second, decode, request_a, after_layer) >= set(after_tokens.tolist())
+        assert not prefill.gate.waiting(key)
+    finally:
+        held.release()
+        decode.close()
+        prefill.close()
+
+
+def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatch):
+    """A request waiting for room that is released (or has nothing left) never blocks the requests behind it."""
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
+    prefill, decode, prefill_end = _engines(planner)
+    held = _Held(prefill_end.push)
+    try:
+        policy = get_policy("smartgen")
+        rid_a, request_a = _prefilled(prefill, decode, policy)
+        rid_b, request_b = _prefilled(prefill, decode, policy)
+        held.release()
+        prefill_end.push.flush(5)
+        block_bytes = 2 * LAYOUT.token_bytes * 13
+        for request in (request_a, request_b):
+            request.link_rate = 1.25 * block_bytes / prefill_module.CHAIN_WINDOW_S
+        key = id(request_a.link)
+        prefill.gate.posted(key, 10 * block_bytes)  # the room is full
+        decode.end_step([rid_a, rid_b])
+        decode.begin_layer(2, [rid_a, rid_b])
+        _wait(lambda: prefill.gate.waiting(key) == [rid_a, rid_b])
+        prefill.release(rid_a)
+        assert prefill.gate.waiting(key) == [rid_b]
+        turn = prefill.gate.landed(key, 10 * block_bytes, request_b.link_rate)
+        assert turn == rid_b
+        prefill._submit_speculation(lambda _: prefill._hand_on(request_b.link), request_b)
+        _wait(lambda: len(held.speculative(rid_b)) == 1)
+        assert not held.speculative(rid_a)
+    finally:
+        held.release()
+        decode.close()
+        prefill.close()
