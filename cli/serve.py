@@ -93,10 +93,11 @@ Scheme = Annotated[
     str,
     option(
         DECODE,
-        "Default transfer scheme: smartgen (the paper's three paths with hints and prefetch), "
-        "smartgen-paper (the paper's paths only), smartgen-paper+hints, full, partial, partial+profile, "
-        "partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit quantized KV: lossy); a request may "
-        "ask for another.",
+        "Default transfer scheme: smartgen (the paper's three paths with hints, prefetch, chained speculation "
+        "scheduled behind proactive sets, and the first step's forecast), smartgen-no-forecast and "
+        "smartgen-unscheduled (its ablations), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, "
+        "partial, partial+profile, partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit "
+        "quantized KV: lossy); a request may ask for another.",
     ),
 ]
 MaxBatch = Annotated[int, option(DECODE, "Requests decoding at once (pool slots).", min=1)]

@@ -193,3 +193,26 @@ def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatc
         held.release()
         decode.close()
         prefill.close()
+
+
+def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, monkeypatch):
+    """`smartgen-unscheduled` posts its slices as they come, room or not (the gate still counts its pushes)."""
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
+    prefill, decode, prefill_end = _engines(planner)
+    held = _Held(prefill_end.push)
+    try:
+        rid, request = _prefilled(prefill, decode, get_policy("smartgen-unscheduled"))
+        held.release()
+        prefill_end.push.flush(5)
+        request.link_rate = 1.25 * 2 * LAYOUT.token_bytes * 13 / prefill_module.CHAIN_WINDOW_S
+        key = id(request.link)
+        prefill.gate.posted(key, 1 << 20)  # the room is full
+        decode.end_step([rid])
+        decode.begin_layer(2, [rid])
+        _wait(lambda: len(held.speculative(rid)) == 1)
+        assert prefill.gate.waiting(key) == [] and prefill.gate.in_flight(key) > 1 << 20
+    finally:
+        held.release()
+        decode.close()
+        prefill.close()

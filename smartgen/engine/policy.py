@@ -78,6 +78,10 @@ class Policy:
     request joins a running batch only once they are local: its first step's fetches never stall the others
     (alone, it starts at once and its step waits for what is in flight instead of asking layer by layer). Exact:
     the step still selects with its own query and fetches whatever the forecast missed.
+    schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
+    pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
+    turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
+    speculation, and a waiting slice is planned when it goes, without what fetches brought meanwhile.
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
@@ -93,6 +97,7 @@ class Policy:
     prefetch: bool = False
     chain: bool = False
     forecast: bool = False
+    schedule: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -109,6 +114,8 @@ class Policy:
             )
         if self.chain and not self.speculative:
             raise ValueError("chained speculation needs speculation")
+        if self.schedule and not self.speculative:
+            raise ValueError("scheduling speculation on the link needs speculation")
         if self.prefetch and self.drop_remote:
             raise ValueError("a policy that drops remote entries fetches nothing, so it cannot prefetch")
         if self.forecast and (self.drop_remote or self.wait_for_all):
@@ -154,6 +161,7 @@ POLICIES: dict[str, Policy] = {
             prefetch=True,
             chain=True,
             forecast=True,
+            schedule=True,
         ),
         # the same without the first step's forecast (its ablation)
         Policy(
@@ -164,6 +172,18 @@ POLICIES: dict[str, Policy] = {
             hints=0.5,
             prefetch=True,
             chain=True,
+            schedule=True,
+        ),
+        # the same without the link's schedule: every request's speculation goes on the link as it comes
+        Policy(
+            "smartgen-unscheduled",
+            proactive=ProactiveMode.BUDGET,
+            parallel=True,
+            speculative=True,
+            hints=0.5,
+            prefetch=True,
+            chain=True,
+            forecast=True,
         ),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(

@@ -49,6 +49,7 @@ class PrefillFlags:
 
     speculative: bool = False  # idle notices (and landed slices, chained) push the next speculative slice
     chain: bool = False  # a landed speculative slice is followed by the next at once
+    schedule: bool = False  # speculation waits for room on the link, in turn (`gate`)
     full: bool = False  # every block goes proactively: its pushes count as full transfer's, not a chosen set's
     query_pick: bool = False  # a layer's share of K_r goes to the blocks its last query attends to most
     quantized: bool = False  # full transfer in quantized layers, packed off the prefill thread
@@ -76,6 +77,7 @@ class PrefillFlags:
         return cls(
             speculative=policy.speculative,
             chain=policy.chain,
+            schedule=policy.schedule,
             full=policy.proactive == ProactiveMode.ALL,
             query_pick=policy.strategy == Strategy.QUERY,
             quantized=bool(policy.quantize_bits),

@@ -176,6 +176,8 @@ class PrefillPath:
             return 0
         if request.kv.layers_ready < self.layout.num_layers:
             return 0  # speculation starts once prefill is over
+        if not request.flags.schedule:
+            return self._post_slice(request, window, fetched)
         key = id(request.link)
         if not self.gate.try_speculate(key, request.request_id, request.link_rate):
             return 0  # pushes fill the link's room ahead: its turn comes as one lands (`_hand_on`)
