@@ -79,6 +79,15 @@ class _Held:
         return [ops for rid, tag, ops in self.batches if rid == request_id and tag == "speculative"]
 
 
+def _held_engines(monkeypatch, importance):
+    """Engines on a slow link's plan (layers 0-1 proactive, the rest speculative), no bridging (slices are whole
+    blocks), and the prefill side's push lane held (`_Held`)."""
+    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
+    prefill, decode, prefill_end = _engines(planner)
+    return prefill, decode, prefill_end, _Held(prefill_end.push)
+
+
 def _tokens_of(ops, decode, request, layer):
     """Tokens of `layer` whose K a batch writes."""
     geometry = decode.pool.geometry
@@ -108,10 +117,7 @@ def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(im
     """Request A speculates while request B prefills on the same link: B's proactive pushes fill the link's room,
     so A's next slice waits until they land, and is planned then, without the entries A's step fetched meanwhile.
     Entries a fetch sends while a push of them is still on the link are counted as crossing twice."""
-    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)  # no bridging: slices are whole blocks
-    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)  # layers 0-1 proactive
-    prefill, decode, prefill_end = _engines(planner)
-    held = _Held(prefill_end.push)
+    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
     try:
         policy = get_policy("smartgen")
         rid_a, request_a = _prefilled(prefill, decode, policy)
@@ -164,10 +170,7 @@ def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(im
 
 def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatch):
     """A request waiting for room that is released (or has nothing left) never blocks the requests behind it."""
-    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
-    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
-    prefill, decode, prefill_end = _engines(planner)
-    held = _Held(prefill_end.push)
+    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
     try:
         policy = get_policy("smartgen")
         rid_a, request_a = _prefilled(prefill, decode, policy)
@@ -197,10 +200,7 @@ def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatc
 
 def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, monkeypatch):
     """`smartgen-unscheduled` posts its slices as they come, room or not (the gate still counts its pushes)."""
-    monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
-    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
-    prefill, decode, prefill_end = _engines(planner)
-    held = _Held(prefill_end.push)
+    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
     try:
         rid, request = _prefilled(prefill, decode, get_policy("smartgen-unscheduled"))
         held.release()

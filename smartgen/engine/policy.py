@@ -140,6 +140,18 @@ class Policy:
         return f"{self.name}[{self.strategy.value}]"
 
 
+SMARTGEN = Policy(
+    "smartgen",
+    proactive=ProactiveMode.BUDGET,
+    parallel=True,
+    speculative=True,
+    hints=0.5,
+    prefetch=True,
+    chain=True,
+    forecast=True,
+    schedule=True,
+)
+
 POLICIES: dict[str, Policy] = {
     policy.name: policy
     for policy in (
@@ -151,40 +163,10 @@ POLICIES: dict[str, Policy] = {
         Policy("smartgen-paper", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True),
         Policy("smartgen-paper+hints", proactive=ProactiveMode.BUDGET, parallel=True, speculative=True, hints=0.5),
         # ours, the default: the paper's paths with hints, prefetch, chained speculation (docs/results/2026-12-01-separate-cpus-8bit-bounds.md: better
-        # TBT, same TTST) and the first step's forecast (docs/engine.md)
-        Policy(
-            "smartgen",
-            proactive=ProactiveMode.BUDGET,
-            parallel=True,
-            speculative=True,
-            hints=0.5,
-            prefetch=True,
-            chain=True,
-            forecast=True,
-            schedule=True,
-        ),
-        # the same without the first step's forecast (its ablation)
-        Policy(
-            "smartgen-no-forecast",
-            proactive=ProactiveMode.BUDGET,
-            parallel=True,
-            speculative=True,
-            hints=0.5,
-            prefetch=True,
-            chain=True,
-            schedule=True,
-        ),
-        # the same without the link's schedule: every request's speculation goes on the link as it comes
-        Policy(
-            "smartgen-unscheduled",
-            proactive=ProactiveMode.BUDGET,
-            parallel=True,
-            speculative=True,
-            hints=0.5,
-            prefetch=True,
-            chain=True,
-            forecast=True,
-        ),
+        # TBT, same TTST), the first step's forecast and speculation scheduled on the link (docs/engine.md)
+        SMARTGEN,
+        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False),  # the ablations, one part left out each
+        replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2
