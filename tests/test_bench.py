@@ -133,10 +133,12 @@ def test_bench_refuses_bad_input() -> None:
         (["--batch", "two"], "comma-separated whole numbers"),
         (["--budget", "1.5"], "shares of the prompt"),
         (["--model", "random:x"], "random:LAYERS"),
+        (["--model", "random:1"], "between 3 and 256 layers"),
+        (["--model", "no/such/folder"], "no model folder there"),
         (["--lane", "carrier-pigeon"], "--lane must be one of"),
     ]:
         done = CliRunner().invoke(app, ["bench", *args])  # in-process: a process each took 5 s of imports
-        assert done.exit_code != 0, (args, done.output)
+        assert done.exit_code == 2, (args, done.output)  # a usage error, like typer's own
         assert message in done.stderr and "Traceback" not in done.output + done.stderr, done.stderr
 
 

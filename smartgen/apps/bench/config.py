@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from smartgen.apps.bench.models import check_model_spec
 from smartgen.engine.policy import check_servable, get_policy
 
 __all__ = [
@@ -192,6 +193,7 @@ class BenchConfig:
             check_device(self.device)
         except ModelLoadError as exc:
             raise ValueError(f"--device: {exc}") from None
+        check_model_spec(self.model)
         for scheme in self.all_schemes:
             # unknown or unservable ones fail before any node starts; the optimal set is replayed from full's run
             check_servable(get_policy(scheme), oracle=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from smartgen.sysinfo import SAMPLES_DIR
 
-__all__ = ["resolve_model", "SAMPLE_MODEL", "SAMPLE_MODEL_16"]
+__all__ = ["resolve_model", "check_model_spec", "SAMPLE_MODEL", "SAMPLE_MODEL_16"]
 
 SAMPLE_MODEL = SAMPLES_DIR / "sample-model"
 SAMPLE_MODEL_16 = SAMPLES_DIR / "sample-model-16"  # 16 layers: layers 0-1 are 1/8 of the KV, as in deep models
@@ -20,16 +20,12 @@ def _cache_dir() -> Path:
     return Path(base) / "smartgen" / "bench-models"
 
 
-def resolve_model(spec: str, seed: int = 0) -> tuple[Path, bool]:
-    """(model folder, trained?) for a `--model` value.
-
-    "random:L" is the sample model's shape with L layers and random weights (timing only: its answers
-    are noise, so accuracy is not reported); it is built once under $XDG_CACHE_HOME/smartgen.
-    """
-    if spec == "sample":
-        return SAMPLE_MODEL, True
-    if spec == "sample16":
-        return SAMPLE_MODEL_16, True
+def check_model_spec(spec: str) -> int | Path | None:
+    """Checks a `--model` value without building anything (a user's typo fails before any node starts): the
+    layers of "random:L", the folder of a model folder, None for the bundled samples; ValueError says what is
+    wrong."""
+    if spec in ("sample", "sample16"):
+        return None
     if spec.startswith("random:"):
         try:
             layers = int(spec.partition(":")[2])
@@ -37,13 +33,27 @@ def resolve_model(spec: str, seed: int = 0) -> tuple[Path, bool]:
             raise ValueError(f"--model {spec!r}: write random:LAYERS, e.g. random:32") from None
         if not 2 < layers <= 256:
             raise ValueError(f"--model {spec!r}: between 3 and 256 layers")
-        return _random_model(layers, seed), False
+        return layers
     folder = Path(spec).expanduser()
     if not (folder / "config.json").exists():
         raise ValueError(
             f"--model {spec!r}: no model folder there (no config.json); or use sample, sample16 or random:LAYERS"
         )
-    return folder, True
+    return folder
+
+
+def resolve_model(spec: str, seed: int = 0) -> tuple[Path, bool]:
+    """(model folder, trained?) for a `--model` value.
+
+    "random:L" is the sample model's shape with L layers and random weights (timing only: its answers
+    are noise, so accuracy is not reported); it is built once under $XDG_CACHE_HOME/smartgen.
+    """
+    checked = check_model_spec(spec)
+    if checked is None:
+        return (SAMPLE_MODEL if spec == "sample" else SAMPLE_MODEL_16), True
+    if isinstance(checked, int):
+        return _random_model(checked, seed), False
+    return checked, True
 
 
 def _random_model(layers: int, seed: int) -> Path:
