@@ -284,6 +284,9 @@ def test_a_node_s_events_add_up_to_the_blocks_its_status_reports(model_dir: Path
 
         cache, held, stored, removed = wait_until(settled, 10, "the events to catch up with /status")
         assert cache["retention"]["name"] == "cost"
+        published = get_json(url + "/status")["kv_events"]
+        assert published["endpoint"] == running.addresses["kv_events"] and published["replay_endpoint"] == replay_at
+        assert published["batches"] > 0 and published["dropped_batches"] == 0
         assert removed > 0 and stored - removed == len(held) == cache["blocks"]
         windows = {tuple(p[i : i + block]) for p in prompts for i in range(0, 3 * block, block)}
         for _, payload in replay(replay_at):
@@ -305,5 +308,7 @@ def test_a_prefill_node_publishes_too_and_starts_by_clearing(model_dir: Path):
         batches = wait_until(lambda: replay(running.addresses["kv_events_replay"]), 5, "the first batch")
         first = msgspec.msgpack.Decoder(MapBatch).decode(batches[0][1])
         assert batches[0][0] == 0 and [type(e) for e in first.events] == [MapCleared]
+        assert running.prefill is not None
+        assert running.prefill.snapshot()["kv_events"]["endpoint"] == running.addresses["kv_events"]
     finally:
         running.stop()

@@ -83,7 +83,7 @@ class RunningNode:
         if s.record is not None and s.role == "prefill":
             self._cleanup.callback(StatusRecorder(s.record, "prefill", node.snapshot).close)
         if s.role == "prefill":  # --role both publishes its decode half's cache, the one a router in front sees
-            self._publish_events(node.engine.prefix_cache)
+            self._publish_events(node.engine.prefix_cache, node.status_hooks)
         gbps = s.node.link_gbps
         if s.role == "prefill":
             rate = f"{gbps:g} Gbit/s" if gbps else "unpaced"
@@ -96,12 +96,14 @@ class RunningNode:
             where = f" (status on {self.addresses['status']})" if "status" in self.addresses else ""
             self._say(f"prefill node in this process{where}: in-process lane, link {rate}, profiles: {profile_note}")
 
-    def _publish_events(self, cache: PrefixCache) -> None:
-        """`--kv-events-endpoint`: the cache's block events go out in vLLM's format until the node stops."""
+    def _publish_events(self, cache: PrefixCache, status_hooks: list[Callable[[dict[str, Any]], None]]) -> None:
+        """`--kv-events-endpoint`: the cache's block events go out in vLLM's format until the node stops; the
+        node's /status says where and how many (`kv_events`)."""
         events = self.settings.node.kv_events
         if events is None:
             return
         publisher = KvEventPublisher(events)
+        status_hooks.append(lambda snapshot: snapshot.__setitem__("kv_events", publisher.snapshot()))
         self._cleanup.callback(publisher.close)
         cache.set_listener(publisher.listener)
         self._cleanup.callback(cache.set_listener, None)  # runs first: nothing is queued on a closing publisher
@@ -124,7 +126,7 @@ class RunningNode:
             recorder = StatusRecorder(s.record, "decode", node.scheduler.status, prefill_snapshot=prefill)
             self._cleanup.callback(recorder.close)
         self._cleanup.callback(http.stop)
-        self._publish_events(node.engine.prefix_cache)
+        self._publish_events(node.engine.prefix_cache, node.scheduler.status_hooks)
         http.start()
         self.http = http
         self.addresses["http"] = "{}:{}".format(*http.address)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -107,6 +108,7 @@ class PrefillNode:
         )
         self.address = self.listener.address if self.listener is not None else None
         self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
+        self.status_hooks: list[Callable[[dict[str, Any]], None]] = []  # each adds to /status (KV events...)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work_loop, name="prefill-work", daemon=True)]
         if self.listener is not None:
@@ -143,6 +145,8 @@ class PrefillNode:
             ],
         }
         self.monitoring.decorate(snapshot)
+        for hook in self.status_hooks:
+            hook(snapshot)
         return snapshot
 
     def stop(self) -> None:
