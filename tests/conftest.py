@@ -63,7 +63,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)
 
 
-def pipeline_text(model_dir: Path, ids: list[int], max_tokens: int) -> str:
+def pipeline_text(model_dir: Path, ids: list[int], max_tokens: int, skip_special_tokens: bool = True) -> str:
     """What the in-process pipeline generates for `ids` (greedy, SmartGen, Quest 10%, M = 16): the text a served
     request with the nodes' test flags must equal."""
     from transformers import AutoTokenizer
@@ -77,7 +77,7 @@ def pipeline_text(model_dir: Path, ids: list[int], max_tokens: int) -> str:
         load_model(model_dir), get_policy("smartgen", strategy="streaming"), "quest", {"budget": 0.1}, num_blocks=16
     ) as pipeline:
         [local] = pipeline.generate([ids], max_tokens)
-    return tokenizer.decode(local.tokens, skip_special_tokens=True)
+    return tokenizer.decode(local.tokens, skip_special_tokens=skip_special_tokens)
 
 
 def get_json(url: str, timeout: float = 5) -> Any:

@@ -1,5 +1,6 @@
 """Two real processes on loopback: a prefill node and a decode node serving the OpenAI API."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -37,6 +38,27 @@ def test_http_tokens_equal_the_in_process_result(nodes, model_dir):
     assert served["choices"][0]["text"] == pipeline_text(model_dir, ids, 8)
     usage = served["usage"]
     assert usage["completion_tokens"] == 8 and usage["ttft"] > 0 and usage["ttst"] >= usage["ttft"] and usage["tbt"] > 0
+
+
+def _stream_pieces(url: str, body: dict) -> list[str]:
+    pieces = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                pieces += [c["text"] for c in json.loads(line[5:])["choices"] if c.get("text")]
+    return pieces
+
+
+def test_special_tokens_stream_as_text_when_asked(nodes, model_dir):
+    """`skip_special_tokens` false (vLLM's parameter): a special token the model emits (</s> second here, with
+    ignore_eos) streams as text, so every token is a chunk a client can time; by default it adds no text."""
+    ids = _prompt_ids(1, 100)
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "scheme": "smartgen"}
+    shown = _stream_pieces(nodes.url, {**body, "skip_special_tokens": False})
+    assert "".join(shown) == pipeline_text(model_dir, ids, 8, skip_special_tokens=False)
+    assert len(shown) == 8 and "</s>" in shown
+    hidden = _stream_pieces(nodes.url, body)
+    assert "".join(hidden) == pipeline_text(model_dir, ids, 8) and len(hidden) == 7
 
 
 def test_the_prefill_node_frees_a_finished_request(nodes):

@@ -73,6 +73,7 @@ class _Sampling(BaseModel):
     # a recorded run's selection_counts, for scheme "...[optimal]": the proactive set that run says was needed
     proactive_counts: list[list[Annotated[int, Field(ge=0)]]] | None = None
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True  # vLLM's: false renders special tokens (<s>, </s>) as text, so each streams
 
 
 class CompletionRequest(_Sampling):
@@ -203,6 +204,7 @@ async def _serve(service: DecodeService, request: Request, body: Any, encode: An
         scheme=body.scheme,
         proactive_counts=body.proactive_counts,
         return_selection_counts=body.return_selection_counts,
+        skip_special_tokens=body.skip_special_tokens,
     )
     if max_tokens is not None:  # else the service's default
         params.max_tokens = max_tokens

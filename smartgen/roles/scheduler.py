@@ -57,6 +57,7 @@ class _Active:
     request: DriverRequest
     text: str = ""
     selection_counts: bool = False  # usage.selection_counts asked for
+    skip_special: bool = True  # special tokens add no text (GenerationParams.skip_special_tokens)
     streamed: int = 0  # tokens put on the handle: the first may go from the link's thread, ahead of the driver
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -140,7 +141,14 @@ class DecodeScheduler:
             oracle_counts=oracle,
         )
         try:
-            self._waiting.put_nowait(_Active(handle, request, selection_counts=params.return_selection_counts))
+            self._waiting.put_nowait(
+                _Active(
+                    handle,
+                    request,
+                    selection_counts=params.return_selection_counts,
+                    skip_special=params.skip_special_tokens,
+                )
+            )
         except queue.Full:
             raise ServiceError(
                 f"overloaded: {self._waiting.maxsize} requests already wait for one of the "
@@ -294,7 +302,7 @@ class DecodeScheduler:
         with active.lock:
             if event.index != active.streamed:
                 return  # already streamed (the first token, from the link's thread)
-            text = self.tokenizer.decode(tokens[: event.index + 1], skip_special_tokens=True)
+            text = self.tokenizer.decode(tokens[: event.index + 1], skip_special_tokens=active.skip_special)
             if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
                 piece = ""
             else:

@@ -36,6 +36,7 @@ class GenerationParams:
     # [layers][prompt tokens]: a recorded run's selection counts, the "optimal" proactive set (benchmarks)
     proactive_counts: list[list[int]] | None = None
     return_selection_counts: bool = False  # usage.selection_counts: [layers][prompt tokens], summed over KV heads
+    skip_special_tokens: bool = True  # special tokens (<s>, </s>, <pad>) add no text (as vLLM's default)
 
 
 @dataclass(slots=True)

@@ -6,8 +6,9 @@ here, which is the bench's cost, not the node's) and each `data:` event carrying
 read. The node's own figures (its `usage`: TTFT, TTST and TBT from the request's arrival there, `ctl`) come in the
 usage event at the end and are kept beside the client's, named `node_*`.
 
-A token whose text is empty (a special token, half of a multi-byte character) sends no chunk: its text leaves with
-a later token's, and `client_tokens` < the node's `completion_tokens` says so. TTFT and TTST are then the first and
+A token whose text is empty (half of a multi-byte character; a special token, unless the request asks for
+`skip_special_tokens` false, as the bench's do) sends no chunk: its text leaves with a later token's, and
+`client_tokens` < the node's `completion_tokens` says so. TTFT and TTST are then the first and
 second chunks', and TBT still divides the time from the second chunk to the last by the tokens between them (the
 node's count, as `vllm bench serve` divides by the output tokens): a token without text of its own is a step all
 the same, and per-chunk gaps would read a middle one as a slower step.
