@@ -34,6 +34,7 @@ from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy, check_servable, get_policy, split_label
 from smartgen.roles.admission import RequestLimits, check_request, oracle_counts
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
+from smartgen.roles.text_pieces import text_piece
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
 from smartgen.runtime.sampling import Sampler
@@ -58,6 +59,7 @@ class _Active:
     text: str = ""
     selection_counts: bool = False  # usage.selection_counts asked for
     skip_special: bool = True  # special tokens add no text (GenerationParams.skip_special_tokens)
+    held: int = 0  # tokens in a row whose text waits for the rest of a character (`text_piece`)
     streamed: int = 0  # tokens put on the handle: the first may go from the link's thread, ahead of the driver
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -303,10 +305,7 @@ class DecodeScheduler:
             if event.index != active.streamed:
                 return  # already streamed (the first token, from the link's thread)
             text = self.tokenizer.decode(tokens[: event.index + 1], skip_special_tokens=active.skip_special)
-            if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-                piece = ""
-            else:
-                piece, active.text = text[len(active.text) :], text
+            piece, active.text, active.held = text_piece(text, active.text, active.held)  # half characters wait
             active.streamed += 1
             active.handle.put(TokenEvent(event.token, piece, event.index, event.time))
 
