@@ -177,20 +177,22 @@ def test_the_streaming_client_times_each_chunk_and_keeps_the_nodes_usage() -> No
     url = f"http://127.0.0.1:{server.server_address[1]}"
     usage = {"prompt_tokens": 4, "completion_tokens": 4, "ttft": 0.01, "ttst": 0.3, "tbt": 0.1, "ctl": [0.01, 0.3]}
     try:
-        server.script = (200, [(0, _text("a")), (0.3, _text("b")), (0, _text("")), (0.1, _text("c")),  # type: ignore[attr-defined]
+        finish = _event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None})
+        server.script = (200, [(0, _text("a")), (0.3, _text("b")), (0, _text("")), (0.1, _text("c")), (0, finish),  # type: ignore[attr-defined]
                                (0, _event({"choices": [], "usage": usage})), (0, _event("[DONE]"))])  # fmt: skip
         streamed = stream_completion(url, {"prompt": [1, 2], "max_tokens": 4})
         body = server.bodies[-1]  # type: ignore[attr-defined]
         assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["return_token_times"]
         assert streamed.text == "abc" and streamed.usage == usage
         timings = streamed.timings()
-        # three chunks with text (the empty one is no chunk a reader sees); the second sent 0.3 s after the first
+        # four token chunks: an empty one is a token whose text waits (vLLM's client counts it too); the closing
+        # chunk, empty with its finish reason, is none; the second sent 0.3 s after the first
         chunks = timings["ctl"]
-        assert timings["client_tokens"] == 3 and chunks == streamed.arrivals
+        assert timings["client_tokens"] == 4 and chunks == streamed.arrivals
         assert 0 <= timings["ttft"] < timings["ttst"] and timings["ttst"] >= 0.3
-        assert timings["itl"] == pytest.approx([chunks[1] - chunks[0], chunks[2] - chunks[1]])
+        assert timings["itl"] == pytest.approx([chunks[1] - chunks[0], chunks[2] - chunks[1], chunks[3] - chunks[2]])
         # TBT per token after the second: the node's four tokens, two of them from the second chunk to the last
-        assert timings["tbt"] == pytest.approx((chunks[2] - chunks[1]) / 2) and timings["tbt"] >= 0.05
+        assert timings["tbt"] == pytest.approx((chunks[3] - chunks[1]) / 2) and timings["tbt"] >= 0.05
         assert timings["e2e"] >= timings["ctl"][-1]
         assert (timings["node_ttft"], timings["node_ttst"], timings["node_ctl"]) == (0.01, 0.3, [0.01, 0.3])
         failures = [

@@ -45,20 +45,21 @@ def _stream_pieces(url: str, body: dict) -> list[str]:
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
-                pieces += [c["text"] for c in json.loads(line[5:])["choices"] if c.get("text")]
+                pieces += [c["text"] for c in json.loads(line[5:])["choices"] if c["finish_reason"] is None]
     return pieces
 
 
-def test_special_tokens_stream_as_text_when_asked(nodes, model_dir):
-    """`skip_special_tokens` false (vLLM's parameter): a special token the model emits (</s> second here, with
-    ignore_eos) streams as text, so every token is a chunk a client can time; by default it adds no text."""
+def test_every_token_streams_a_chunk_and_special_tokens_show_when_asked(nodes, model_dir):
+    """Each token is a chunk, as vLLM streams them: one that adds no text (</s>, second here with ignore_eos) comes
+    empty, so a client times it; `skip_special_tokens` false (vLLM's parameter) shows it as text."""
     ids = _prompt_ids(1, 100)
     body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "scheme": "smartgen"}
     shown = _stream_pieces(nodes.url, {**body, "skip_special_tokens": False})
     assert "".join(shown) == pipeline_text(model_dir, ids, 8, skip_special_tokens=False)
-    assert len(shown) == 8 and "</s>" in shown
+    assert len(shown) == 8 and shown[1] == "</s>"
     hidden = _stream_pieces(nodes.url, body)
-    assert "".join(hidden) == pipeline_text(model_dir, ids, 8) and len(hidden) == 7
+    assert "".join(hidden) == pipeline_text(model_dir, ids, 8)
+    assert len(hidden) == 8 and hidden[1] == "" and all(hidden[:1] + hidden[2:])
 
 
 def test_the_prefill_node_frees_a_finished_request(nodes):

@@ -6,7 +6,9 @@ A request's life here:
 2. `service.submit()` queues it; a refusal (ServiceError) becomes an error response with the service's status.
 3. Events are read with `handle.aevents()`; `_Generation` turns them into final text (holding back what may
    be the start of a stop string) and, at the end, a `_Done` with finish reason and usage (timings included).
-4. Stream: each piece is one `data: {chunk}` event, then the finish chunk, the usage chunk when asked, `[DONE]`.
+4. Stream: each token is one `data: {chunk}` event (its text; empty while the text waits: a special token, half a
+   character, the possible start of a stop string, as vLLM streams them), then the finish chunk, the usage chunk
+   when asked, `[DONE]`.
    Non-stream: one JSON body. A client that goes away, or a stop string, cancels the request in the service.
 """
 
@@ -311,7 +313,7 @@ class _Generation:
             elif not self.stopped:
                 self.token_times.append(event.time)
                 piece = self._add(event.text)
-                if piece:
+                if piece or not self.stopped:  # a token whose text waits still streams (as vLLM's, empty)
                     yield piece
         if not self.stopped and (finish is None or finish.reason in ("stop", "length")) and self.sent < len(self.text):
             yield self.text[self.sent :]  # the held-back tail was not a stop string after all

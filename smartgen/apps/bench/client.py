@@ -6,9 +6,10 @@ here, which is the bench's cost, not the node's) and each `data:` event carrying
 read. The node's own figures (its `usage`: TTFT, TTST and TBT from the request's arrival there, `ctl`) come in the
 usage event at the end and are kept beside the client's, named `node_*`.
 
-A token whose text is empty (half of a multi-byte character; a special token, unless the request asks for
-`skip_special_tokens` false, as the bench's do) sends no chunk: its text leaves with a later token's, and
-`client_tokens` < the node's `completion_tokens` says so. TTFT and TTST are then the first and
+The node streams one chunk per token, with empty text where the token adds none yet (a special token, half of a
+multi-byte character, the possible start of a stop string), as vLLM's server does, and every chunk is stamped, as
+vLLM's bench client does: TTFT is the first token's arrival whatever its text. `client_tokens` < the node's
+`completion_tokens` would say that tokens left the node together. TTFT and TTST are then the first and
 second chunks', and TBT still divides the time from the second chunk to the last by the tokens between them (the
 node's count, as `vllm bench serve` divides by the output tokens): a token without text of its own is a step all
 the same, and per-chunk gaps would read a middle one as a slower step.
@@ -119,9 +120,11 @@ def _read(response: httpx.Response, sent: float) -> Streamed:
             error = event["error"]
             raise RequestFailed(f"failed while streaming ({error.get('code')}): {error.get('message')}")
         for choice in event.get("choices") or []:
-            if choice.get("text"):
+            # every token's chunk counts, text or not (vLLM's bench client: "text could be empty here, e.g. for
+            # special tokens"); the closing chunk, empty with its finish reason, is no token
+            if choice.get("text") or choice.get("finish_reason") is None:
                 arrivals.append(now - sent)
-                text.append(choice["text"])
+                text.append(choice.get("text") or "")
         if event.get("usage"):
             usage = event["usage"]
     raise RequestFailed("the stream ended before [DONE]")

@@ -235,7 +235,7 @@ class _Prompts:
 
         # the answer is the first few tokens; the rest of a fixed-length timing run is not part of it
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: sample.max_new_tokens]
-        return score_sample(sample, self.tokenizer.decode(ids, skip_special_tokens=True))  # streamed as text
+        return score_sample(sample, self.tokenizer.decode(ids))
 
 
 def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Phases) -> dict[int, tuple[float, float]]:
@@ -329,17 +329,8 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
 def _request(
     url: str, prompt: str | list[int], scheme: str, max_tokens: int, extra: dict[str, Any] | None = None
 ) -> Streamed:
-    """One greedy completion of exactly `max_tokens` tokens, streamed (the node's token times in its usage). Special
-    tokens come as text (`skip_special_tokens` false), so every token streams a chunk the client can time: random
-    weights emit <s>, </s> and <pad> often, and under the default a third of a trace's requests streamed no chunk."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "scheme": scheme,
-        "skip_special_tokens": False,
-    }
+    """One greedy completion of exactly `max_tokens` tokens, streamed (the node's token times in its usage)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "scheme": scheme}
     return stream_completion(url, {**body, **(extra or {})})
 
 
