@@ -2,6 +2,7 @@
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -79,13 +80,20 @@ class _Held:
         return [ops for rid, tag, ops in self.batches if rid == request_id and tag == "speculative"]
 
 
+@contextmanager
 def _held_engines(monkeypatch, importance):
     """Engines on a slow link's plan (layers 0-1 proactive, the rest speculative), no bridging (slices are whole
-    blocks), and the prefill side's push lane held (`_Held`)."""
+    blocks), and the prefill side's push lane held (`_Held`); everything held lands and both close at the end."""
     monkeypatch.setattr("smartgen.engine.prefill.decide.RUN_COST_S", 0.0)
     planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)
     prefill, decode, prefill_end = _engines(planner)
-    return prefill, decode, prefill_end, _Held(prefill_end.push)
+    held = _Held(prefill_end.push)
+    try:
+        yield prefill, decode, prefill_end, held
+    finally:
+        held.release()
+        decode.close()
+        prefill.close()
 
 
 def _tokens_of(ops, decode, request, layer):
@@ -117,8 +125,7 @@ def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(im
     """Request A speculates while request B prefills on the same link: B's proactive pushes fill the link's room,
     so A's next slice waits until they land, and is planned then, without the entries A's step fetched meanwhile.
     Entries a fetch sends while a push of them is still on the link are counted as crossing twice."""
-    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
-    try:
+    with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
         policy = get_policy("smartgen")
         rid_a, request_a = _prefilled(prefill, decode, policy)
         held.release()  # A's proactive set lands
@@ -162,16 +169,11 @@ def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(im
         after_layer, after_tokens = _block_tokens(request_a, order[2])
         assert _tokens_of(second, decode, request_a, after_layer) >= set(after_tokens.tolist())
         assert not prefill.gate.waiting(key)
-    finally:
-        held.release()
-        decode.close()
-        prefill.close()
 
 
 def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatch):
     """A request waiting for room that is released (or has nothing left) never blocks the requests behind it."""
-    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
-    try:
+    with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
         policy = get_policy("smartgen")
         rid_a, request_a = _prefilled(prefill, decode, policy)
         rid_b, request_b = _prefilled(prefill, decode, policy)
@@ -192,16 +194,11 @@ def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatc
         prefill._submit_speculation(lambda _: prefill._hand_on(request_b.link), request_b)
         _wait(lambda: len(held.speculative(rid_b)) == 1)
         assert not held.speculative(rid_a)
-    finally:
-        held.release()
-        decode.close()
-        prefill.close()
 
 
 def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, monkeypatch):
     """`smartgen-unscheduled` posts its slices as they come, room or not (the gate still counts its pushes)."""
-    prefill, decode, prefill_end, held = _held_engines(monkeypatch, importance)
-    try:
+    with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
         rid, request = _prefilled(prefill, decode, get_policy("smartgen-unscheduled"))
         held.release()
         prefill_end.push.flush(5)
@@ -212,7 +209,3 @@ def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, m
         decode.begin_layer(2, [rid])
         _wait(lambda: len(held.speculative(rid)) == 1)
         assert prefill.gate.waiting(key) == [] and prefill.gate.in_flight(key) > 1 << 20
-    finally:
-        held.release()
-        decode.close()
-        prefill.close()
