@@ -490,3 +490,33 @@ def test_nothing_outside_the_selectors_tests_a_selector_s_name():
                 if names and any("selector" in ast.unparse(s) for s in sides):
                     found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(3, 150), min_size=1, max_size=6),
+    st.sampled_from([8, 16]),
+    st.sampled_from(["max", "bound"]),
+    st.booleans(),
+)
+def test_quest_ranks_a_batch_in_one_pass_as_each_request_alone(lengths, bits, gqa, ties):
+    """The even split ranks every request's pages together (padded to the most pages): each request's pick and
+    wide pick are what it selects alone, whatever the others' lengths, short prompts (every token) included."""
+    generator = torch.Generator().manual_seed(sum(lengths))
+    quest = QuestSelector(INFO, budget=0.2, page_size=4, bound_bits=bits, gqa=gqa)
+    wide = quest.widened(0.5)
+    assert isinstance(wide, QuestSelector)
+    metadata = []
+    for n in lengths:
+        keys = torch.ones(H, n, D_HEAD) if ties else torch.randn(H, n, D_HEAD, generator=generator)
+        metadata.append(quest.build_metadata(PrefillLayer(2, torch.randn(HQ, n, D_HEAD), keys, None)))
+    query = torch.randn(len(lengths), HQ, D_HEAD, generator=generator)
+    step = StepQuery(2, query, None, torch.tensor(lengths), lengths)
+    picked, widened = quest.select_widened(step, metadata, wide)
+    for b, n in enumerate(lengths):
+        alone = StepQuery(2, query[b : b + 1], None, torch.tensor([n]), [n])
+        own, own_wide = quest.select_widened(alone, metadata[b : b + 1], wide)
+        rows = slice(b * H, (b + 1) * H)
+        for batched, single in ((picked[rows], own), (widened[rows], own_wide)):
+            assert torch.equal(batched[:, : single.shape[1]], single)
+            assert (batched[:, single.shape[1] :] == -1).all()
