@@ -357,7 +357,7 @@ def test_ttst_bounds_add_only_what_prefill_cannot_hide() -> None:
 
     def summary(ttft: float, tbt: float, metadata: float) -> Summary:
         timing = {"mean": ttft}
-        return Summary(0, "x", 1, 0, timing, timing, {"mean": tbt}, [], None, None, None, None,
+        return Summary(0, "x", 1, 0, timing, timing, {"mean": tbt}, [], None, None, None, None, None,
                        {"metadata": metadata}, 0.0, 0.0, None, None)  # fmt: skip
 
     token_bytes, length, layers = 1000, 1000, 10

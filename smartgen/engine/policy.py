@@ -167,6 +167,7 @@ POLICIES: dict[str, Policy] = {
         SMARTGEN,
         replace(SMARTGEN, name="smartgen-no-forecast", forecast=False),  # the ablations, one part left out each
         replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
+        replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2

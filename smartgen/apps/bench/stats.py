@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smartgen.apps.bench.config import Point
+from smartgen.apps.bench.fetch_link import fetch_link_per_step
 from smartgen.apps.bench.percentiles import percentile
 from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.lanes.rate import bytes_per_second
@@ -44,6 +45,8 @@ class Summary:
     first_step_coverage: float | None  # share of the first decode step's selection local when it ran
     first_step_wait: float | None  # seconds the first decode step waited for the link (layers 0-1, fetches)
     wait_per_step: float | None  # seconds each later step waited for fetches, on average
+    # seconds of the link the batch's fetched bytes take per decode step (fetch_link.py), mean over rounds
+    fetch_link_per_step: float | None
     bytes_per_request: dict[str, float]  # per path
     descriptors_per_request: float
     posting_s_per_request: float
@@ -142,6 +145,13 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
                 (float(r["fetch_wait"]) - float(r.get("first_step_wait") or 0.0)) / (r["completion_tokens"] - 2)
                 for r in ok
                 if r.get("fetch_wait") is not None and (r.get("completion_tokens") or 0) > 2
+            ]
+        ),
+        fetch_link_per_step=_mean(
+            [
+                value
+                for g in groups
+                if (value := fetch_link_per_step(g.requests, g.path_bytes.get("on_demand", 0.0), rate)) is not None
             ]
         ),
         bytes_per_request=paths,

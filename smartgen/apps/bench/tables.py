@@ -148,14 +148,16 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         )
     waits = _table(
         "where TTST and TBT go: cov1%: the first decode step's selection (layers >= 2) already local; wait1: "
-        "that step's wait for the link (ms); wait: each later step's (ms); desc: descriptors posted per request, "
+        "that step's wait for the link (ms); wait: each later step's (ms); fetch: the link's time (ms) for one "
+        "decode step's fetches of the whole batch (fetched bytes per token x the mean batch a token shared its "
+        "step with / the link's rate: where it nears full's TBT, TBT is the link's); desc: descriptors posted per request, "
         "post: ms the lanes spent posting them (framing, send calls, writes; pacer waits left out); bound1: least "
         "TTST (ms) if the proactive set were exactly the first step's "
         "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
         "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound); join: per "
         "request that joined others decoding, the p99 of their token gaps from its first token to its second, the "
         "median over joins (ms; - with none)",
-        ["scheme", "cov1%", "wait1", "wait", "desc", "post", "bound1", "TBT fl", "join"],
+        ["scheme", "cov1%", "wait1", "wait", "fetch", "desc", "post", "bound1", "TBT fl", "join"],
     )
     for s in rows:
         waits.add_row(
@@ -163,6 +165,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _pct(s.first_step_coverage),
             _ms(s.first_step_wait),
             _ms(s.wait_per_step),
+            _ms(s.fetch_link_per_step),
             f"{s.descriptors_per_request:.0f}",
             _ms(s.posting_s_per_request),
             _ms(s.ttst_bound_selection),
