@@ -209,3 +209,48 @@ def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, m
         decode.begin_layer(2, [rid])
         _wait(lambda: len(held.speculative(rid)) == 1)
         assert prefill.gate.waiting(key) == [] and prefill.gate.in_flight(key) > 1 << 20
+
+
+def test_a_proactive_set_counts_only_the_window_earlier_pushes_leave(importance):
+    """Under the link's schedule, a request's K_r is planned again as its prefill starts, less the link time the
+    pushes still in flight on its link take (they go first); without the schedule the plan made at OPEN stands."""
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-3, 1e-3)  # K_r near every block
+    prefill, decode, prefill_end = _engines(planner)
+    held = _Held(prefill_end.push)
+    length = 200
+    try:
+        first = decode.open(length, get_policy("smartgen"))
+        opened = prefill.next_request(timeout=5)
+        prefill.begin_prefill(opened, length)  # nothing in flight yet: the plan from OPEN stands
+        alone = opened.plan.num_proactive
+        assert alone == planner.plan(length, "budget", "profile").num_proactive
+        assert alone > 2 * opened.plan.num_blocks, "the window holds more than layers 0-1"
+        k, v = synthetic_kv(LAYOUT, length, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(first, layer, k[layer], v[layer])  # its pushes are posted, held on the link
+        in_flight = prefill.gate.in_flight(id(opened.link))
+        assert in_flight > 0
+        results = {}
+        for scheme in ("smartgen", "smartgen-unscheduled"):
+            rid = decode.open(length, get_policy(scheme))
+            behind = prefill.next_request(timeout=5)
+            prefill.begin_prefill(behind, length)
+            results[scheme] = behind.plan.num_proactive
+            decode.abort(rid, "planned")  # the pool has two slots
+        backlog = in_flight / LAYOUT.kv_bytes(1)
+        assert results["smartgen"] == planner.plan(length, "budget", "profile", backlog=backlog).num_proactive
+        assert 2 * opened.plan.num_blocks <= results["smartgen"] < alone
+        assert results["smartgen-unscheduled"] == alone
+    finally:
+        held.release()
+        decode.close()
+        prefill.close()
+
+
+def test_the_link_s_backlog_shortens_the_proactive_window():
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-3, 1e-3)
+    full_window = planner.budget(200, "budget")
+    assert planner.budget(200, "budget", backlog=0.0) == full_window
+    assert planner.budget(200, "budget", backlog=50) < full_window
+    assert planner.budget(200, "budget", backlog=10_000) == planner.budget(200, "floor")  # the clip's floor
+    assert planner.budget(200, "floor", backlog=10_000) == planner.budget(200, "floor")

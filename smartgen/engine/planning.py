@@ -212,6 +212,7 @@ class TransferPlanner(Protocol):
         *,
         computed: int | None = None,
         held: int = 0,
+        backlog: float = 0.0,
     ) -> TransferPlan: ...
 
 
@@ -233,11 +234,13 @@ class Planner:
     # link time per prompt token taken by what leaves ahead of the pushes (selector metadata on the control lane)
     reserved_seconds_per_token: float = 0.0
 
-    def budget(self, length: int, mode: str, computed: int | None = None) -> int:
+    def budget(self, length: int, mode: str, computed: int | None = None, backlog: float = 0.0) -> int:
         """K_r for a request: all blocks, just layers 0-1 ("floor"), or the formula ("budget").
 
         `computed`: the tokens prefill really computes (fewer than `length` after a prefix cache hit): T_p
-        scales with them, T_t with the whole prompt.
+        scales with them, T_t with the whole prompt. `backlog`: KV already on the link when the prefill starts
+        (earlier requests' pushes, which go first), in tokens' worth of whole-model KV: the link spends
+        T_t x backlog of the window on it.
         """
         m_eff = effective_blocks(length, self.num_blocks)
         if mode == "all":
@@ -250,7 +253,7 @@ class Planner:
             m_eff,
             self.prefill_seconds_per_token * prefill_tokens,
             self.transfer_seconds_per_token * length,
-            self.reserved_seconds_per_token * length,
+            self.reserved_seconds_per_token * length + self.transfer_seconds_per_token * max(backlog, 0.0),
         )
 
     def plan(
@@ -262,8 +265,9 @@ class Planner:
         *,
         computed: int | None = None,
         held: int = 0,
+        backlog: float = 0.0,
     ) -> TransferPlan:
-        """The request's plan; `computed` as in `budget`; `held`: leading tokens the decode node already holds,
+        """The request's plan; `computed` and `backlog` as in `budget`; `held`: leading tokens the decode node already holds,
         whose blocks cost the link nothing, so they join the proactive set on top of K_r (and are never
         speculated); the push skips their bytes."""
         if mode == "budget" and strategy == "profile" and self.importance is None:
@@ -281,7 +285,7 @@ class Planner:
             if mode == "budget"
             else strategy_scores("sequential", self.num_layers, length, self.num_blocks)
         )
-        budget = self.budget(length, mode, computed)
+        budget = self.budget(length, mode, computed, backlog)
         covered = prefix_blocks(length, self.num_blocks, held)
         if covered:
             scores = scores.clone()

@@ -107,8 +107,9 @@ class NodePlanner:
         *,
         computed: int | None = None,
         held: int = 0,
+        backlog: float = 0.0,
     ) -> TransferPlan:
-        """The request's plan (see `Planner.plan` for `computed` and `held`)."""
+        """The request's plan (see `Planner.plan` for `computed`, `held` and `backlog`)."""
         match = self.lookup(length) if (self.lookup is not None and mode == "budget") else None
         self.last_match = match
         if match is not None:
@@ -123,7 +124,7 @@ class NodePlanner:
                 match.transfer_seconds_per_token,
                 reserved_seconds_per_token=self._reserved(match.transfer_seconds_per_token),
             )
-            return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)
+            return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held, backlog=backlog)
         if strategy == "profile":
             if not self._warned and mode == "budget":
                 log.warning(
@@ -142,4 +143,4 @@ class NodePlanner:
             self.link_seconds_per_token,
             reserved_seconds_per_token=self._reserved(self.link_seconds_per_token),
         )
-        return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held)
+        return planner.plan(length, mode, strategy, request_counts, computed=computed, held=held, backlog=backlog)

@@ -82,6 +82,7 @@ class PrefillWorker:
             # a selector that reads every prompt query would see only the computed ones: no cached prefix for it
             prefix = None if self.runner.selector_reads_queries else self.engine.lookup_prefix(request)
             computed = request.length - (0 if prefix is None else prefix[0].shape[1])
+            self.engine.begin_prefill(request, computed)
             forecast = self._forecasts(request)
             output = self.runner.run(
                 request.prompt,

@@ -211,23 +211,34 @@ class PrefillEngine(PrefillPath):
 
     def lookup_prefix(self, request: OpenedRequest) -> tuple[torch.Tensor, torch.Tensor] | None:
         """At the start of a request's prefill: the K/V [L, P, H, d] of its prompt's cached leading blocks
-        (pinned until `cache_prefix`), or None. On a hit the plan is made again: K_r counts the prefill
-        time of the tokens really computed, while the plan still covers the whole prompt."""
+        (pinned until `cache_prefix`), or None. `begin_prefill` then plans again for the tokens computed."""
         if request.prompt is None or not self.prefix_cache.enabled:
             return None
         hit = self.prefix_cache.match(request.prompt, max_tokens=request.length - 1)  # one token is computed
         if hit is None:
             return None
         request.prefix_hit = hit
-        if request.flags.replan_on_prefix:
-            request.plan = self.planner.plan(
-                request.length,
-                request.policy.proactive,
-                request.policy.strategy,
-                computed=request.length - hit.tokens,
-                held=request.held_prefix,
-            )
         return hit.kv()
+
+    def begin_prefill(self, request: OpenedRequest, computed: int) -> None:
+        """As a request's prefill starts, its plan is made again where K_r has changed since OPEN. After a prefix hit
+        K_r counts the prefill time of the `computed` tokens only (the plan still covers the whole prompt). Under a
+        scheduled policy, pushes of earlier requests still on its link go first, so K_r counts only the rest of
+        the window. A batch's proactive sets each sized for the whole window queued every later request's layers
+        0-1 behind them, and those are what a request waits for to join a running batch."""
+        if not request.flags.replan_on_prefix:
+            return
+        backlog = self.gate.in_flight(id(request.link)) if request.flags.schedule else 0
+        if computed >= request.length and not backlog:
+            return  # the plan made at OPEN stands
+        request.plan = self.planner.plan(
+            request.length,
+            request.policy.proactive,
+            request.policy.strategy,
+            computed=computed,
+            held=request.held_prefix,
+            backlog=backlog / self.layout.kv_bytes(1),  # in tokens' worth of whole-model KV
+        )
 
     def cache_prefix(self, request: OpenedRequest, raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """After a request's prefill: unpins its hit and caches its prompt's new whole blocks; `raw` is the K/V
