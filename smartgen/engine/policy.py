@@ -81,7 +81,9 @@ class Policy:
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
-    speculation, and a waiting slice is planned when it goes, without what fetches brought meanwhile.
+    speculation, and a waiting slice is planned when it goes, without what fetches brought meanwhile. And K_r is
+    planned again as the request's prefill starts, less the link time the pushes in flight there take
+    (`PrefillEngine.begin_prefill`).
     """
 
     name: str  # the scheme: smartgen, full, partial, ...
