@@ -387,8 +387,6 @@ def bench(
     config = replace(config, lane_flags=lane_flags(lane, rdma_device, rdma_port, gid_index))
     out = out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     console = Console()
-    if not console.is_terminal:  # a log file: each table row on one line (80 columns folded the widest tables)
-        console = Console(width=120)
     with phase_bar(console) as (_, progress):
         try:
             result = run_bench(config, say=lambda line: console.print(f"[dim]{line}[/]"), progress=progress)
