@@ -252,7 +252,8 @@ class QuestSelector(Selector):
             beyond = columns >= torch.tensor(pages, device=bounds.device).unsqueeze(1) - 1  # [B, P-1]
             bounds = bounds.masked_fill(beyond[:, None, None], float("-inf"))
         if self.gqa == "max":
-            scores = (bounds * self.info.head_dim**-0.5).softmax(dim=-1).amax(dim=2)  # group_max_probability's rule
+            grouped = (bounds * self.info.head_dim**-0.5).reshape(count * heads, -1, most - 1)  # [B·H, G, P-1]
+            scores = group_max_probability(grouped).view(count, heads, most - 1)
         else:
             scores = bounds.amax(dim=2)
         return scores.sort(dim=-1, descending=True, stable=True).indices  # [B, H, P-1]
