@@ -177,6 +177,8 @@ class DecodeControl(DecodePath):
                 return  # already handled (the listener and `open` may both notice)
             self._links.remove(link)
             victims = [r for r in self._requests.values() if r.link is link and not self._fully_local(r)]
+            for request in victims:  # claimed here, under the lock: `open` then leaves them to this thread
+                request.orphaned_from = link
             pending = [(i, f) for i, (f, owner) in self._fetches.items() if owner is link]
             for fetch_id, _ in pending:
                 self._fetches.pop(fetch_id, None)
@@ -196,6 +198,15 @@ class DecodeControl(DecodePath):
                 future.set_exception(LinkLost(error))
         if self.on_link_lost is not None:
             self.on_link_lost(link, reason)
+
+    def _claim_orphan(self, request: DecodeRequest, link: LinkEnd) -> bool:
+        """Whether this thread handles `request` for the loss of `link`: True once per loss, to whichever thread asks
+        first (`_fail_link` claims its victims as it drops the link), so a request is never opened again twice."""
+        with self._lock:
+            if request.link is not link or request.orphaned_from is link:
+                return False
+            request.orphaned_from = link
+            return True
 
     def _fully_local(self, request: DecodeRequest) -> bool:
         """Every prompt token is in the pool: it decodes on without its prefill node. A quantized transfer's

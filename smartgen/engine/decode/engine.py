@@ -90,7 +90,8 @@ class DecodeEngine(DecodeControl):
         if not link.alive:  # closed under us: OPEN went nowhere, so fail (or re-open) now rather than wait
             reason = link.error or "connection closed"
             self._fail_link(link, reason)
-            if request.link is link and not request.metrics.error and not (self.recompute and self._reopen(request)):
+            mine = self._claim_orphan(request, link)  # the listener may have taken it as it dropped the link
+            if mine and not request.metrics.error and not (self.recompute and self._reopen(request)):
                 self._fail_request(
                     request_id, f"prefill node connection lost: {reason}", lost=True
                 )  # the link was dropped just before

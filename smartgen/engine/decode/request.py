@@ -54,6 +54,8 @@ class DecodeRequest:
     metadata: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer, from METADATA messages
     released: bool = False
     open_message: msg.Open | None = None  # kept to open the request again elsewhere (recompute)
+    # the lost link whose loss one thread took it over from (a listener and `open` may both see a link go; one acts)
+    orphaned_from: LinkEnd | None = None
     # fetches a step gave up waiting for (stall_timeout), or prefetched: landed when they arrive
     late: list[LateFetch] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
