@@ -137,7 +137,9 @@ def cluster(
         decode_cache=cache,
         device=device,
     )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the cluster as Ctrl-C does
+    # SIGTERM stops the cluster as Ctrl-C does; SIGINT is set too, since a shell script's `smartgen cluster &`
+    # starts with it ignored, and `kill -INT` must still stop everything
+    handlers = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     what = f"{prefill} prefill and {decode} decode node{'s' * (decode > 1)} ({model.name})"
     typer.echo(f"starting {what}" + (f", then SGLang's router ({policy.value})" if router_spec else ""))
     started = time.monotonic()
@@ -151,7 +153,8 @@ def cluster(
     except (RuntimeError, TimeoutError) as exc:
         fail(str(exc), code=1)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     typer.echo("stopped: every node" + (" and the router" if router_spec else ""))
 
 

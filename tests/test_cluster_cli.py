@@ -185,13 +185,15 @@ def test_the_table_puts_each_value_in_its_column():
 class Running:
     """`smartgen cluster ARGS` as a process of its own, its output in run_dir/../cluster.out."""
 
-    def __init__(self, model_dir: Path, run_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, run_dir: Path, *args: str, sigint_ignored: bool = False) -> None:
+        """`sigint_ignored`: started as a shell script's `smartgen cluster &` is, with SIGINT ignored."""
         self.run_dir, self.out = run_dir, run_dir.with_suffix(".out")
         command = [sys.executable, "-m", "smartgen", "cluster", "--model", str(model_dir), "--run-dir", str(run_dir)]
         command += ["--blocks", "16", "--max-tokens", "512", "--interval", "0.3", *args]
         env = {**os.environ, "SMARTGEN_DB": str(run_dir.with_suffix(".db"))}
         with self.out.open("w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=ignore)
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")
@@ -269,7 +271,9 @@ def _served(url: str) -> int:
 
 @pytest.mark.slow  # three node processes start: about 20 s here
 def test_nodes_without_a_router_serve_show_a_lost_node_and_ctrl_c_leaves_nothing(tmp_path, model_dir, cleanup):
-    running = Running(model_dir, tmp_path / "run", "--router", "none", "--prefill", "1", "--decode", "2")
+    # started as a script's `cmd &` starts it: SIGINT ignored (a test run in the background once hung here)
+    args = ("--router", "none", "--prefill", "1", "--decode", "2")
+    running = Running(model_dir, tmp_path / "run", *args, sigint_ignored=True)
     cleanup.append(running)
     running.wait_for("Ctrl-C stops everything")
     manifest = running.manifest()
