@@ -1,5 +1,6 @@
-"""The first step's forecast: the prefill node runs the first decode step on its whole KV and sends its queries; the
-decode node fetches that step's picks ahead (low priority), and the answers never change."""
+"""The first step's forecast: the prefill node runs the first decode step as the decode node will (attending to
+what the selector picks) and sends its queries; the decode node fetches that step's picks ahead (low priority),
+and the answers never change."""
 
 import queue
 
@@ -54,17 +55,28 @@ def test_the_outbox_sends_low_priority_messages_after_everything_queued_before_o
 
 
 def test_the_prefill_runners_forecast_is_the_first_steps_query():
+    """Without a selector the forecast's step is dense: each query is the one a pass over the prompt and the first
+    token gives. With one, layer 2 (the first that selects; layers 0-1 attend densely) still gives that query, and
+    later layers that of a step attending to what the selector picks, as the decode node's does."""
     model = model_from_config(tiny_config("llama"))
     info = model_info(model)
-    runner = PrefillRunner(model, QuestSelector(info, budget=0.3))
     prompt = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    output = runner.run(prompt, keep_cache=True)
-    queries = runner.forecast(output)
+    dense = PrefillRunner(model, None)
+    output = dense.run(prompt, keep_cache=True)
+    queries = dense.forecast(output)
     whole, _ = capture_qk(model, prompt + [output.first_token])  # the prompt and the first token in one pass
     assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
     for layer, query in queries.items():
         torch.testing.assert_close(query.float(), whole[layer][:, -1], atol=1e-4, rtol=1e-4)
     assert output.cache is None  # the copy of the K/V goes once the forecast ran
+
+    sparse = PrefillRunner(model, QuestSelector(info, budget=0.3))
+    output = sparse.run(prompt, keep_cache=True)
+    queries = sparse.forecast(output)
+    assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
+    torch.testing.assert_close(queries[2].float(), whole[2][:, -1], atol=1e-4, rtol=1e-4)
+    last = max(queries)
+    assert not torch.allclose(queries[last].float(), whole[last][:, -1], atol=1e-4, rtol=1e-4)  # 30% of the prompt
 
 
 def _generate(scheme: str):
@@ -84,4 +96,7 @@ def test_a_forecast_fetches_step_ones_picks_ahead_and_changes_no_answer():
     # the second request's first token comes while the first decodes on the slow link: its picks were asked for
     # before its first step (the first, alone, starts at once and asks as it goes)
     assert forecast[1].metrics.forecast_entries > 0 and forecast[0].metrics.forecast_entries == 0
+    # the forecast attends as the sparse step does, so it foresees that step's picks (a dense one: 89% here; the
+    # decode node's rows are summed in another order, so a near tie may still go the other way)
+    assert forecast[1].metrics.first_step_foreseen >= 0.97, forecast[1].metrics.first_step_foreseen
     assert all(r.metrics.forecast_entries == 0 for r in plain)

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from smartgen.engine.attention import sparse_decode_attention
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
 from smartgen.runtime.sampling import Sampler
-from smartgen.selectors.base import PrefillLayer, Selector
+from smartgen.selectors.base import PrefillLayer, Selector, StepQuery
+from smartgen.selectors.dense import DenseSelector
 
 __all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing", "last_query_attention"]
 
@@ -152,12 +154,18 @@ class PrefillRunner:
         return PrefillOutput(token, logits, metadata, extra.get("cache") if keep_cache else None, length)
 
     def forecast(self, output: PrefillOutput) -> dict[int, torch.Tensor]:
-        """The first decode step, run here on the prompt's whole K/V (dense attention): its post-RoPE query [Hq, d]
-        for every layer a decode step selects in (full attention, layer >= 2). The decode step attends sparsely, so
-        its own queries differ a little; the decode node selects with these to fetch ahead, never to attend."""
+        """The first decode step, run here on the prompt's K/V as the decode node will run it: every layer a decode
+        step selects in (full attention, layer >= 2) attends to what this node's selector picks from the prompt's
+        metadata, as the decode node's (the same selector and budget) will. Returns each such layer's post-RoPE query
+        [Hq, d]: the decode node selects with them to fetch ahead, never to attend. Dense attention here gave
+        queries that drift from the sparse step's layer by layer (76-78% of step one's picks on the 16-layer sample);
+        a selector that picks by something other than the query (a look-ahead one) leaves the step dense."""
         if output.cache is None:
             raise ValueError("forecast needs a prefill run with keep_cache=True")
-        handler = _ForecastHandler(self.kinds)
+        sparse = (
+            self.selector is not None and not self.selector.lookahead and not isinstance(self.selector, DenseSelector)
+        )
+        handler = _ForecastHandler(self.kinds, self.selector if sparse else None, output.metadata, output.length)
         token = torch.tensor([[output.first_token]], dtype=torch.int64, device=self.model.device)
         position = torch.tensor([[output.length]], dtype=torch.int64, device=self.model.device)
         with torch.no_grad(), use_handler(handler):
@@ -167,17 +175,53 @@ class PrefillRunner:
 
 
 class _ForecastHandler:
+    """Captures the first decode step's queries; with a selector, attends as the decode node's sparse step does."""
+
     needs_mask = True
 
-    def __init__(self, kinds: LayerKinds) -> None:
+    def __init__(
+        self, kinds: LayerKinds, selector: Selector | None, metadata: list[dict[str, torch.Tensor]], length: int
+    ) -> None:
         self.kinds = kinds
+        self.selector = selector
+        self.metadata = metadata
+        self.length = length
         self.queries: dict[int, torch.Tensor] = {}
 
-    def attend(self, module, query, key, value, attention_mask, **kwargs: Any):
+    def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         layer = module.layer_idx
-        if layer >= DENSE_LAYERS and self.kinds.is_full(layer):
-            self.queries[layer] = query[0, :, -1].detach().contiguous()  # [Hq, d]
-        return dense_attention(module, query, key, value, attention_mask, **kwargs)
+        if not (layer >= DENSE_LAYERS and self.kinds.is_full(layer)):
+            return dense_attention(
+                module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
+            )
+        step_query = query[:, :, -1]  # [1, Hq, d]
+        self.queries[layer] = step_query[0].detach().contiguous()
+        if self.selector is None:
+            return dense_attention(
+                module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
+            )
+        n = self.length
+        positions = torch.tensor([n], dtype=torch.int64)
+        picked = self.selector.select(StepQuery(layer, step_query, None, positions, [n]), [self.metadata[layer]])
+        picked = picked.to(key.device)  # [H, k], -1 = none
+        valid = picked >= 0
+        rows = key[0, :, :n]  # [H, n, d]: the prompt's K (the token being decoded is the last entry of `key`)
+        gather = picked.clamp(min=0)[..., None].expand(-1, -1, rows.shape[-1])
+        # valid entries first in each row, as `assemble` lays them out: sparse_decode_attention reads a prefix
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        gather = gather.gather(1, order[..., None].expand_as(gather))
+        keys, values = rows.gather(1, gather), value[0, :, :n].gather(1, gather)
+        out = sparse_decode_attention(
+            step_query,
+            keys,
+            values,
+            valid.sum(dim=1).to(torch.int32),
+            scaling,
+            extra_key=key[0, :, -1],
+            extra_value=value[0, :, -1],
+            softcap=softcap,
+        )
+        return out.unsqueeze(1), None  # [1, 1, Hq, d]
 
 
 class _CaptureQK:

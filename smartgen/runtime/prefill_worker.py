@@ -5,7 +5,7 @@ For each request the engine has opened:
    holds one); each layer's K/V go to the engine as soon as the layer is done (pushed per the
    request's plan), its selector metadata to the decode side;
 2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies), then, for a
-   policy that forecasts, the first decode step runs here on the whole K/V and its queries leave
+   policy that forecasts, the first decode step runs here as the decode node will run it and its queries leave
    (FORECAST): the decode node fetches what that step will pick before the step;
 3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
    decode side at once (ERROR, with the reason), and the worker goes on with the next.
