@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -139,13 +140,15 @@ def cluster(
     )
     # SIGTERM stops the cluster as Ctrl-C does; SIGINT is set too, since a shell script's `smartgen cluster &`
     # starts with it ignored, and `kill -INT` must still stop everything
-    handlers = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopSignal()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     what = f"{prefill} prefill and {decode} decode node{'s' * (decode > 1)} ({model.name})"
     typer.echo(f"starting {what}" + (f", then SGLang's router ({policy.value})" if router_spec else ""))
     started = time.monotonic()
     try:
         with ScaleOut(spec, router_spec, run_dir) as running:
-            _serve(running, time.monotonic() - started, interval)
+            stop.check()  # a signal while the nodes started
+            _serve(running, time.monotonic() - started, interval, stop.check)
     except KeyboardInterrupt:
         pass
     except PortTaken as exc:
@@ -158,9 +161,27 @@ def cluster(
     typer.echo("stopped: every node" + (" and the router" if router_spec else ""))
 
 
-def _serve(running: Any, took: float, interval: float) -> None:
-    """Prints where to go, then the node table until Ctrl-C (KeyboardInterrupt): live in a terminal, else one line
-    per change of a node's state."""
+class StopSignal:
+    """The handler of SIGINT and SIGTERM: KeyboardInterrupt at once, and a flag that `check` turns into one later.
+    Python drops an exception a handler raises while a fork's hooks run (subprocess.Popen, as a node starts: "Exception
+    ignored in _releaseLock"), which once left a cluster serving on after SIGTERM."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """KeyboardInterrupt if a stop signal came, whether or not its own exception got through."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+
+def _serve(running: Any, took: float, interval: float, check: Callable[[], None] = lambda: None) -> None:
+    """Prints where to go, then the node table until Ctrl-C (KeyboardInterrupt, or `check` raising one): live in a
+    terminal, else one line per change of a node's state."""
     from rich.console import Console
     from rich.live import Live
 
@@ -179,12 +200,14 @@ def _serve(running: Any, took: float, interval: float) -> None:
         with Live(_table(states), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
+                check()
                 live.update(_table(running.watch()), refresh=True)
     console.print(_table(states))
     typer.echo("Ctrl-C stops everything")  # the last line of the start, after the table (a reader waits for it)
     seen = {row.name: _shown(row) for row in states}
     while True:
         time.sleep(interval)
+        check()
         for row in running.watch():
             if seen.get(row.name) != _shown(row):
                 typer.echo(f"{time.strftime('%H:%M:%S')} {row.name} {row.state}: {row.detail}")

@@ -179,6 +179,27 @@ def test_the_table_puts_each_value_in_its_column():
     ]
 
 
+def test_a_stop_signal_whose_exception_python_dropped_still_stops_the_cluster(tmp_path):
+    """SIGTERM as a node starts: Python drops the KeyboardInterrupt its handler raises inside a fork's hooks
+    (subprocess.Popen), so the serve loop asks the handler's flag each interval and stops all the same."""
+    import types
+
+    from smartgen.cli.cluster import StopSignal, _serve
+
+    stop = StopSignal()
+    try:
+        stop(signal.SIGTERM, None)
+    except KeyboardInterrupt:
+        pass  # as Python drops it in an at-fork hook ("Exception ignored in _releaseLock")
+    running = types.SimpleNamespace(
+        router_url=None, cluster=types.SimpleNamespace(urls=["http://127.0.0.1:1"]), run_dir=tmp_path, watch=list
+    )
+    with pytest.raises(KeyboardInterrupt):
+        _serve(running, 1.0, 0.01, stop.check)
+    assert not StopSignal().requested  # no signal, no stop: check() passes
+    StopSignal().check()
+
+
 # -- real processes ---------------------------------------------------------------------------------------
 
 
