@@ -4,6 +4,7 @@ and the answers never change."""
 
 import queue
 
+import pytest
 import torch
 from tiny_models import tiny_config
 
@@ -11,9 +12,12 @@ from smartgen.engine import messages as msg
 from smartgen.engine.policy import get_policy
 from smartgen.lanes.base import Message, MessageKind
 from smartgen.lanes.queued import STOP, PriorityOutbox
+from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner, capture_qk
+from smartgen.selectors import SELECTORS, make_selector
+from smartgen.selectors.base import StepQuery
 from smartgen.selectors.quest import QuestSelector
 
 
@@ -100,3 +104,64 @@ def test_a_forecast_fetches_step_ones_picks_ahead_and_changes_no_answer():
     # decode node's rows are summed in another order, so a near tie may still go the other way)
     assert forecast[1].metrics.first_step_foreseen >= 0.97, forecast[1].metrics.first_step_foreseen
     assert all(r.metrics.forecast_entries == 0 for r in plain)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_every_selector_forecasts_on_the_prefill_node(name):
+    """Each selector the nodes take runs the forecast step: sparse where it picks by the query, dense for a dense or
+    look-ahead one; a query per layer that selects."""
+    model = model_from_config(tiny_config("llama"))
+    selector = make_selector(name, model_info(model), **({} if name == "dense" else {"budget": 0.3}))
+    runner = PrefillRunner(model, selector)
+    output = runner.run(
+        torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(5)).tolist(), keep_cache=True
+    )
+    queries = runner.forecast(output)
+    assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
+    assert all(q.shape == (model.config.num_attention_heads, model_info(model).head_dim) for q in queries.values())
+
+
+class _MaskedStep:
+    """The reference for the forecast step: HF's own attention over the prompt and the token, with a mask that lets
+    each sparse layer's query heads see only what the selector picks for their KV head (and the token itself)."""
+
+    needs_mask = True
+
+    def __init__(self, runner: PrefillRunner, output) -> None:
+        self.runner, self.output = runner, output
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs):
+        layer, n = module.layer_idx, self.output.length
+        if layer < 2 or not self.runner.kinds.is_full(layer):
+            return dense_attention(module, query, key, value, attention_mask, **kwargs)
+        step = query[:, :, -1]
+        self.queries[layer] = step[0].clone()
+        picked = self.runner.selector.select(
+            StepQuery(layer, step, None, torch.tensor([n]), [n]), [self.output.metadata[layer]]
+        )
+        heads = key.shape[1]
+        allow = torch.zeros(heads, key.shape[2], dtype=torch.bool)
+        for head in range(heads):
+            allow[head, picked[head][picked[head] >= 0]] = True
+        allow[:, -1] = True  # the token being decoded
+        mask = allow.repeat_interleave(query.shape[1] // heads, 0)[None, :, None, :]  # [1, Hq, 1, n + 1]
+        return dense_attention(module, query, key, value, mask, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "granite"])
+def test_the_forecast_step_attends_to_the_selectors_picks_as_a_masked_dense_step_does(family):
+    """Against HF's attention with a mask: the same queries in every layer, for plain, soft-capped (eager),
+    sliding-window and scaled (attention multiplier) attention."""
+    model = model_from_config(tiny_config(family))
+    runner = PrefillRunner(model, QuestSelector(model_info(model), budget=0.25))
+    prompt = torch.randint(3, 97, (48,), generator=torch.Generator().manual_seed(11)).tolist()
+    output = runner.run(prompt, keep_cache=True)
+    reference = _MaskedStep(runner, output)
+    token = torch.tensor([[output.first_token]])
+    with torch.no_grad(), use_handler(reference):
+        model(input_ids=token, position_ids=torch.tensor([[output.length]]), cache=output.cache, use_cache=True)
+    queries = runner.forecast(runner.run(prompt, keep_cache=True))  # its own copy of the prompt's cache
+    assert queries and sorted(queries) == sorted(reference.queries)
+    for layer, query in queries.items():
+        torch.testing.assert_close(query.float(), reference.queries[layer].float(), atol=1e-4, rtol=1e-4)
