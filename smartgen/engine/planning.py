@@ -267,8 +267,8 @@ class Planner:
         held: int = 0,
         backlog: float = 0.0,
     ) -> TransferPlan:
-        """The request's plan; `computed` and `backlog` as in `budget`; `held`: leading tokens the decode node already holds,
-        whose blocks cost the link nothing, so they join the proactive set on top of K_r (and are never
+        """The request's plan; `computed` and `backlog` as in `budget`; `held`: leading tokens the decode node already
+        holds, whose blocks cost the link nothing, so they join the proactive set on top of K_r (and are never
         speculated); the push skips their bytes."""
         if mode == "budget" and strategy == "profile" and self.importance is None:
             raise ValueError("no profile for this model: run `smartgen profile`, or choose another strategy")

@@ -73,9 +73,10 @@ class Policy:
     then selects with its own query as always and fetches only what the speculation missed. Exact.
     chain: with speculation, each speculative slice that lands is followed by the next at once, not at the next
     idle notice, so the link carries speculative bytes whenever no fetch reply wants it (fetches go first).
-    forecast: right after FIRST_TOKEN the prefill node runs the first decode step as the decode node will (each sparse
-    layer attends to its selector's picks) and sends that step's query per layer (FORECAST); the decode node selects with them and fetches the picks it lacks, and the
-    request joins a running batch only once they are local: its first step's fetches never stall the others
+    forecast: right after FIRST_TOKEN the prefill node runs the first decode step as the decode node will (each
+    sparse layer attends to its selector's picks) and sends that step's query per layer (FORECAST); the decode node
+    selects with them and fetches the picks it lacks, and the request joins a running batch only once they are
+    local: its first step's fetches never stall the others
     (alone, it starts at once and its step waits for what is in flight instead of asking layer by layer). Exact:
     the step still selects with its own query and fetches whatever the forecast missed.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the

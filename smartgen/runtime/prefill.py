@@ -190,13 +190,11 @@ class _ForecastHandler:
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         layer = module.layer_idx
-        if not (layer >= DENSE_LAYERS and self.kinds.is_full(layer)):
-            return dense_attention(
-                module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
-            )
         step_query = query[:, :, -1]  # [1, Hq, d]
-        self.queries[layer] = step_query[0].detach().contiguous()
-        if self.selector is None:
+        selects = layer >= DENSE_LAYERS and self.kinds.is_full(layer)
+        if selects:
+            self.queries[layer] = step_query[0].detach().contiguous()
+        if not selects or self.selector is None:
             return dense_attention(
                 module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
             )
