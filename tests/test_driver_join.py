@@ -9,6 +9,7 @@ from smartgen.engine.decode import Stall
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import get_policy
 from smartgen.runtime.driver import DecodeDriver, DriverRequest
+from smartgen.runtime.sampling import Sampler
 
 
 class _Engine:
@@ -25,6 +26,14 @@ class _Engine:
         self.forecasts: dict[str, dict] = {}  # come, not taken
         self.landed: set[str] = set()
         self.pending_fetches: dict[str, bool] = {}
+        self.seconds: dict[str, int] = {}  # second tokens a FORECAST brought, not taken
+
+    def take_second_token(self, request_id: str) -> int | None:
+        token = self.seconds.pop(request_id, None)
+        if token is not None:
+            self.metrics(request_id).record_token(1.0)
+            self.metrics(request_id).prefill_tokens = 2
+        return token
 
     def first_token_ready(self, request_id: str) -> bool:
         return True
@@ -114,10 +123,10 @@ def _forecast_driver() -> tuple[_Engine, _Runner, DecodeDriver]:
     return engine, runner, DecodeDriver(runner)  # type: ignore[arg-type]
 
 
-def test_a_lone_request_does_not_wait_for_its_forecast():
+def test_a_lone_request_does_not_wait_for_a_forecast_that_brings_no_second_token():
     engine, runner, driver = _forecast_driver()
     engine.pending.add("a")
-    driver.prefilling = [_request("a")]
+    driver.prefilling = [_request("a", "smartgen-no-second-token")]
     events = driver.collect_first_tokens()
     assert [e.request_id for e in events] == ["a"]
     assert [r.request_id for r in driver.running] == ["a"] and not runner.fetched  # its own step asks as it goes
@@ -153,3 +162,48 @@ def test_a_joining_request_waits_outside_the_batch_until_its_forecast_picks_are_
     engine.landed.add("b")
     driver.collect_first_tokens()
     assert [r.request_id for r in driver.running] == ["a", "b"]
+
+
+def test_a_lone_request_waits_for_the_forecast_that_brings_its_second_token_then_starts_at_once():
+    engine, runner, driver = _forecast_driver()
+    engine.pending.add("a")
+    driver.prefilling = [_request("a")]
+    events = driver.collect_first_tokens()
+    assert [(e.request_id, e.index) for e in events] == [("a", 0)] and not driver.running
+    engine.pending.clear()
+    engine.forecasts["a"], engine.seconds["a"] = {2: torch.zeros(2, 4)}, 9
+    engine.pending_fetches["a"] = True  # its picks are still on their way: alone, it does not wait for them
+    events = driver.collect_first_tokens()
+    assert [(e.request_id, e.index, e.token) for e in events] == [("a", 1, 9)]
+    assert runner.fetched == [("a", [2], 4)] and [r.request_id for r in driver.running] == ["a"]
+    assert driver.running[0].tokens == [7, 9] and driver.batch.last_tokens.tolist() == [9]
+    assert driver.batch.positions.tolist() == [4 + 1]  # its first step decodes the third token
+
+
+def test_a_joining_request_streams_its_second_token_before_it_joins():
+    engine, runner, driver = _forecast_driver()
+    driver.prefilling = [_request("a", "partial")]
+    driver.collect_first_tokens()
+    engine.forecasts["b"], engine.seconds["b"] = {2: torch.zeros(2, 4)}, 9
+    engine.pending_fetches["b"] = True
+    driver.prefilling = [_request("b")]  # its layers 0-1 are not local yet
+    events = driver.collect_first_tokens()
+    assert [(e.request_id, e.index) for e in events] == [("b", 0), ("b", 1)]
+    assert [r.request_id for r in driver.running] == ["a"]
+    engine.dense_local.add("b")
+    driver.collect_first_tokens()
+    assert runner.fetched == [("b", [2], 4)] and [r.request_id for r in driver.running] == ["a"]
+    engine.landed.add("b")
+    assert driver.collect_first_tokens() == []  # the second token left once
+    assert [r.request_id for r in driver.running] == ["a", "b"] and driver.running[1].tokens == [7, 9]
+
+
+def test_a_request_that_samples_decodes_its_second_token_itself():
+    engine, runner, driver = _forecast_driver()
+    engine.pending.add("a")
+    request = _request("a")
+    request.sampler = Sampler(temperature=0.8)
+    driver.prefilling = [request]
+    driver.collect_first_tokens()
+    assert [r.request_id for r in driver.running] == ["a"] and request.tokens == [7]  # alone: no wait
+    assert not runner.fetched

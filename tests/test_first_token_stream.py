@@ -1,6 +1,7 @@
 """A first token reaches its client at once, whatever the decode step that follows waits for on the link."""
 
 import time
+from contextlib import contextmanager
 
 import torch
 from inproc_nodes import decode_node, prefill_node, tiny_parts
@@ -12,26 +13,66 @@ def test_the_first_token_reaches_the_client_before_the_second_is_computed():
     """partial on a 2 Mbit/s link: the first decode step fetches most of the prompt's KV on demand, so the second
     token is computed well after the first arrives; the client must hold the first before then (it once left with
     the second, after that step)."""
-    parts = tiny_parts()
-    prefill = prefill_node(parts, link_gbps=0.002)
-    decode = decode_node(parts, [prefill], scheme="partial", link_gbps=0.002)
-    try:
-        prompt = torch.randint(3, 90, (200,), generator=torch.Generator().manual_seed(7)).tolist()
-        handle = decode.scheduler.submit(prompt, GenerationParams(max_tokens=3, scheme="partial"))
-        received: dict[int, float] = {}
-        node_times: dict[int, float] = {}
-        events = []
-        for event in handle.events(timeout=120):
-            events.append(event)
-            if isinstance(event, TokenEvent):
-                received[event.index] = time.monotonic()  # the same clock as the node's: one process
-                node_times[event.index] = event.time
+    with _nodes("partial") as decode:
+        events, received, node_times = _stream(decode, PROMPT, GenerationParams(max_tokens=3, scheme="partial"))
         finish = events[-1]
         assert isinstance(finish, FinishEvent) and finish.error is None, finish
         assert sorted(received) == [0, 1, 2] and [e.index for e in events[:-1]] == [0, 1, 2]  # each once, in order
         assert finish.usage["fetched_tokens"] > 0, "the test must make the second token wait for the link"
         assert received[0] < node_times[1], (received, node_times)
         assert node_times[0] <= received[0]  # the node's TTFT counts to the token's arrival, not to a later step
+
+
+PROMPT = torch.randint(3, 90, (200,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@contextmanager
+def _nodes(scheme: str):
+    """A prefill and a decode node on a 2 Mbit/s link, the decode node's default scheme `scheme`."""
+    parts = tiny_parts()
+    prefill = prefill_node(parts, link_gbps=0.002)
+    decode = decode_node(parts, [prefill], scheme=scheme, link_gbps=0.002)
+    try:
+        yield decode
     finally:
         decode.stop()
         prefill.stop()
+
+
+def _stream(decode, prompt, params):
+    handle = decode.scheduler.submit(prompt, params)
+    received: dict[int, float] = {}
+    node_times: dict[int, float] = {}
+    events = []
+    for event in handle.events(timeout=120):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            received[event.index] = time.monotonic()
+            node_times[event.index] = event.time
+    return events, received, node_times
+
+
+def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_node_steps():
+    """smartgen on a 2 Mbit/s link: the prefill node's forecast step gives the second token, which leaves at once;
+    the decode node's first step (the third token) waits for the link. A request that samples decodes its second
+    token itself."""
+    with _nodes("smartgen") as decode:
+        prompt = PROMPT
+        events, received, node_times = _stream(decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen"))
+        finish = events[-1]
+        assert isinstance(finish, FinishEvent) and finish.error is None, finish
+        assert [e.index for e in events[:-1]] == [0, 1, 2, 3]  # each once, in order
+        assert finish.usage["prefill_tokens"] == 2
+        assert finish.usage["fetch_wait"] > 0, "the test must make the decode node's first step wait for the link"
+        assert received[1] < node_times[2], (received, node_times)
+        assert node_times[1] <= received[1]
+
+        # the same tokens as full transfer, which waits for the whole cache
+        reference, _, _ = _stream(decode, prompt, GenerationParams(max_tokens=4, scheme="full"))
+        assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
+
+        sampled, _, _ = _stream(
+            decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen", temperature=0.7, seed=3)
+        )
+        assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
+        assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 5

@@ -7,6 +7,7 @@ import queue
 import pytest
 import torch
 from tiny_models import tiny_config
+from transformers import DynamicCache
 
 from smartgen.engine import messages as msg
 from smartgen.engine.policy import get_policy
@@ -32,6 +33,22 @@ def test_forecast_first_token_and_low_fetch_cross_the_wire_and_bad_ones_are_refu
     assert (
         msg.unpack(fetch.pack()).low is True and msg.unpack(msg.Fetch("r", 2, 9, torch.tensor([1])).pack()).low is False
     )
+    second = msg.SecondToken(7, torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+    back = msg.unpack(msg.Forecast("r", queries, second).pack())
+    assert back.second is not None and back.second.token == 7 and torch.equal(back.second.values, second.values)
+    assert msg.unpack(msg.Forecast("r", queries).pack()).second is None
+    for meta, payload in (
+        ({"token": 7}, {}),  # a token without its K/V
+        ({"token": 7}, {"k": second.keys, "v": second.values[:2]}),  # K and V of other shapes
+        ({}, {"k": second.keys, "v": second.values}),  # K/V without the token
+        ({"token": -1}, {"k": second.keys, "v": second.values}),
+    ):
+        try:
+            msg.unpack(Message(MessageKind.FORECAST, "r", meta, payload))
+        except msg.MessageError:
+            pass
+        else:
+            raise AssertionError(f"a FORECAST with {meta} and {sorted(payload)} must be refused")
     bad = Message(MessageKind.FORECAST, "r", {}, {"x": torch.randn(4, 8)})
     try:
         msg.unpack(bad)
@@ -67,16 +84,26 @@ def test_the_prefill_runners_forecast_is_the_first_steps_query():
     prompt = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     dense = PrefillRunner(model, None)
     output = dense.run(prompt, keep_cache=True)
-    queries = dense.forecast(output)
-    whole, _ = capture_qk(model, prompt + [output.first_token])  # the prompt and the first token in one pass
+    forecasted = dense.forecast(output)
+    queries = forecasted.queries
+    whole, keys = capture_qk(model, prompt + [output.first_token])  # the prompt and the first token in one pass
     assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
     for layer, query in queries.items():
         torch.testing.assert_close(query.float(), whole[layer][:, -1], atol=1e-4, rtol=1e-4)
     assert output.cache is None  # the copy of the K/V goes once the forecast ran
+    # the step's token is the greedy second token, and its K/V the first token's, every layer
+    cache = DynamicCache()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + [output.first_token]]), cache=cache, use_cache=True).logits
+    assert forecasted.token == int(logits[0, -1].argmax())
+    assert forecasted.keys.shape == forecasted.values.shape == (model.config.num_hidden_layers, *keys[0].shape[::2])
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(forecasted.keys[layer].float(), keys[layer][:, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(forecasted.values[layer], cache.layers[layer].values[0, :, -1], atol=1e-4, rtol=1e-4)
 
     sparse = PrefillRunner(model, QuestSelector(info, budget=0.3))
     output = sparse.run(prompt, keep_cache=True)
-    queries = sparse.forecast(output)
+    queries = sparse.forecast(output).queries
     assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
     torch.testing.assert_close(queries[2].float(), whole[2][:, -1], atol=1e-4, rtol=1e-4)
     last = max(queries)
@@ -95,7 +122,8 @@ def _generate(scheme: str):
 
 
 def test_a_forecast_fetches_step_ones_picks_ahead_and_changes_no_answer():
-    full, plain, forecast = _generate("full"), _generate("smartgen-no-forecast"), _generate("smartgen")
+    full, plain = _generate("full"), _generate("smartgen-no-forecast")
+    forecast = _generate("smartgen-no-second-token")
     assert [r.tokens for r in forecast] == [r.tokens for r in full] == [r.tokens for r in plain]
     # the second request's first token comes while the first decodes on the slow link: its picks were asked for
     # before its first step (the first, alone, starts at once and asks as it goes)
@@ -104,6 +132,35 @@ def test_a_forecast_fetches_step_ones_picks_ahead_and_changes_no_answer():
     # decode node's rows are summed in another order, so a near tie may still go the other way)
     assert forecast[1].metrics.first_step_foreseen >= 0.97, forecast[1].metrics.first_step_foreseen
     assert all(r.metrics.forecast_entries == 0 for r in plain)
+
+
+def test_the_forecast_steps_token_is_the_second_and_the_answers_stay_full_transfers():
+    """Policy.second_token: every request's second token comes from the prefill node's forecast step (its time is
+    the FORECAST's arrival, before the decode node ran a step for it), the first token's K/V with it, and every
+    answer is full transfer's."""
+    full, second = _generate("full"), _generate("smartgen")
+    assert [r.tokens for r in second] == [r.tokens for r in full]
+    for result in second:
+        assert result.metrics.prefill_tokens == 2
+        assert result.metrics.forecast_entries > 0  # alone or not, it fetched the forecast's picks
+    assert all(r.metrics.prefill_tokens == 1 for r in full)
+    # a request that ends at its second token never runs a decode step
+    model = model_from_config(tiny_config("llama"))
+    prompt = torch.randint(3, 97, (120,), generator=torch.Generator().manual_seed(4))
+    with InprocPipeline(
+        model,
+        get_policy("smartgen", "sequential", 0.05),
+        "quest",
+        {"budget": 0.25},
+        gbps=0.02,
+        prefill_seconds_per_token=1e-5,
+        num_blocks=16,
+    ) as pipeline:
+        calls = []
+        step = pipeline.decode_runner.step
+        pipeline.decode_runner.step = lambda batch: calls.append(1) or step(batch)
+        (result,) = pipeline.generate([prompt], 2)
+    assert len(result.tokens) == 2 and result.metrics.prefill_tokens == 2 and not calls
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -116,7 +173,7 @@ def test_every_selector_forecasts_on_the_prefill_node(name):
     output = runner.run(
         torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(5)).tolist(), keep_cache=True
     )
-    queries = runner.forecast(output)
+    queries = runner.forecast(output).queries
     assert sorted(queries) == list(range(2, model.config.num_hidden_layers))
     assert all(q.shape == (model.config.num_attention_heads, model_info(model).head_dim) for q in queries.values())
 
@@ -130,9 +187,11 @@ class _MaskedStep:
     def __init__(self, runner: PrefillRunner, output) -> None:
         self.runner, self.output = runner, output
         self.queries: dict[int, torch.Tensor] = {}
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the token's K/V [H, d] per layer
 
     def attend(self, module, query, key, value, attention_mask, **kwargs):
         layer, n = module.layer_idx, self.output.length
+        self.kv[layer] = key[0, :, -1].clone(), value[0, :, -1].clone()
         if layer < 2 or not self.runner.kinds.is_full(layer):
             return dense_attention(module, query, key, value, attention_mask, **kwargs)
         step = query[:, :, -1]
@@ -160,8 +219,16 @@ def test_the_forecast_step_attends_to_the_selectors_picks_as_a_masked_dense_step
     reference = _MaskedStep(runner, output)
     token = torch.tensor([[output.first_token]])
     with torch.no_grad(), use_handler(reference):
-        model(input_ids=token, position_ids=torch.tensor([[output.length]]), cache=output.cache, use_cache=True)
-    queries = runner.forecast(runner.run(prompt, keep_cache=True))  # its own copy of the prompt's cache
+        logits = model(
+            input_ids=token, position_ids=torch.tensor([[output.length]]), cache=output.cache, use_cache=True
+        ).logits
+    forecasted = runner.forecast(runner.run(prompt, keep_cache=True))  # its own copy of the prompt's cache
+    queries = forecasted.queries
     assert queries and sorted(queries) == sorted(reference.queries)
     for layer, query in queries.items():
         torch.testing.assert_close(query.float(), reference.queries[layer].float(), atol=1e-4, rtol=1e-4)
+    # the second token and the first token's K/V, every layer (sliding-window ones too), are the masked step's
+    assert forecasted.token == int(logits[0, -1].argmax())
+    for layer, (k, v) in reference.kv.items():
+        torch.testing.assert_close(forecasted.keys[layer], k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(forecasted.values[layer], v, atol=1e-4, rtol=1e-4)

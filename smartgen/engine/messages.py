@@ -29,6 +29,7 @@ __all__ = [
     "FetchReply",
     "Idle",
     "Forecast",
+    "SecondToken",
     "Release",
     "Abort",
     "Error",
@@ -300,28 +301,60 @@ class Idle:
 
 
 @dataclass(frozen=True, slots=True)
+class SecondToken:
+    """The forecast step's output: the request's second token, and the K/V [L, H, d] of the token it ran on (the
+    first), every layer, which the decode node adds to its pool in place of running that step itself."""
+
+    token: int
+    keys: torch.Tensor  # [L, H, d]
+    values: torch.Tensor  # [L, H, d]
+
+
+@dataclass(frozen=True, slots=True)
 class Forecast:
     """Prefill -> decode: the first decode step's post-RoPE query of each sparse layer ([Hq, d] each), from a step
     the prefill node ran on its whole KV after FIRST_TOKEN. The decode node selects with them and fetches what the
-    step will pick before the request joins a running batch; empty when the prefill node could not compute it."""
+    step will pick before the request joins a running batch; empty when the prefill node could not compute it.
+    With `second` (Policy.second_token) it also carries that step's token and the first token's K/V."""
 
     KIND: ClassVar[MessageKind] = MessageKind.FORECAST
     request_id: str
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    second: SecondToken | None = None
 
     def pack(self) -> Message:
-        return Message(
-            self.KIND, self.request_id, {}, {str(layer): q.contiguous() for layer, q in self.queries.items()}
-        )
+        payload = {str(layer): q.contiguous() for layer, q in self.queries.items()}
+        meta: dict[str, Any] = {}
+        if self.second is not None:
+            meta["token"] = self.second.token
+            payload["k"], payload["v"] = self.second.keys.contiguous(), self.second.values.contiguous()
+        return Message(self.KIND, self.request_id, meta, payload)
 
     @classmethod
     def unpack(cls, message: Message) -> Forecast:
         queries: dict[int, torch.Tensor] = {}
-        for key, query in message.payload.items():
+        payload = dict(message.payload)
+        keys, values = payload.pop("k", None), payload.pop("v", None)
+        for key, query in payload.items():
             if not key.isdigit() or query.dim() != 2 or not query.is_floating_point():
                 raise MessageError(f"FORECAST: {key!r} must be a layer holding a [heads, head_dim] float query")
             queries[int(key)] = query
-        return cls(message.request_id, queries)
+        second = None
+        if "token" in message.meta or keys is not None or values is not None:
+            token = _field(message.meta, "token", int, "FORECAST")
+            if (
+                keys is None
+                or values is None
+                or keys.dim() != 3
+                or keys.shape != values.shape
+                or not keys.is_floating_point()
+                or keys.dtype != values.dtype
+            ):
+                raise MessageError("FORECAST: a second token needs k and v, both [layers, heads, head_dim] float")
+            if token < 0:
+                raise MessageError(f"FORECAST: token must be >= 0, got {token}")
+            second = SecondToken(token, keys, values)
+        return cls(message.request_id, queries, second)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,8 +50,12 @@ class RequestMetrics:
     prefill_cached_tokens: int = 0  # leading prompt tokens the prefill node's prefix cache supplied (not computed)
     fully_local_at: float | None = None
     error: str | None = None
-    # the first decode step (token 2): how much of its selection was already local, and how long it waited for
-    # the rest; over all steps, the time spent waiting for fetches (what TTST and TBT pay for the link)
+    # output tokens the prefill node computed: 1, or 2 when the forecast step's token was the second
+    # (Policy.second_token); the decode node's first step is the one after them
+    prefill_tokens: int = 1
+    # the decode node's first step (token 2, or 3 after a second token from the prefill node): how much of its
+    # selection was already local, and how long it waited for the rest; over all steps, the time spent waiting for
+    # fetches (what TTST and TBT pay for the link)
     first_step_selected: int = 0
     first_step_remote: int = 0
     first_step_wait_s: float = 0.0
@@ -69,8 +73,8 @@ class RequestMetrics:
 
     @property
     def in_first_step(self) -> bool:
-        """Whether the step under way is the first decode step (one token, the prefill node's, so far)."""
-        return len(self.token_times) == 1
+        """Whether the step under way is the decode node's first (only the prefill node's tokens so far)."""
+        return len(self.token_times) == self.prefill_tokens
 
     def count_selection(self, selected: int, remote: int, layer: int, dropped: int = 0) -> None:
         """`selected` entries attended, `remote` of them fetched; `dropped`: selected but remote and never
@@ -162,6 +166,7 @@ class RequestMetrics:
             "first_step_wait_s": self.first_step_wait_s,
             "first_step_foreseen": self.first_step_foreseen,
             "forecast_entries": self.forecast_entries,
+            "prefill_tokens": self.prefill_tokens,
             "fetch_wait_s": self.fetch_wait_s,
             "selected_union_bytes": self.selected_union_bytes,
             "error": self.error,

@@ -79,6 +79,12 @@ class Policy:
     local: its first step's fetches never stall the others
     (alone, it starts at once and its step waits for what is in flight instead of asking layer by layer). Exact:
     the step still selects with its own query and fetches whatever the forecast missed.
+    second_token: with the forecast, the forecast step's own output is the request's second token: the prefill node
+    sends it (greedy) with the first token's K/V in the FORECAST, the decode node streams it at once, adds that K/V
+    to the pool and decodes from the third token on. The second token then waits for one decode step on the prefill
+    node (already run for the forecast), not for the link; the decode node's first step is the request's third
+    token, and its picks are the forecast's fetches' to bring. A request that samples (temperature > 0) ignores it
+    and decodes its second token itself. Same answers: the forecast step attends as the decode node's would.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
@@ -100,6 +106,7 @@ class Policy:
     prefetch: bool = False
     chain: bool = False
     forecast: bool = False
+    second_token: bool = False
     schedule: bool = False
 
     def __post_init__(self) -> None:
@@ -123,6 +130,8 @@ class Policy:
             raise ValueError("a policy that drops remote entries fetches nothing, so it cannot prefetch")
         if self.forecast and (self.drop_remote or self.wait_for_all):
             raise ValueError("a forecast's picks are fetched: a policy that fetches nothing cannot forecast")
+        if self.second_token and not self.forecast:
+            raise ValueError("the second token comes from the forecast step: second_token needs forecast")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -152,6 +161,7 @@ SMARTGEN = Policy(
     prefetch=True,
     chain=True,
     forecast=True,
+    second_token=True,
     schedule=True,
 )
 
@@ -168,7 +178,9 @@ POLICIES: dict[str, Policy] = {
         # ours, the default: the paper's paths with hints, prefetch, chained speculation (docs/results/2026-12-01-separate-cpus-8bit-bounds.md: better
         # TBT, same TTST), the first step's forecast and speculation scheduled on the link (docs/engine.md)
         SMARTGEN,
-        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False),  # the ablations, one part left out each
+        # the ablations, one part left out each
+        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False, second_token=False),
+        replace(SMARTGEN, name="smartgen-no-second-token", second_token=False),
         replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
         replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),

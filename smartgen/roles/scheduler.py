@@ -61,6 +61,7 @@ class _Active:
     skip_special: bool = True  # special tokens add no text (GenerationParams.skip_special_tokens)
     held: int = 0  # tokens in a row whose text waits for the rest of a character (`text_piece`)
     streamed: int = 0  # tokens put on the handle: the first may go from the link's thread, ahead of the driver
+    early: list[int] = field(default_factory=list)  # the first token, as the link's thread saw it arrive
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -84,6 +85,7 @@ class DecodeScheduler:
         self.queue_timeout = queue_timeout
         self.engine: DecodeEngine = runner.engine
         self.engine.on_first_token = self._first_token_arrived
+        self.engine.on_second_token = self._second_token_arrived
         self.tokenizer = tokenizer
         self.default_policy = default_policy
         self.model_name = model_name
@@ -297,7 +299,15 @@ class DecodeScheduler:
         may wait seconds for the link); the driver's own event for it is then skipped."""
         active = self._active.get(request_id)
         if active is not None:
+            active.early = [token]
             self._stream(active, Token(request_id, token, 0, arrived), [token])
+
+    def _second_token_arrived(self, request_id: str, token: int, arrived: float) -> None:
+        """On the link's thread: a second token from the forecast step (Policy.second_token) goes to its client at
+        once too, when the request takes it (the driver's rule: greedy); the driver's own event for it is skipped."""
+        active = self._active.get(request_id)
+        if active is not None and len(active.early) == 1 and self.driver.takes_second(active.request):
+            self._stream(active, Token(request_id, token, 1, arrived), [*active.early, token])
 
     def _stream(self, active: _Active, event: Token, tokens: list[int]) -> None:
         """Puts one token's text piece on the handle, once and in order, whichever thread gets there first."""
@@ -340,6 +350,8 @@ class DecodeScheduler:
             "first_step_coverage": metrics.first_step_coverage if metrics else None,
             "first_step_foreseen": metrics.first_step_foreseen if metrics else None,
             "first_step_wait": metrics.first_step_wait_s if metrics else None,
+            # output tokens the prefill node computed: 2 when the forecast step's token was the second
+            "prefill_tokens": metrics.prefill_tokens if metrics else None,
             "fetch_wait": metrics.fetch_wait_s if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had
             "prompt_tokens_details": {"cached_tokens": metrics.prefill_cached_tokens} if metrics else None,

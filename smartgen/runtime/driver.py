@@ -8,9 +8,11 @@ A request's life in the driver:
    running any other policy waits until its layers 0-1 are (its first step would wait for them,
    and the whole batch with it); a request whose FIRST_TOKEN promised a forecast waits, while others run, for
    it, fetches the picks its queries give and joins only once they are local; then it joins the running
-   batch at the step boundary.
+   batch at the step boundary. A greedy request under a policy whose forecast brings the second token
+   (Policy.second_token) waits for the forecast alone too: that token is emitted as it comes (TTST) and the
+   request's first step decodes the third.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
-   them is TTST). Every policy decision inside the step is the request's own (DecodeEngine).
+   them is TTST, unless the forecast brought it). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
    prefill node lost; before it joins the batch, nothing arriving for it for `prefill_timeout`): the engine
    finishes or aborts it (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics and why it
@@ -185,23 +187,32 @@ class DecodeDriver:
                     events += self._emit(request, self.engine.wait_first_token(rid, timeout=0))
                     if isinstance(events[-1], Finished):
                         continue
+                # the forecast step's token is the second (Policy.second_token): it leaves as soon as the FORECAST
+                # is here, whatever the request then waits for, and the request's first step decodes the third
+                takes_second = self.takes_second(request)
+                if takes_second and len(request.tokens) == 1 and not self.engine.forecast_pending(rid):
+                    if (second := self.engine.take_second_token(rid)) is not None:
+                        events += self._emit(request, second)
+                        if isinstance(events[-1], Finished):
+                            continue
                 # full transfer: decoding starts when every block is here; any other request joins a running batch
                 # once its layers 0-1 are (its first step would wait for them, and every request in the batch with
                 # it), both under the same bound as the first token: on progress, not on the transfer's length
                 waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
                     self.running and not self.engine.dense_layers_local(rid)
                 )
-                # the first step's forecast, while others run: wait for it, fetch its picks, and join only once they
-                # are local (its step would wait for them, and the batch with it). Alone it starts at once: its
-                # step asks layer by layer as it goes, no later than the forecast's picks could arrive
-                if not waiting and self.running:
+                # the first step's forecast, while others run or when it brings the second token: wait for it and
+                # fetch its picks; while others run, join only once they are local (its step would wait for them, and
+                # the batch with it). Alone it then starts at once: its step waits for what is in flight instead of
+                # asking layer by layer. Alone and without a second token to take it starts without the forecast.
+                if not waiting and (self.running or takes_second):
                     if self.engine.forecast_pending(rid):
                         waiting = True
                     else:
                         if (queries := self.engine.take_forecast(rid)) is not None:
                             metadata = self.engine.request_metadata(rid)
                             self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
-                        waiting = not self.engine.forecast_landed(rid)
+                        waiting = bool(self.running) and not self.engine.forecast_landed(rid)
                 if waiting:
                     if stall := self.engine.stall(rid, self.prefill_timeout):
                         reason = f"its KV stalled: {stall.describe(self.prefill_timeout)}"
@@ -338,6 +349,12 @@ class DecodeDriver:
     def _complete(self, request: DriverRequest, reason: str) -> Finished:
         metrics = self.engine.finish(request.request_id)
         return Finished(request.request_id, reason, None, metrics, request.tokens, request.logits)
+
+    @staticmethod
+    def takes_second(request: DriverRequest) -> bool:
+        """It takes its second token from the forecast step (greedy there): its policy asks, it does not sample, and it
+        does not keep each decoded token's logits (the FORECAST carries the token, not the logits)."""
+        return request.policy.second_token and request.sampler.temperature == 0 and not request.keep_logits
 
     def _failure(self, request_id: str) -> str:
         """The kind of failure the engine recorded for a request: its prefill node had no room ("overloaded"), was

@@ -22,7 +22,15 @@ from smartgen.runtime.sampling import Sampler
 from smartgen.selectors.base import PrefillLayer, Selector, StepQuery
 from smartgen.selectors.dense import DenseSelector
 
-__all__ = ["PrefillOutput", "PrefillRunner", "LayerSink", "capture_qk", "infinigen_skewing", "last_query_attention"]
+__all__ = [
+    "PrefillOutput",
+    "Forecasted",
+    "PrefillRunner",
+    "LayerSink",
+    "capture_qk",
+    "infinigen_skewing",
+    "last_query_attention",
+]
 
 
 # on_layer(layer, k [n, H, d], v [n, H, d], metadata[, token_scores [n]]); what it returns is ignored.
@@ -37,6 +45,16 @@ class PrefillOutput:
     metadata: list[dict[str, torch.Tensor]]  # per layer; {} where the layer needs none
     cache: DynamicCache | None = None  # the prompt's K/V as HF keeps them (a run with keep_cache=True), for `forecast`
     length: int = 0  # prompt tokens
+
+
+@dataclass(slots=True)
+class Forecasted:
+    """The first decode step, run on the prefill node (`PrefillRunner.forecast`)."""
+
+    queries: dict[int, torch.Tensor]  # per layer a decode step selects in: the step's post-RoPE query [Hq, d]
+    token: int  # the step's greedy output: the request's second token
+    keys: torch.Tensor  # [L, H, d]: the K of the token the step ran on (the first), every layer, as the pool keeps it
+    values: torch.Tensor  # [L, H, d]: its V
 
 
 class _PrefillHandler:
@@ -153,13 +171,14 @@ class PrefillRunner:
         metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
         return PrefillOutput(token, logits, metadata, extra.get("cache") if keep_cache else None, length)
 
-    def forecast(self, output: PrefillOutput) -> dict[int, torch.Tensor]:
+    def forecast(self, output: PrefillOutput) -> Forecasted:
         """The first decode step, run here on the prompt's K/V as the decode node will run it: every layer a decode
         step selects in (full attention, layer >= 2) attends to what this node's selector picks from the prompt's
         metadata, as the decode node's (the same selector and budget) will. Returns each such layer's post-RoPE query
-        [Hq, d]: the decode node selects with them to fetch ahead, never to attend. Dense attention here gave
-        queries that drift from the sparse step's layer by layer (76-78% of step one's picks on the 16-layer sample);
-        a selector that picks by something other than the query (a look-ahead one) leaves the step dense."""
+        [Hq, d] (the decode node selects with them to fetch ahead, never to attend), the step's greedy token (the
+        request's second) and the first token's K/V in every layer. Dense attention here gave queries that drift
+        from the sparse step's layer by layer (76-78% of step one's picks on the 16-layer sample); a selector that
+        picks by something other than the query (a look-ahead one) leaves the step dense."""
         if output.cache is None:
             raise ValueError("forecast needs a prefill run with keep_cache=True")
         sparse = (
@@ -169,13 +188,22 @@ class PrefillRunner:
         token = torch.tensor([[output.first_token]], dtype=torch.int64, device=self.model.device)
         position = torch.tensor([[output.length]], dtype=torch.int64, device=self.model.device)
         with torch.no_grad(), use_handler(handler):
-            self.model(input_ids=token, position_ids=position, cache=output.cache, use_cache=True, logits_to_keep=1)
+            logits = self.model(
+                input_ids=token, position_ids=position, cache=output.cache, use_cache=True, logits_to_keep=1
+            ).logits[0, -1]
         output.cache = None  # the K/V are the engine's to keep; this copy goes now
-        return handler.queries
+        layers = range(self.model.config.num_hidden_layers)
+        return Forecasted(
+            handler.queries,
+            int(logits.float().argmax()),
+            torch.stack([handler.keys[layer] for layer in layers]),
+            torch.stack([handler.values[layer] for layer in layers]),
+        )
 
 
 class _ForecastHandler:
-    """Captures the first decode step's queries; with a selector, attends as the decode node's sparse step does."""
+    """Captures the first decode step's queries and its token's K/V; with a selector, attends as the decode node's
+    sparse step does."""
 
     needs_mask = True
 
@@ -187,9 +215,12 @@ class _ForecastHandler:
         self.metadata = metadata
         self.length = length
         self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}  # per layer the stepped token's K [H, d] (the last entry of `key`)
+        self.values: dict[int, torch.Tensor] = {}
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         layer = module.layer_idx
+        self.keys[layer], self.values[layer] = key[0, :, -1].detach().clone(), value[0, :, -1].detach().clone()
         step_query = query[:, :, -1]  # [1, Hq, d]
         selects = layer >= DENSE_LAYERS and self.kinds.is_full(layer)
         if selects:

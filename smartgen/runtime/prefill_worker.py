@@ -6,7 +6,9 @@ For each request the engine has opened:
    request's plan), its selector metadata to the decode side;
 2. FIRST_TOKEN leaves (after the proactive set has landed, for drop-remote policies), then, for a
    policy that forecasts, the first decode step runs here as the decode node will run it and its queries leave
-   (FORECAST): the decode node fetches what that step will pick before the step;
+   (FORECAST): the decode node fetches what that step will pick before the step; with them, under a policy
+   that asks, that step's token (the request's second) and the first token's K/V, so the decode node goes on
+   from the third token;
 3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
    decode side at once (ERROR, with the reason), and the worker goes on with the next.
 """
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from smartgen.engine import messages as msg
 from smartgen.engine.policy import Strategy
 from smartgen.engine.prefill import OpenedRequest, PrefillEngine, RequestGone
 from smartgen.runtime.prefill import PrefillOutput, PrefillRunner
@@ -98,7 +101,7 @@ class PrefillWorker:
                 self.on_metadata(request.length, self._metadata_bytes)
             self.engine.finish_prefill(rid, output.first_token, forecast=forecast)
             if forecast:
-                self._forecast(rid, output)
+                self._forecast(request, output)
         except RequestGone:
             return False  # released or aborted while prefilling (the decode node gave up on it)
         except Exception as exc:  # a failed prefill fails its request, not the worker
@@ -129,15 +132,20 @@ class PrefillWorker:
             and not selector.lookahead
         )
 
-    def _forecast(self, request_id: str, output: PrefillOutput) -> None:
-        """The first decode step's queries, to the decode node. FIRST_TOKEN promised them, so a failure here still
-        sends a FORECAST (an empty one): the decode node then decodes without it."""
+    def _forecast(self, request: OpenedRequest, output: PrefillOutput) -> None:
+        """The first decode step's queries to the decode node, and under a policy that asks (`second_token`) the
+        step's token with the first token's K/V. FIRST_TOKEN promised a FORECAST, so a failure here still sends one
+        (an empty one): the decode node then decodes without it."""
         queries: dict[int, torch.Tensor] = {}
+        second = None
         try:
-            queries = self.runner.forecast(output)
+            forecasted = self.runner.forecast(output)
+            queries = forecasted.queries
+            if request.policy.second_token:
+                second = msg.SecondToken(forecasted.token, forecasted.keys, forecasted.values)
         except Exception:
-            log.warning("forecast of %s failed; its decode node goes on without", request_id, exc_info=True)
-        self.engine.send_forecast(request_id, queries)
+            log.warning("forecast of %s failed; its decode node goes on without", request.request_id, exc_info=True)
+        self.engine.send_forecast(request.request_id, queries, second)
 
     def _hand_off(
         self,

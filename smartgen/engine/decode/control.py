@@ -79,6 +79,9 @@ class DecodeControl(DecodePath):
         # told (request id, token, arrival) on the link's thread as a first token arrives, so it can be streamed at
         # once, whatever a running batch step is waiting for
         self.on_first_token: Callable[[str, int, float], None] | None = None
+        # the same for a second token a FORECAST brings (Policy.second_token): the listener streams it only to a
+        # request that will take it (a greedy one); the driver emits it in any case
+        self.on_second_token: Callable[[str, int, float], None] | None = None
         # chooses the prefill link a request opens on, from the live links' loads and its prompt ids (roles/placement);
         # None: the one with the fewest requests
         self.choose_link: Callable[[list[LinkLoad], torch.Tensor | None], LinkEnd] | None = None
@@ -144,11 +147,24 @@ class DecodeControl(DecodePath):
                     request.forecast_promised = message.forecast
                     request.first_token_at = time.monotonic()
                     request.first_token.set_result(message.token)
-                    self._tell_first_token(message.request_id, message.token, request.first_token_at)
+                    self._tell_token(self.on_first_token, message.request_id, message.token, request.first_token_at)
             case msg.Forecast():
                 request = self._note_arrival(message.request_id)
                 if request is not None and request.forecast_promised and not request.forecast_taken:
                     request.forecast = message.queries
+                    second = message.second
+                    expected = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
+                    if second is not None and tuple(second.keys.shape) != expected:
+                        log.warning(
+                            "decode: the second token of %s comes with K/V %s, not %s: decoded here instead",
+                            message.request_id,
+                            tuple(second.keys.shape),
+                            expected,
+                        )
+                    elif second is not None and request.second is None and request.metrics.error is None:
+                        request.second_at = time.monotonic()
+                        request.second = second
+                        self._tell_token(self.on_second_token, message.request_id, second.token, request.second_at)
             case msg.Error() | msg.Abort():
                 overloaded = isinstance(message, msg.Error) and message.overloaded
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
@@ -162,13 +178,14 @@ class DecodeControl(DecodePath):
             request.arrival.note(time.monotonic())
         return request
 
-    def _tell_first_token(self, request_id: str, token: int, arrived: float) -> None:
-        if self.on_first_token is None:
+    @staticmethod
+    def _tell_token(listener: Callable[[str, int, float], None] | None, request_id: str, token: int, at: float) -> None:
+        if listener is None:
             return
         try:
-            self.on_first_token(request_id, token, arrived)
+            listener(request_id, token, at)
         except Exception:  # a listener's bug must not stop this link's thread: the driver streams the token anyway
-            log.exception("decode: the first-token listener failed for %s", request_id)
+            log.exception("decode: the token listener failed for %s", request_id)
 
     def _fail_link(self, link: LinkEnd, reason: str = "connection closed") -> None:
         """The prefill node is gone: drop the link, fail (or re-open) what needed it, wake its fetch waiters."""

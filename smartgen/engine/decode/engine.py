@@ -151,6 +151,22 @@ class DecodeEngine(DecodeControl):
         request.metrics.forecast_entries += int(entries.numel())
         return int(entries.numel())
 
+    def take_second_token(self, request_id: str) -> int | None:
+        """The second token a FORECAST brought (Policy.second_token), once: the first token's K/V go into the pool
+        (local at once) and the token counts as arrived when the FORECAST did; the request's next step decodes the
+        third token. None when none came (or it was taken). Call it only before the request's first step."""
+        request = self._require(request_id)
+        second, request.second = request.second, None
+        if second is None:
+            return None
+        if len(request.metrics.token_times) != 1:
+            raise RuntimeError(f"{request_id}: a second token is taken after the first token, before any step")
+        for layer in range(self.layout.num_layers):
+            self.append(layer, request_id, second.keys[layer], second.values[layer])
+        request.metrics.record_token(request.second_at)
+        request.metrics.prefill_tokens = 2
+        return second.token
+
     def forecast_landed(self, request_id: str) -> bool:
         """Every fetch in flight for the request has its reply (or it failed): its first step will not wait."""
         request = self._require_any(request_id)

@@ -77,6 +77,9 @@ class DecodeRequest:
     forecast_promised: bool = False
     forecast: dict[int, torch.Tensor] | None = None
     forecast_taken: bool = False
+    # the forecast step's token (the second) and the first token's K/V, as the FORECAST brought them, and when
+    second: msg.SecondToken | None = None
+    second_at: float = 0.0
     flags: DecodeFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:
