@@ -193,6 +193,15 @@ def test_a_join_reports_the_p99_of_the_running_requests_gaps_in_its_window() -> 
     [join] = find_joins([x, y])
     assert (join.request, join.running, join.gaps) == (1, 1, 12) and join.p99 == pytest.approx(0.1)
     assert find_joins([]) == []
+    # the prefill node gave Y's second token (0.95 s): its window runs to its third, the first its decode node
+    # computed, and Y waiting for that step (0.95 - 2.45 s) is not decoding: its long gap stretches nobody
+    y = {**_timed(0.0, [0.9, 0.95, 2.45, 2.5]), "prefill_tokens": 2}
+    [join] = find_joins([x, y])
+    assert (join.request, join.end, join.gaps) == (1, pytest.approx(2.45), 12) and join.p99 == pytest.approx(0.1)
+    # Z decodes from 1.7 s: it joins X alone (Y, waiting for its step until 2.45 s, is not decoding then), and Y
+    # joins X and Z
+    z = {**_timed(0.0, [1.0, 1.05, *_times(1.7, 0.1, 10)]), "prefill_tokens": 2}
+    assert [(j.request, j.running) for j in find_joins([x, y, z])] == [(1, 2), (2, 1)]
 
 
 def test_joins_reach_the_summary_the_waits_table_and_the_files(tmp_path: Path) -> None:

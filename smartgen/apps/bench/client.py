@@ -46,7 +46,8 @@ class Streamed:
     def timings(self) -> dict[str, Any]:
         """The client's figures (`ttft`, `ttst`, `tbt`: the mean time per token after the second, `itl`: every gap
         between chunks, `e2e`, `ctl`: the arrivals, `client_tokens`) and the node's beside them (`node_ttft`,
-        `node_ttst`, `node_tbt`, `node_ctl`), all in seconds; None where the stream had too few chunks."""
+        `node_ttst`, `node_tbt`, `node_ctl`), all in seconds; None where the stream had too few chunks; and
+        `prefill_tokens`, the output tokens the prefill node computed (the joins' windows start after them)."""
         times = self.arrivals
         usage = self.usage
         steps = max(len(times), int(usage.get("completion_tokens") or 0)) - 2  # tokens after the second
@@ -62,6 +63,8 @@ class Streamed:
             "node_ttst": usage.get("ttst"),
             "node_tbt": usage.get("tbt"),
             "node_ctl": usage.get("ctl") or [],
+            # output tokens the prefill node computed (2: the forecast step's token was the second)
+            "prefill_tokens": usage.get("prefill_tokens") or 1,
         }
 
     def record(self) -> dict[str, Any]:

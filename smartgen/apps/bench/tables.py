@@ -89,8 +89,9 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     timings = _table(
         "timings in ms as a streaming client saw them: medians over the measured rounds of each round's median "
         "request; rng: the rounds' max - min; p99: TBT's over requests; x: TTST speed-up and TBT ratio vs full, of "
-        "those medians; bound: least TTST possible (means, p50 and min-max per request in results.json and "
-        "summary.csv)",
+        "those medians; bound: least TTST possible for a decode node that computes the second token (smartgen's comes "
+        "from the prefill node's forecast step, so it may beat it; means, p50 and min-max per request in "
+        "results.json and summary.csv)",
         ["scheme", "TTFT", "TTST", "rng", "TBT", "rng", "p99", "TTST x", "TBT x", "bound"],
     )
     for s in rows:
@@ -147,7 +148,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _x(s.vs_full.get("accuracy")),
         )
     waits = _table(
-        "where TTST and TBT go: cov1%: the first decode step's selection (layers >= 2) already local; wait1: "
+        "where TTST and TBT go: cov1%: the decode node's first step's selection (layers >= 2) already local (its "
+        "third token's step where the prefill node gave the second); wait1: "
         "that step's wait for the link (ms); wait: each later step's (ms); fetch: the link's time (ms) for one "
         "decode step's fetches of the whole batch (fetched bytes per token x the mean batch a token shared its "
         "step with / the link's rate: where it nears full's TBT, TBT is the link's); desc: descriptors posted per request, "
@@ -155,8 +157,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         "TTST (ms) if the proactive set were exactly the first step's "
         "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
         "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound); join: per "
-        "request that joined others decoding, the p99 of their token gaps from its first token to its second, the "
-        "median over joins (ms; - with none)",
+        "request that joined others decoding, the p99 of their token gaps from its first token to the first its "
+        "decode node computed, the median over joins (ms; - with none)",
         ["scheme", "cov1%", "wait1", "wait", "fetch", "desc", "post", "bound1", "TBT fl", "join"],
     )
     for s in rows:
