@@ -27,6 +27,8 @@ class _Engine:
         self.landed: set[str] = set()
         self.pending_fetches: dict[str, bool] = {}
         self.seconds: dict[str, int] = {}  # second tokens a FORECAST brought, not taken
+        self.pending_next: set[str] = set()  # the next step's forecast (after a second token): promised, not come
+        self.forecasts_next: dict[str, dict] = {}
 
     def take_second_token(self, request_id: str) -> int | None:
         token = self.seconds.pop(request_id, None)
@@ -57,11 +59,13 @@ class _Engine:
     def stall(self, request_id: str, bound: float) -> Stall | None:
         return self.stalls.get(request_id)
 
-    def forecast_pending(self, request_id: str) -> bool:
-        return request_id in self.pending
+    def forecast_pending(self, request_id: str, *, after_second: bool = False) -> bool:
+        return request_id in (self.pending_next if after_second else self.pending)
 
-    def take_forecast(self, request_id: str) -> dict | None:
-        return self.forecasts.pop(request_id, None)
+    def take_forecast(self, request_id: str, *, after_second: bool = False) -> dict | None:
+        mine, other = (self.forecasts_next, self.forecasts) if after_second else (self.forecasts, self.forecasts_next)
+        other.pop(request_id, None)
+        return mine.pop(request_id, None)
 
     def forecast_landed(self, request_id: str) -> bool:
         return request_id in self.landed or not self.pending_fetches.get(request_id)
@@ -180,11 +184,12 @@ def test_a_lone_request_waits_for_the_forecast_that_brings_its_second_token_then
     assert driver.batch.positions.tolist() == [4 + 1]  # its first step decodes the third token
 
 
-def test_a_joining_request_streams_its_second_token_before_it_joins():
+def test_a_joining_request_streams_its_second_token_then_fetches_its_own_first_steps_picks_before_it_joins():
     engine, runner, driver = _forecast_driver()
     driver.prefilling = [_request("a", "partial")]
     driver.collect_first_tokens()
     engine.forecasts["b"], engine.seconds["b"] = {2: torch.zeros(2, 4)}, 9
+    engine.pending_next.add("b")
     engine.pending_fetches["b"] = True
     driver.prefilling = [_request("b")]  # its layers 0-1 are not local yet
     events = driver.collect_first_tokens()
@@ -192,7 +197,11 @@ def test_a_joining_request_streams_its_second_token_before_it_joins():
     assert [r.request_id for r in driver.running] == ["a"]
     engine.dense_local.add("b")
     driver.collect_first_tokens()
-    assert runner.fetched == [("b", [2], 4)] and [r.request_id for r in driver.running] == ["a"]
+    assert not runner.fetched  # the first step's picks are not its own first step's: it waits for the next's
+    engine.pending_next.clear()
+    engine.forecasts_next["b"] = {3: torch.zeros(2, 4)}
+    driver.collect_first_tokens()
+    assert runner.fetched == [("b", [3], 4)] and [r.request_id for r in driver.running] == ["a"]
     engine.landed.add("b")
     assert driver.collect_first_tokens() == []  # the second token left once
     assert [r.request_id for r in driver.running] == ["a", "b"] and driver.running[1].tokens == [7, 9]

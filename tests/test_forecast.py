@@ -37,11 +37,14 @@ def test_forecast_first_token_and_low_fetch_cross_the_wire_and_bad_ones_are_refu
     back = msg.unpack(msg.Forecast("r", queries, second).pack())
     assert back.second is not None and back.second.token == 7 and torch.equal(back.second.values, second.values)
     assert msg.unpack(msg.Forecast("r", queries).pack()).second is None
+    assert msg.unpack(msg.Forecast("r", queries, step=2).pack()).step == 2
     for meta, payload in (
         ({"token": 7}, {}),  # a token without its K/V
         ({"token": 7}, {"k": second.keys, "v": second.values[:2]}),  # K and V of other shapes
         ({}, {"k": second.keys, "v": second.values}),  # K/V without the token
         ({"token": -1}, {"k": second.keys, "v": second.values}),
+        ({"step": 3}, {}),
+        ({"token": 7, "step": 2}, {"k": second.keys, "v": second.values}),  # the second token is step one's
     ):
         try:
             msg.unpack(Message(MessageKind.FORECAST, "r", meta, payload))
@@ -143,6 +146,8 @@ def test_the_forecast_steps_token_is_the_second_and_the_answers_stay_full_transf
     for result in second:
         assert result.metrics.prefill_tokens == 2
         assert result.metrics.forecast_entries > 0  # alone or not, it fetched the forecast's picks
+    # the joiner fetched the picks of its own first step (the next step's forecast, exact), not step one's
+    assert second[1].metrics.first_step_foreseen >= 0.97, second[1].metrics.first_step_foreseen
     assert all(r.metrics.prefill_tokens == 1 for r in full)
     # a request that ends at its second token never runs a decode step
     model = model_from_config(tiny_config("llama"))
@@ -197,13 +202,13 @@ class _MaskedStep:
         step = query[:, :, -1]
         self.queries[layer] = step[0].clone()
         picked = self.runner.selector.select(
-            StepQuery(layer, step, None, torch.tensor([n]), [n]), [self.output.metadata[layer]]
+            StepQuery(layer, step, None, torch.tensor([key.shape[2] - 1]), [n]), [self.output.metadata[layer]]
         )
         heads = key.shape[1]
         allow = torch.zeros(heads, key.shape[2], dtype=torch.bool)
         for head in range(heads):
             allow[head, picked[head][picked[head] >= 0]] = True
-        allow[:, -1] = True  # the token being decoded
+        allow[:, n:] = True  # the tokens generated before this one, and the one being decoded
         mask = allow.repeat_interleave(query.shape[1] // heads, 0)[None, :, None, :]  # [1, Hq, 1, n + 1]
         return dense_attention(module, query, key, value, mask, **kwargs)
 
@@ -232,3 +237,18 @@ def test_the_forecast_step_attends_to_the_selectors_picks_as_a_masked_dense_step
     for layer, (k, v) in reference.kv.items():
         torch.testing.assert_close(forecasted.keys[layer], k, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(forecasted.values[layer], v, atol=1e-4, rtol=1e-4)
+    # the step after, on the second token: the prompt's picks, the first token and itself, as the decode node's
+    reference.queries = {}
+    with torch.no_grad(), use_handler(reference):
+        model(
+            input_ids=torch.tensor([[forecasted.token]]),
+            position_ids=torch.tensor([[output.length + 1]]),
+            cache=output.cache,
+            use_cache=True,
+        )
+    mine = runner.run(prompt, keep_cache=True)
+    runner.forecast(mine, keep_cache=True)
+    queries = runner.forecast_next(mine, forecasted.token)
+    assert mine.cache is None and sorted(queries) == sorted(reference.queries)
+    for layer, query in queries.items():
+        torch.testing.assert_close(query.float(), reference.queries[layer].float(), atol=1e-4, rtol=1e-4)

@@ -321,10 +321,13 @@ class Forecast:
     request_id: str
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     second: SecondToken | None = None
+    # 1: the first decode step's; 2: the step after it, on the second token (a FORECAST that brought `second`
+    # promises this one: the decode node's own first step, whose picks a joining request fetches before it joins)
+    step: int = 1
 
     def pack(self) -> Message:
         payload = {str(layer): q.contiguous() for layer, q in self.queries.items()}
-        meta: dict[str, Any] = {}
+        meta: dict[str, Any] = {} if self.step == 1 else {"step": self.step}
         if self.second is not None:
             meta["token"] = self.second.token
             payload["k"], payload["v"] = self.second.keys.contiguous(), self.second.values.contiguous()
@@ -354,7 +357,10 @@ class Forecast:
             if token < 0:
                 raise MessageError(f"FORECAST: token must be >= 0, got {token}")
             second = SecondToken(token, keys, values)
-        return cls(message.request_id, queries, second)
+        step = _field(message.meta, "step", int, "FORECAST") if "step" in message.meta else 1
+        if step not in (1, 2) or (second is not None and step != 1):
+            raise MessageError(f"FORECAST: step must be 1, or 2 without a second token, got {step}")
+        return cls(message.request_id, queries, second, step)
 
 
 @dataclass(frozen=True, slots=True)

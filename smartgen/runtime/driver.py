@@ -202,14 +202,17 @@ class DecodeDriver:
                     self.running and not self.engine.dense_layers_local(rid)
                 )
                 # the first step's forecast, while others run or when it brings the second token: wait for it and
-                # fetch its picks; while others run, join only once they are local (its step would wait for them, and
-                # the batch with it). Alone it then starts at once: its step waits for what is in flight instead of
-                # asking layer by layer. Alone and without a second token to take it starts without the forecast.
+                # fetch its picks (a joiner that took the second token: those of the next step's forecast, its own
+                # first step's); while others run, join only once they are local (its step would wait for them,
+                # and the batch with it). Alone it then starts at once: its step waits for what is in flight instead
+                # of asking layer by layer. Alone and without a second token to take it starts without the forecast.
                 if not waiting and (self.running or takes_second):
-                    if self.engine.forecast_pending(rid):
+                    # a joiner past its second token fetches the picks of the step after it: its own first step
+                    after = bool(self.running) and len(request.tokens) == 2
+                    if self.engine.forecast_pending(rid) or self.engine.forecast_pending(rid, after_second=after):
                         waiting = True
                     else:
-                        if (queries := self.engine.take_forecast(rid)) is not None:
+                        if (queries := self.engine.take_forecast(rid, after_second=after)) is not None:
                             metadata = self.engine.request_metadata(rid)
                             self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
                         waiting = bool(self.running) and not self.engine.forecast_landed(rid)

@@ -171,27 +171,18 @@ class PrefillRunner:
         metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
         return PrefillOutput(token, logits, metadata, extra.get("cache") if keep_cache else None, length)
 
-    def forecast(self, output: PrefillOutput) -> Forecasted:
+    def forecast(self, output: PrefillOutput, *, keep_cache: bool = False) -> Forecasted:
         """The first decode step, run here on the prompt's K/V as the decode node will run it: every layer a decode
         step selects in (full attention, layer >= 2) attends to what this node's selector picks from the prompt's
         metadata, as the decode node's (the same selector and budget) will. Returns each such layer's post-RoPE query
         [Hq, d] (the decode node selects with them to fetch ahead, never to attend), the step's greedy token (the
         request's second) and the first token's K/V in every layer. Dense attention here gave queries that drift
         from the sparse step's layer by layer (76-78% of step one's picks on the 16-layer sample); a selector that
-        picks by something other than the query (a look-ahead one) leaves the step dense."""
-        if output.cache is None:
-            raise ValueError("forecast needs a prefill run with keep_cache=True")
-        sparse = (
-            self.selector is not None and not self.selector.lookahead and not isinstance(self.selector, DenseSelector)
-        )
-        handler = _ForecastHandler(self.kinds, self.selector if sparse else None, output.metadata, output.length)
-        token = torch.tensor([[output.first_token]], dtype=torch.int64, device=self.model.device)
-        position = torch.tensor([[output.length]], dtype=torch.int64, device=self.model.device)
-        with torch.no_grad(), use_handler(handler):
-            logits = self.model(
-                input_ids=token, position_ids=position, cache=output.cache, use_cache=True, logits_to_keep=1
-            ).logits[0, -1]
-        output.cache = None  # the K/V are the engine's to keep; this copy goes now
+        picks by something other than the query (a look-ahead one) leaves the step dense. `keep_cache`: the output
+        keeps the cache, now with the first token, for `forecast_next`."""
+        handler, logits = self._forecast_step(output, output.first_token)
+        if not keep_cache:
+            output.cache = None  # the K/V are the engine's to keep; this copy goes now
         layers = range(self.model.config.num_hidden_layers)
         return Forecasted(
             handler.queries,
@@ -199,6 +190,32 @@ class PrefillRunner:
             torch.stack([handler.keys[layer] for layer in layers]),
             torch.stack([handler.values[layer] for layer in layers]),
         )
+
+    def forecast_next(self, output: PrefillOutput, token: int) -> dict[int, torch.Tensor]:
+        """The step after `forecast` (its cache kept), on `token`, the second: its query per selecting layer, as
+        `forecast` gives them. It is the decode node's first step when the second token came from `forecast`
+        (Policy.second_token); the cache goes after it."""
+        try:
+            return self._forecast_step(output, token)[0].queries
+        finally:
+            output.cache = None
+
+    def _forecast_step(self, output: PrefillOutput, token: int) -> tuple[_ForecastHandler, torch.Tensor]:
+        """One decode step on `token` over the prefill run's cache (which it extends): its handler and logits [V]."""
+        if output.cache is None:
+            raise ValueError("forecast needs a prefill run with keep_cache=True")
+        sparse = (
+            self.selector is not None and not self.selector.lookahead and not isinstance(self.selector, DenseSelector)
+        )
+        handler = _ForecastHandler(self.kinds, self.selector if sparse else None, output.metadata, output.length)
+        position = output.cache.get_seq_length()  # the prompt, and any token a step before this one added
+        ids = torch.tensor([[token]], dtype=torch.int64, device=self.model.device)
+        positions = torch.tensor([[position]], dtype=torch.int64, device=self.model.device)
+        with torch.no_grad(), use_handler(handler):
+            logits = self.model(
+                input_ids=ids, position_ids=positions, cache=output.cache, use_cache=True, logits_to_keep=1
+            ).logits[0, -1]
+        return handler, logits
 
 
 class _ForecastHandler:
@@ -229,17 +246,20 @@ class _ForecastHandler:
             return dense_attention(
                 module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
             )
-        n = self.length
-        positions = torch.tensor([n], dtype=torch.int64)
+        n, current = self.length, key.shape[2] - 1  # the prompt, and the position being decoded
+        positions = torch.tensor([current], dtype=torch.int64)
         picked = self.selector.select(StepQuery(layer, step_query, None, positions, [n]), [self.metadata[layer]])
         picked = picked.to(key.device)  # [H, k], -1 = none
+        # the decode node's row: the prompt's picks, then every token generated before this one (all attended)
+        generated = torch.arange(n, current, device=key.device).expand(picked.shape[0], -1)
+        picked = torch.cat([picked, generated], dim=1)
         valid = picked >= 0
-        rows = key[0, :, :n]  # [H, n, d]: the prompt's K (the token being decoded is the last entry of `key`)
+        rows = key[0, :, :current]  # [H, current, d]: the K before the token being decoded (the last entry of `key`)
         gather = picked.clamp(min=0)[..., None].expand(-1, -1, rows.shape[-1])
         # valid entries first in each row, as `assemble` lays them out: sparse_decode_attention reads a prefix
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
         gather = gather.gather(1, order[..., None].expand_as(gather))
-        keys, values = rows.gather(1, gather), value[0, :, :n].gather(1, gather)
+        keys, values = rows.gather(1, gather), value[0, :, :current].gather(1, gather)
         out = sparse_decode_attention(
             step_query,
             keys,

@@ -8,7 +8,8 @@ For each request the engine has opened:
    policy that forecasts, the first decode step runs here as the decode node will run it and its queries leave
    (FORECAST): the decode node fetches what that step will pick before the step; with them, under a policy
    that asks, that step's token (the request's second) and the first token's K/V, so the decode node goes on
-   from the third token;
+   from the third token, and then the queries of the step after (a second FORECAST: the decode node's own first
+   step, whose picks a joining request fetches before it joins);
 3. a request released or aborted meanwhile is dropped quietly; one that fails is failed on the
    decode side at once (ERROR, with the reason), and the worker goes on with the next.
 """
@@ -133,19 +134,28 @@ class PrefillWorker:
         )
 
     def _forecast(self, request: OpenedRequest, output: PrefillOutput) -> None:
-        """The first decode step's queries to the decode node, and under a policy that asks (`second_token`) the
-        step's token with the first token's K/V. FIRST_TOKEN promised a FORECAST, so a failure here still sends one
-        (an empty one): the decode node then decodes without it."""
+        """The first decode step's queries to the decode node; under a policy that asks (`second_token`) the step's
+        token with the first token's K/V too, then the queries of the step after it (the decode node's own first
+        step). FIRST_TOKEN promised a FORECAST, and one with a second token promises the next: a failure here still
+        sends each promised one (empty), and the decode node then decodes without it."""
         queries: dict[int, torch.Tensor] = {}
         second = None
         try:
-            forecasted = self.runner.forecast(output)
+            forecasted = self.runner.forecast(output, keep_cache=request.policy.second_token)
             queries = forecasted.queries
             if request.policy.second_token:
                 second = msg.SecondToken(forecasted.token, forecasted.keys, forecasted.values)
         except Exception:
             log.warning("forecast of %s failed; its decode node goes on without", request.request_id, exc_info=True)
-        self.engine.send_forecast(request.request_id, queries, second)
+        if not self.engine.send_forecast(request.request_id, queries, second) or second is None:
+            output.cache = None
+            return
+        queries = {}
+        try:
+            queries = self.runner.forecast_next(output, second.token)
+        except Exception:
+            log.warning("forecast of %s's next step failed", request.request_id, exc_info=True)
+        self.engine.send_forecast(request.request_id, queries, step=2)
 
     def _hand_off(
         self,

@@ -150,7 +150,12 @@ class DecodeControl(DecodePath):
                     self._tell_token(self.on_first_token, message.request_id, message.token, request.first_token_at)
             case msg.Forecast():
                 request = self._note_arrival(message.request_id)
-                if request is not None and request.forecast_promised and not request.forecast_taken:
+                if request is None or not request.forecast_promised or request.forecast_taken:
+                    pass
+                elif message.step == 2:
+                    if request.forecast_next_promised:
+                        request.forecast_next = message.queries
+                else:
                     request.forecast = message.queries
                     second = message.second
                     expected = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
@@ -164,6 +169,7 @@ class DecodeControl(DecodePath):
                     elif second is not None and request.second is None and request.metrics.error is None:
                         request.second_at = time.monotonic()
                         request.second = second
+                        request.forecast_next_promised = True
                         self._tell_token(self.on_second_token, message.request_id, second.token, request.second_at)
             case msg.Error() | msg.Abort():
                 overloaded = isinstance(message, msg.Error) and message.overloaded

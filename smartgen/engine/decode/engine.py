@@ -116,20 +116,22 @@ class DecodeEngine(DecodeControl):
         return self._require(request_id).metadata
 
     # -- the first step's forecast (Policy.forecast) ------------------------------------------
-    def forecast_pending(self, request_id: str) -> bool:
-        """FIRST_TOKEN promised a FORECAST that has not come yet (False once the request failed)."""
+    def forecast_pending(self, request_id: str, *, after_second: bool = False) -> bool:
+        """FIRST_TOKEN promised a FORECAST that has not come yet (False once the request failed). `after_second`:
+        the one of the step after the second token, which a FORECAST that brought that token promised."""
         request = self._require_any(request_id)
-        return (
-            request.forecast_promised
-            and request.forecast is None
-            and not request.forecast_taken
-            and (not request.metrics.error)
-        )
+        if after_second:
+            waiting = request.forecast_next_promised and request.forecast_next is None
+        else:
+            waiting = request.forecast_promised and request.forecast is None
+        return waiting and not request.forecast_taken and not request.metrics.error
 
-    def take_forecast(self, request_id: str) -> dict[int, torch.Tensor] | None:
-        """The forecast's queries per layer, once (None when none came, or they were taken)."""
+    def take_forecast(self, request_id: str, *, after_second: bool = False) -> dict[int, torch.Tensor] | None:
+        """The forecast's queries per layer, once (None when none came, or they were taken): the first decode step's,
+        or with `after_second` those of the step after the second token. Either way, none is taken after."""
         request = self._require_any(request_id)
-        queries, request.forecast = request.forecast, None
+        queries = request.forecast_next if after_second else request.forecast
+        request.forecast = request.forecast_next = None
         if queries is not None:
             request.forecast_taken = True
         return queries

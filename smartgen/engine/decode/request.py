@@ -80,6 +80,9 @@ class DecodeRequest:
     # the forecast step's token (the second) and the first token's K/V, as the FORECAST brought them, and when
     second: msg.SecondToken | None = None
     second_at: float = 0.0
+    # a FORECAST that brought a second token promises the next step's queries (its step-2 FORECAST)
+    forecast_next_promised: bool = False
+    forecast_next: dict[int, torch.Tensor] | None = None
     flags: DecodeFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:

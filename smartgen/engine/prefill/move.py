@@ -135,18 +135,24 @@ class PrefillPath:
         self.counters.add("metadata", message.payload_bytes)
 
     def send_forecast(
-        self, request_id: str, queries: dict[int, torch.Tensor], second: msg.SecondToken | None = None
+        self,
+        request_id: str,
+        queries: dict[int, torch.Tensor],
+        second: msg.SecondToken | None = None,
+        *,
+        step: int = 1,
     ) -> int:
         """FORECAST: the first decode step's query per sparse layer (`PrefillRunner.forecast`), and with `second` that
-        step's token and the first token's K/V, right behind FIRST_TOKEN on the control lane. Returns the bytes
-        sent; 0 when the request has gone meanwhile."""
+        step's token and the first token's K/V, right behind FIRST_TOKEN on the control lane; `step=2`: the queries
+        of the step after it (`PrefillRunner.forecast_next`), which a FORECAST with `second` promised. Returns the
+        bytes sent; 0 when the request has gone meanwhile."""
         request = self._get(request_id)
         if request is None:
             return 0
         if second is not None:
             dtype = self.layout.dtype  # the pool's: what the decode node would have computed and kept
             second = msg.SecondToken(second.token, second.keys.to(dtype), second.values.to(dtype))
-        message = msg.Forecast(request_id, queries, second).pack()
+        message = msg.Forecast(request_id, queries, second, step).pack()
         request.link.control.send(message, tag="metadata")
         self.counters.add("metadata", message.payload_bytes)
         return message.payload_bytes
