@@ -64,3 +64,26 @@ def test_a_request_opened_as_its_link_drops_is_opened_again_once():
         engine.close()
         lost_prefill.close()
         other_prefill.close()
+
+
+def test_a_forecast_the_lost_node_promised_is_not_waited_for_after_the_request_is_opened_again():
+    """A prefill node lost after FIRST_TOKEN (and after a FORECAST that brought the second token) but before the
+    FORECASTs it promised: the request is prefilled again elsewhere, which forecasts nothing, so nothing may wait."""
+    engine = DecodeEngine(LAYOUT, num_slots=3, max_tokens=32, recompute=True)
+    lost_prefill, lost = inproc_link(name="lost")
+    other_prefill, other = inproc_link(name="other")
+    engine._links += [lost, other]
+    try:
+        request_id = engine.open(10, POLICIES["smartgen"])
+        request = engine._requests[request_id]
+        request.forecast_promised, request.forecast_next_promised = True, True
+        request.first_token.set_result(5)
+        assert engine.forecast_pending(request_id) and engine.forecast_pending(request_id, after_second=True)
+        lost.close()
+        engine._fail_link(lost, "peer gone")
+        assert request.link is other and request.resuming and not request.metrics.error
+        assert not engine.forecast_pending(request_id) and not engine.forecast_pending(request_id, after_second=True)
+    finally:
+        engine.close()
+        lost_prefill.close()
+        other_prefill.close()

@@ -82,9 +82,10 @@ class Policy:
     second_token: with the forecast, the forecast step's own output is the request's second token: the prefill node
     sends it (greedy) with the first token's K/V in the FORECAST, the decode node streams it at once, adds that K/V
     to the pool and decodes from the third token on. The second token then waits for one decode step on the prefill
-    node (already run for the forecast), not for the link; the decode node's first step is the request's third
-    token, and its picks are the forecast's fetches' to bring. A request that samples (temperature > 0) ignores it
-    and decodes its second token itself. Same answers: the forecast step attends as the decode node's would.
+    node (already run for the forecast), not for the link. The prefill node runs the step after it too and sends its
+    queries (a second FORECAST): a joining request fetches those picks, its own first step's, before it joins; one
+    alone fetches step one's at once and starts. A request that samples (temperature > 0) or keeps its logits
+    ignores it and decodes its second token itself. Same answers: the forecast steps attend as the decode node's.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'

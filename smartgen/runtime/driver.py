@@ -10,7 +10,8 @@ A request's life in the driver:
    it, fetches the picks its queries give and joins only once they are local; then it joins the running
    batch at the step boundary. A greedy request under a policy whose forecast brings the second token
    (Policy.second_token) waits for the forecast alone too: that token is emitted as it comes (TTST) and the
-   request's first step decodes the third.
+   request's first step decodes the third; joining others, it fetches the picks of the next step's forecast (its
+   own first step's) instead.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST, unless the forecast brought it). Every policy decision inside the step is the request's own (DecodeEngine).
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its

@@ -255,6 +255,9 @@ class DecodeControl(DecodePath):
         decoding = request.first_token.done()
         if decoding:
             request.resume = Future()
+            # a resumed prefill forecasts nothing: a FORECAST the lost node promised and never sent will not come
+            request.forecast_promised = request.forecast_promised and request.forecast is not None
+            request.forecast_next_promised = request.forecast_next_promised and request.forecast_next is not None
         request.late = []  # their futures failed with the lost link
         request.link = link
         request.arrival.redispatch(next(self._dispatch_order), time.monotonic())
