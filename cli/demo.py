@@ -116,14 +116,15 @@ def demo(
 
 
 def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
-    """The demo's results, one row per scheme; TTST vs first: the first scheme's TTST over this one's."""
+    """The demo's results, one row per scheme; last token: when the answer's last token came (its mean over the
+    requests); TTST vs first: the first scheme's TTST over this one's."""
     table = folding_table(
         f"{setup['model']}, {setup['prompt_tokens']} prompt tokens, {setup['selector']}, link "
         f"{setup['link_gbps'] * 1000:.1f} Mbit/s (full transfer {setup['transfer_s']:.2f} s, prefill "
         f"{setup['prefill_s']:.2f} s), stall ratio {setup['regime'].stall_ratio:.2f}, decode-side ratio "
         f"{setup['regime'].decode_ratio:.3f}"
         + (f" (+{setup['regime'].emulate_layer_ms:.2f} ms/layer emulated)" if setup["regime"].emulate_layer_ms else ""),
-        ["scheme", "TTFT ms", "TTST ms", "mean TBT ms", "answers correct", "TTST vs first"],
+        ["scheme", "TTFT ms", "TTST ms", "mean TBT ms", "last token ms", "answers correct", "TTST vs first"],
     )
     from rich.text import Text
 
@@ -140,6 +141,7 @@ def results_table(results: list[SchemeResult], setup: dict[str, Any]) -> Table:
             ms(r.mean("ttft")),
             ms(ttst),
             ms(r.mean("tbt")),
+            ms(r.mean("last")),
             correct,
             "-" if not (first and ttst) else f"{first / ttst:.2f}x",
         )

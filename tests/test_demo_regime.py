@@ -19,6 +19,7 @@ from smartgen.apps.demo import (
     SchemeResult,
     cpu_words,
     demo_regime,
+    last_token_time,
     native_note,
 )
 from smartgen.apps.regime import decode_side, emulate_flags
@@ -152,6 +153,21 @@ def test_the_results_table_says_the_emulation():
     Console(file=out, width=200).print(demo_cli.results_table([SchemeResult("full", [0.5], [2.0], [0.05])], setup))
     text = " ".join(out.getvalue().split())  # the title wraps
     assert f"decode-side ratio 0.150 (+{regime.emulate_layer_ms:.2f} ms/layer emulated)" in text
+    # the last token's arrival beside the mean TBT: a long wait before the third token shows in TBT's mean alone
+    result = SchemeResult("smartgen", [0.5], [0.6], [1.0], [last_token_time(USAGE)])
+    out = io.StringIO()
+    Console(file=out, width=200).print(demo_cli.results_table([result], setup))
+    [row] = [line.split() for line in out.getvalue().splitlines() if line.split()[:1] == ["smartgen"]]
+    assert row[1:5] == ["500", "600", "1000", "8600"] and "last token ms" in " ".join(out.getvalue().split())
+
+
+USAGE = {"ttft": 0.5, "ttst": 0.6, "tbt": 1.0, "completion_tokens": 10}
+
+
+def test_the_last_token_comes_ttst_plus_a_mean_gap_for_each_token_after_the_second():
+    assert last_token_time(USAGE) == pytest.approx(0.6 + 8 * 1.0)
+    assert last_token_time({**USAGE, "completion_tokens": 2}) == 0.6
+    assert last_token_time({**USAGE, "completion_tokens": 1, "ttst": None, "tbt": None}) == 0.5
 
 
 def test_the_demo_runs_in_the_benchs_regime_by_default():

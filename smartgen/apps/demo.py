@@ -29,7 +29,16 @@ from typing import Any
 from smartgen.apps.bench.config import PAPER_STALL_RATIO, lane_words
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
 
-__all__ = ["DemoConfig", "DemoRegime", "SchemeResult", "cpu_words", "demo_regime", "native_note", "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "DemoRegime",
+    "SchemeResult",
+    "cpu_words",
+    "demo_regime",
+    "last_token_time",
+    "native_note",
+    "run_demo",
+]
 
 PAPER_DECODE_RATIO = 0.15  # link bytes per all-local step / selected bytes per step on the paper's testbed
 FAR_FACTOR = 1.5  # a decode-side ratio more than this factor off the paper's is "far from" it
@@ -105,12 +114,22 @@ class SchemeResult:
     ttft: list[float] = field(default_factory=list)
     ttst: list[float] = field(default_factory=list)
     tbt: list[float] = field(default_factory=list)
+    last: list[float | None] = field(default_factory=list)  # the last token's arrival, from the request's
     scores: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def mean(self, name: str) -> float | None:
         values = [v for v in getattr(self, name) if v is not None]
         return statistics.mean(values) if values else None
+
+
+def last_token_time(usage: dict[str, Any]) -> float | None:
+    """When a request's last token arrived, from its usage: TTST plus TBT (the mean gap after the second token) for
+    each token after the second; TTFT or TTST for an answer of one or two tokens."""
+    tokens = int(usage.get("completion_tokens") or 0)
+    if tokens >= 3 and usage.get("ttst") is not None and usage.get("tbt") is not None:
+        return float(usage["ttst"]) + float(usage["tbt"]) * (tokens - 2)
+    return usage.get("ttst") if tokens == 2 else usage.get("ttft")
 
 
 def cpu_words(split: tuple[list[int], list[int]] | None) -> str:
@@ -272,6 +291,7 @@ def run_demo(
                     result.ttft.append(usage["ttft"])
                     result.ttst.append(usage["ttst"])
                     result.tbt.append(usage["tbt"])
+                    result.last.append(last_token_time(usage))
                     result.scores.append(score_sample(sample, answer["choices"][0]["text"]))
                 done += 1
                 report(scheme, done, total)
