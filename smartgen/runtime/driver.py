@@ -210,7 +210,7 @@ class DecodeDriver:
                 if not waiting and (self.running or takes_second):
                     # a joiner past its second token fetches the picks of the step after it: its own first step
                     after = bool(self.running) and len(request.tokens) == 2
-                    if self.engine.forecast_pending(rid) or self.engine.forecast_pending(rid, after_second=after):
+                    if self.engine.forecast_pending(rid, after_second=after):
                         waiting = True
                     else:
                         if (queries := self.engine.take_forecast(rid, after_second=after)) is not None:
