@@ -141,6 +141,7 @@ def test_one_round_shows_no_spread() -> None:
 
 def test_the_nodes_clock_sits_beside_the_clients_in_the_tables_and_files(tmp_path: Path) -> None:
     result = _rounds_result()
+    result.regimes[0].batch_step_s = {1024: {3: 0.01}}  # the pilot's all-local step of the batch of three
     summaries = {s.scheme: s for s in summarize(result)}
     full = summaries["full"]
     assert full.node_ttft["mean"] == pytest.approx(0.3 - LAG) and full.ttft["mean"] == pytest.approx(0.3)
@@ -150,15 +151,19 @@ def test_the_nodes_clock_sits_beside_the_clients_in_the_tables_and_files(tmp_pat
     lines = _render(point_tables(result, list(summaries.values()), 0), 80)
     assert max(len(line) for line in lines) <= 80
     header = next(line for line in lines if line.lstrip().startswith("scheme") and "Δ" in line)
-    assert header.split() == ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short"]
+    assert header.split() == ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short", "loc", "x"]
     node_row = [line.split() for line in lines if line.split()[:1] == ["full"]][1]
-    assert node_row[1:] == ["298", "2.0", "2.0", "1298", "2.0", "13", "0.0", "0"]
+    assert node_row[1:-1] == ["298", "2.0", "2.0", "1298", "2.0", "13", "0.0", "0"]
+    # loc x: the client's mean TBT over the pilot's all-local step at the batch (10 ms, no emulation here)
+    assert full.tbt_local == pytest.approx(0.01) and node_row[-1] == f"{full.tbt['mean'] / 0.01:.2f}"
     write_outputs(result, list(summaries.values()), tmp_path)
     with (tmp_path / "summary.csv").open() as handle:
         row = next(r for r in csv.DictReader(handle) if r["scheme"] == "full")
     assert float(row["node_ttft_mean_s"]) == pytest.approx(0.3 - LAG)
     assert float(row["ttft_minus_node_max_s"]) == pytest.approx(LAG)
     assert float(row["node_ttst_round_median_s"]) == pytest.approx(1.3 - LAG)
+    assert float(row["tbt_local_s"]) == pytest.approx(0.01)
+    assert float(row["tbt_vs_local"]) == pytest.approx(full.tbt["mean"] / 0.01)
     assert row["joins"] == "0" and row["join_p99_median_s"] == ""  # a batch sent at once, no timings: no join
 
 

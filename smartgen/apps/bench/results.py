@@ -26,6 +26,9 @@ class Regime:
     cpus: str = "shared"  # which CPUs the nodes ran on: "shared", or "prefill 0, decode 1" (ClusterSpec.separate_cpus)
     # the decode node's /status "link" as its nodes ran (pacing: "per prefill node" or "shared ingress", ingress_gbps)
     link: dict[str, Any] = field(default_factory=dict)
+    # prompt length -> batch -> the all-local step with that many requests decoding together (pilot, client's clock,
+    # before emulation; local_step.py); batch 1 is step_s
+    batch_step_s: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,9 @@
 
 1. The model's profile is made once if the store has none (as the demo does).
 2. Pilot: unpaced nodes serve a warm-up and PILOT_RUNS full-transfer requests per prompt length,
-   which measure the prefill time as served (TTFT) and the all-local step time (TBT).
+   which measure the prefill time as served (TTFT) and the all-local step time (TBT); and per --batch above 1,
+   that many concurrent requests, long enough to decode together: the all-local step of that batch
+   (local_step.py), what no scheme's requests beat while they share a step.
 3. Per group of points sharing node settings: the link rate follows the stall ratio (a full
    transfer of one request takes R x its prefill) or is given in Gbit/s; with a decode-side ratio,
    each decode layer gets emulated compute so that an all-local step's link budget is that share
@@ -34,6 +36,7 @@ from smartgen.apps.bench.client import Streamed, stream_completion
 from smartgen.apps.bench.config import BenchConfig, Point, lane_words
 from smartgen.apps.bench.joins import find_joins
 from smartgen.apps.bench.load import run_load
+from smartgen.apps.bench.local_step import MAX_TOKENS, batch_step, pilot_tokens
 from smartgen.apps.bench.models import resolve_model
 from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.results import BenchResult, Group, Regime
@@ -45,6 +48,7 @@ __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
 PILOT_TOKENS = 8
 PILOT_RUNS = 3
+MAX_PILOT_BATCH_TOKENS = MAX_TOKENS  # the most tokens a batch-step request of the pilot asks for
 PREFIX_BLOCK_TOKENS = 16  # `serve --prefix-block-tokens`' default, which the benchmark's nodes run with
 PREFIX_CACHE_BYTES = "8G"  # per node in a prefix sweep: far more than a run's prompts, so nothing is evicted
 TRACE_PROFILE_LENGTH = 1024  # a profile of 512-2048 tokens: the calibration prompts have 985-2049
@@ -110,8 +114,10 @@ def run_bench(
         )
     prompts = _Prompts(config, tokenizer)
     say(f"pilot: prefill and all-local step time of {model_path.name} as served, unpaced")
-    phases.start("pilot", len(set(config.lengths)) * (PILOT_RUNS + 1), "pilot: starting unpaced nodes")
-    pilot = _pilot(config, model_path, prompts, phases)
+    batches = _pilot_batches(config)
+    steps = len(set(config.lengths)) * (PILOT_RUNS + 1 + len(batches))
+    phases.start("pilot", steps, "pilot: starting unpaced nodes")
+    pilot, batch_steps = _pilot(config, model_path, prompts, phases, batches, say_too)
     trace = config.trace.read() if config.trace is not None else None
     rates = len(config.load_rate) if config.loaded else 1
     rounds = 1 if config.loaded else config.warmup + config.reps
@@ -123,6 +129,7 @@ def run_bench(
     for indices in by_nodes.values():
         first = points[indices[0]]
         regime = _regime(config, first, pilot, layout.kv_bytes(1), layout.num_layers)
+        regime.batch_step_s = batch_steps
         say(
             f"nodes over the {lane_words(config.lane)}: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
             f"{regime.reference_length} tokens), decode-side ratio {regime.decode_ratio:.3f}"
@@ -238,10 +245,28 @@ class _Prompts:
         return score_sample(sample, self.tokenizer.decode(ids))
 
 
-def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Phases) -> dict[int, tuple[float, float]]:
+def _pilot_batches(config: BenchConfig) -> list[int]:
+    """The batch sizes whose all-local step the pilot measures besides batch 1: the rounds' concurrent batches
+    (load and trace modes have no fixed batch)."""
+    if config.loaded or config.trace is not None:
+        return []
+    return sorted(b for b in set(config.batch) if b > 1)
+
+
+def _pilot(
+    config: BenchConfig,
+    model_path: Path,
+    prompts: _Prompts,
+    phases: Phases,
+    batches: list[int],
+    say: Callable[[str], None],
+) -> tuple[dict[int, tuple[float, float]], dict[int, dict[int, float]]]:
     """Prompt length -> (prefill s, all-local step s), measured on unpaced nodes by the decode node's own clock (the
     regime is the nodes'): the least of PILOT_RUNS requests after a warm-up one, since on a shared machine other work
-    only ever adds time. One phase step per request."""
+    only ever adds time. And prompt length -> batch -> the all-local step with that many requests decoding together
+    (local_step.py, the client's clock), for each of `batches`. One phase step per request, or per batch."""
+    lengths = sorted(set(config.lengths))
+    tokens = {length: PILOT_TOKENS for length in lengths}
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
@@ -249,22 +274,62 @@ def _pilot(config: BenchConfig, model_path: Path, prompts: _Prompts, phases: Pha
         blocks=config.blocks[0],
         selector=config.selector,
         budget=config.budget[0],
-        max_batch=1,
-        max_tokens=max(config.lengths) + config.output_tokens + 64,
+        max_batch=max([1, *batches]),
+        max_tokens=max(config.lengths) + MAX_PILOT_BATCH_TOKENS + 64,
         db=config.db,
         separate_cpus=config.separate_cpus,
         device=config.device,
     )
-    measured = {}
+    measured: dict[int, tuple[float, float]] = {}
+    batch_steps: dict[int, dict[int, float]] = {}
     with LocalCluster(spec) as cluster:
-        for length in sorted(set(config.lengths)):
+        for length in lengths:
             sample = prompts.sample(config.tasks[0], length, config.seed)
             runs = []
             for _ in range(PILOT_RUNS + 1):
-                runs.append(_request(cluster.url, sample.prompt, "full", PILOT_TOKENS).usage)
+                runs.append(_request(cluster.url, sample.prompt, "full", tokens[length]).usage)
                 phases.step(f"pilot: {length} tokens")
             measured[length] = (min(float(u["ttft"]) for u in runs[1:]), min(float(u["tbt"]) for u in runs[1:]))
-    return measured
+            for batch in batches:
+                step = _batch_step(cluster.url, prompts, config, length, batch, *measured[length], say)
+                if step is not None:
+                    batch_steps.setdefault(length, {})[batch] = step
+                else:
+                    say(f"pilot: {batch} requests of {length} tokens did not decode together long enough to time")
+                phases.step(f"pilot: {length} tokens, batch {batch}")
+    return measured, batch_steps
+
+
+def _batch_step(
+    url: str,
+    prompts: _Prompts,
+    config: BenchConfig,
+    length: int,
+    batch: int,
+    prefill_s: float,
+    step_s: float,
+    say: Callable[[str], None],
+) -> float | None:
+    """The all-local step of `batch` full-transfer requests decoding together (local_step.batch_step); None when
+    they did not overlap long enough. Each request its own prompt, so no prefix cache serves one from another."""
+    tokens = pilot_tokens(batch, prefill_s, step_s)
+    samples = [prompts.sample(config.tasks[0], length, config.seed + 1 + b) for b in range(batch)]
+    streams: list[Streamed | None] = [None] * batch
+
+    def one(b: int) -> None:
+        try:
+            streams[b] = _request(url, samples[b].prompt, "full", tokens)
+        except Exception as error:  # the pilot goes on without this figure: the tables then show none
+            say(f"pilot: batch {batch} at {length} tokens: {error}")
+
+    threads = [threading.Thread(target=one, args=(b,), daemon=True) for b in range(batch)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if any(s is None for s in streams):
+        return None
+    return batch_step([(s.sent, s.arrivals) for s in streams if s is not None])
 
 
 def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, float]], token_bytes: int, layers: int):

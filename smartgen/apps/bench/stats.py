@@ -61,6 +61,9 @@ class Summary:
     # the metadata and every entry selected by then (as a perfect predictor would have sent them, in order)
     ctl_bound: list[float] = field(default_factory=list)
     tbt_floor: float | None = None  # the mean TBT if every token came at its ctl_bound
+    # the all-local step with the point's batch decoding together, emulation included (local_tbt), and TBT over it
+    tbt_local: float | None = None
+    tbt_vs_local: float | None = None
     # per timing (ROUND_METRICS), across measured rounds: each round's median request, their median, min and max
     rounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     # decode->prefill bytes (fetch requests, idle notices, acks) / (rate x wall time); each way has its own pacer
@@ -217,8 +220,20 @@ def summarize(result: BenchResult) -> list[Summary]:
             s.ctl_bound = ctl_bound(point.length, regime, full, s, sharing=sharing)
             if len(s.ctl_bound) > 2:
                 s.tbt_floor = (s.ctl_bound[-1] - s.ctl_bound[1]) / (len(s.ctl_bound) - 2)
+            s.tbt_local = local_tbt(regime, point.length, point.batch)
+            s.tbt_vs_local = _ratio(s.tbt["mean"], s.tbt_local)
         summaries.extend(per_scheme)
     return summaries
+
+
+def local_tbt(regime: Regime, length: int, batch: int) -> float | None:
+    """The all-local step of `batch` requests decoding together at `length` tokens, with the emulated compute: the
+    TBT no scheme's requests can beat while they share a step (local_step.py). Batch 1 is the pilot's step; None
+    where the pilot has no figure for it."""
+    native = regime.step_s.get(length) if batch == 1 else regime.batch_step_s.get(length, {}).get(batch)
+    if native is None:
+        return None
+    return native + regime.emulate_layer_ms * regime.num_layers / 1e3
 
 
 def link_sharing(point: Point) -> int:

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from smartgen.apps.bench.config import lane_words
+from smartgen.apps.bench.results import Regime
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
@@ -45,8 +46,19 @@ def regime_line(result: BenchResult, point: int) -> str:
         f"(full transfer / prefill), decode-side ratio {r.decode_ratio:.3f} (link bytes per all-local step / "
         f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
         + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
+        + _batch_step_words(r, p.length, p.batch)
         + f", CPUs {r.cpus}"
         + pacing_words(r.link, p.prefill_nodes)
+    )
+
+
+def _batch_step_words(r: Regime, length: int, batch: int) -> str:
+    """The pilot's all-local step with `batch` requests decoding together, beside batch 1's; "" at batch 1."""
+    step, alone = r.batch_step_s.get(length, {}).get(batch), r.step_s.get(length)
+    if batch == 1 or step is None:
+        return ""
+    return f", {batch} requests decoding together {_ms(step)} ms a step" + (
+        f" ({step / alone:.2f}x one)" if alone else ""
     )
 
 
@@ -110,8 +122,10 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
     node = _table(
         "the decode node's own clock, ms, medians over rounds as above; Δ: the client's minus the node's, per "
         "request, their median (max: the largest, where a first token held back shows); short: requests whose "
-        "stream had fewer text chunks than tokens (a token with no text of its own leaves with the next)",
-        ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short"],
+        "stream had fewer text chunks than tokens (a token with no text of its own leaves with the next); loc x: "
+        "the client's TBT (mean) over an all-local step with the point's batch decoding together (the regime "
+        "line's batch step, emulation included): what the link and the scheme cost beyond sharing the step",
+        ["scheme", "TTFT", "Δ", "max", "TTST", "Δ", "TBT", "Δ", "short", "loc x"],
     )
     for s in rows:
         minus = s.minus_node
@@ -125,6 +139,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.rounds["node_tbt"]["median"]),
             _ms1(minus["tbt"]["p50"]),
             str(s.short_streams),
+            _x(s.tbt_vs_local),
         )
     transfers = _table(
         "per request, MiB by path (push: proactive or full, fetch: on-demand, spec: speculative, meta: selector "
