@@ -1,5 +1,7 @@
 """The decode side's per-step decisions, as pure functions: no lane, thread, pool or model."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,3 +174,12 @@ def test_an_assembly_needs_one_flag_of_each_per_request():
     plan = decide.plan_assembly(split, drop=[False], parallel=[True])
     with pytest.raises(ValueError):
         decide.AssemblyPlan(plan.split, plan.dropped[:1], plan.early_stop, True)
+
+
+def test_the_no_hints_ablation_is_smartgen_without_hints():
+    """`smartgen-no-hints` differs from `smartgen` in its hints alone, and never ranks wider than its budget."""
+    ours, ablation = DecodeFlags.of(POLICIES["smartgen"]), DecodeFlags.of(POLICIES["smartgen-no-hints"])
+    assert decide.hint_ratio(ours, released=False) > 0
+    assert decide.hint_ratio(ablation, released=False) == 0
+    assert dataclasses.replace(ablation, hints=ours.hints) == ours
+    assert dataclasses.replace(POLICIES["smartgen-no-hints"], name="smartgen", hints=0.5) == POLICIES["smartgen"]

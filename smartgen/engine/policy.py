@@ -184,6 +184,7 @@ POLICIES: dict[str, Policy] = {
         replace(SMARTGEN, name="smartgen-no-second-token", second_token=False),
         replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
         replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
+        replace(SMARTGEN, name="smartgen-no-hints", hints=0.0),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2
