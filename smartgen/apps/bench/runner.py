@@ -48,7 +48,6 @@ __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
 PILOT_TOKENS = 8
 PILOT_RUNS = 3
-MAX_PILOT_BATCH_TOKENS = MAX_TOKENS  # the most tokens a batch-step request of the pilot asks for
 PREFIX_BLOCK_TOKENS = 16  # `serve --prefix-block-tokens`' default, which the benchmark's nodes run with
 PREFIX_CACHE_BYTES = "8G"  # per node in a prefix sweep: far more than a run's prompts, so nothing is evicted
 TRACE_PROFILE_LENGTH = 1024  # a profile of 512-2048 tokens: the calibration prompts have 985-2049
@@ -266,7 +265,6 @@ def _pilot(
     only ever adds time. And prompt length -> batch -> the all-local step with that many requests decoding together
     (local_step.py, the client's clock), for each of `batches`. One phase step per request, or per batch."""
     lengths = sorted(set(config.lengths))
-    tokens = {length: PILOT_TOKENS for length in lengths}
     spec = ClusterSpec(
         model=model_path,
         lane=config.lane,
@@ -275,7 +273,8 @@ def _pilot(
         selector=config.selector,
         budget=config.budget[0],
         max_batch=max([1, *batches]),
-        max_tokens=max(config.lengths) + MAX_PILOT_BATCH_TOKENS + 64,
+        # a batch-step request asks for up to MAX_TOKENS (pilot_tokens); without batches, slots as the rounds' nodes
+        max_tokens=max(config.lengths) + (MAX_TOKENS if batches else config.output_tokens) + 64,
         db=config.db,
         separate_cpus=config.separate_cpus,
         device=config.device,
@@ -287,7 +286,7 @@ def _pilot(
             sample = prompts.sample(config.tasks[0], length, config.seed)
             runs = []
             for _ in range(PILOT_RUNS + 1):
-                runs.append(_request(cluster.url, sample.prompt, "full", tokens[length]).usage)
+                runs.append(_request(cluster.url, sample.prompt, "full", PILOT_TOKENS).usage)
                 phases.step(f"pilot: {length} tokens")
             measured[length] = (min(float(u["ttft"]) for u in runs[1:]), min(float(u["tbt"]) for u in runs[1:]))
             for batch in batches:
