@@ -13,6 +13,7 @@ from smartgen.engine import messages as msg
 from smartgen.engine.policy import get_policy
 from smartgen.lanes.base import Message, MessageKind
 from smartgen.lanes.queued import STOP, PriorityOutbox
+from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
@@ -97,7 +98,9 @@ def test_the_prefill_runners_forecast_is_the_first_steps_query():
     # the step's token is the greedy second token, and its K/V the first token's, every layer
     cache = DynamicCache()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + [output.first_token]]), cache=cache, use_cache=True).logits
+        logits = model(
+            input_ids=torch.tensor([prompt + [output.first_token]]), **with_cache(model, cache), use_cache=True
+        ).logits
     assert forecasted.token == int(logits[0, -1].argmax())
     assert forecasted.keys.shape == forecasted.values.shape == (model.config.num_hidden_layers, *keys[0].shape[::2])
     for layer in range(model.config.num_hidden_layers):
@@ -225,7 +228,10 @@ def test_the_forecast_step_attends_to_the_selectors_picks_as_a_masked_dense_step
     token = torch.tensor([[output.first_token]])
     with torch.no_grad(), use_handler(reference):
         logits = model(
-            input_ids=token, position_ids=torch.tensor([[output.length]]), cache=output.cache, use_cache=True
+            input_ids=token,
+            position_ids=torch.tensor([[output.length]]),
+            **with_cache(model, output.cache),
+            use_cache=True,
         ).logits
     forecasted = runner.forecast(runner.run(prompt, keep_cache=True))  # its own copy of the prompt's cache
     queries = forecasted.queries
@@ -243,7 +249,7 @@ def test_the_forecast_step_attends_to_the_selectors_picks_as_a_masked_dense_step
         model(
             input_ids=torch.tensor([[forecasted.token]]),
             position_ids=torch.tensor([[output.length + 1]]),
-            cache=output.cache,
+            **with_cache(model, output.cache),
             use_cache=True,
         )
     mine = runner.run(prompt, keep_cache=True)

@@ -6,6 +6,7 @@ from tiny_models import tiny_config
 from transformers import DynamicCache
 
 from smartgen.engine.policy import get_policy
+from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner, capture_qk, infinigen_skewing
@@ -105,7 +106,7 @@ def test_metadata_from_prefill_equals_metadata_from_the_full_cache(llama, select
     # recompute from HF's own cache after a plain forward (post-RoPE keys)
     cache = DynamicCache(config=llama.config)
     with torch.no_grad():
-        llama(input_ids=prompt[None], cache=cache, use_cache=True)
+        llama(input_ids=prompt[None], **with_cache(llama, cache), use_cache=True)
     queries, _ = capture_qk(llama, prompt)
     for layer in (2, 3):
         keys = cache.layers[layer].keys[0]  # [H, n, d]

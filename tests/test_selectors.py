@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from smartgen.runtime.cache_kwarg import cache_kwarg, with_cache
 from smartgen.selectors import make_selector
 from smartgen.selectors.base import ModelInfo, PrefillLayer, StepQuery, budget_tokens
 from smartgen.selectors.hata import HATASelector
@@ -58,11 +59,11 @@ def run_captured(model, ids, cache=None):
     handles = [a.register_forward_pre_hook(hook(i), with_kwargs=True) for i, a in enumerate(attns)]
     try:
         with torch.no_grad():
-            out = model(ids, cache=cache, use_cache=True)
+            out = model(ids, **with_cache(model, cache), use_cache=True)
     finally:
         for h in handles:
             h.remove()
-    return seen, out.cache
+    return seen, getattr(out, cache_kwarg(model))  # the output names it as the forward does
 
 
 def prompt(n, seed):

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from smartgen.engine.attention import span_decode_attention, sparse_decode_attention
 from smartgen.engine.decode import Assembled, DecodeEngine
 from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import use_handler
 from smartgen.runtime.models import check_runnable, layer_kinds, model_info
@@ -327,7 +328,7 @@ class DecodeRunner:
                     self.model(
                         input_ids=batch.last_tokens.view(-1, 1).to(device),
                         position_ids=batch.positions.view(-1, 1).to(device),
-                        cache=cache,
+                        **with_cache(self.model, cache),
                         use_cache=True,
                         logits_to_keep=1,
                     )

@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from smartgen.engine.attention import sparse_decode_attention
 from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
@@ -138,23 +139,22 @@ class PrefillRunner:
         cached = 0 if prefix is None else prefix[0].shape[1]
         if cached >= ids.shape[1]:
             raise ValueError(f"a cached prefix of {cached} tokens leaves nothing of the {ids.shape[1]}-token prompt")
-        extra: dict[str, Any] = {}
+        cache: DynamicCache | None = DynamicCache() if keep_cache else None
         length = ids.shape[1]
-        if keep_cache:
-            extra["cache"] = DynamicCache()
-            extra["use_cache"] = True
         if prefix is not None and cached:
             device = self.model.device
             # [L, P, H, d] -> per layer [1, H, P, d]; a cache built without the config keeps every layer whole,
             # so sliding-window layers still hand the engine all their K/V
-            extra["cache"] = DynamicCache(
+            cache = DynamicCache(
                 ddp_cache_data=[
                     (k.transpose(0, 1).unsqueeze(0).to(device), v.transpose(0, 1).unsqueeze(0).to(device))
                     for k, v in zip(prefix[0], prefix[1])
                 ]
             )
-            extra["use_cache"] = True
             ids = ids[:, cached:]
+        extra: dict[str, Any] = (
+            {"use_cache": False} if cache is None else {"use_cache": True, **with_cache(self.model, cache)}
+        )
         handler = _PrefillHandler(
             self.selector, self.kinds, on_layer or (lambda *_: None), self.capture, last_query_scores
         )
@@ -162,14 +162,14 @@ class PrefillRunner:
             self.capture.start()
         try:
             with torch.no_grad(), use_handler(handler):
-                logits = self.model(input_ids=ids, **{"use_cache": False, **extra}, logits_to_keep=1).logits[0, -1]
+                logits = self.model(input_ids=ids, **extra, logits_to_keep=1).logits[0, -1]
                 logits = logits.float()
         finally:
             if self.capture is not None:
                 self.capture.stop()
         token = int(self.sampler(logits.unsqueeze(0))[0])
         metadata = [handler.metadata.get(layer, {}) for layer in range(self.model.config.num_hidden_layers)]
-        return PrefillOutput(token, logits, metadata, extra.get("cache") if keep_cache else None, length)
+        return PrefillOutput(token, logits, metadata, cache if keep_cache else None, length)
 
     def forecast(self, output: PrefillOutput, *, keep_cache: bool = False) -> Forecasted:
         """The first decode step, run here on the prompt's K/V as the decode node will run it: every layer a decode
@@ -213,7 +213,11 @@ class PrefillRunner:
         positions = torch.tensor([[position]], dtype=torch.int64, device=self.model.device)
         with torch.no_grad(), use_handler(handler):
             logits = self.model(
-                input_ids=ids, position_ids=positions, cache=output.cache, use_cache=True, logits_to_keep=1
+                input_ids=ids,
+                position_ids=positions,
+                **with_cache(self.model, output.cache),
+                use_cache=True,
+                logits_to_keep=1,
             ).logits[0, -1]
         return handler, logits
 
