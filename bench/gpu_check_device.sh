@@ -2,7 +2,7 @@
 # `make gpu-check` on a lent GPU machine whose image has torch, triton and transformers but reaches no package index.
 #
 # Here:   make gpu-wheels                       (the missing packages as wheels for its Python 3.12, into .whl/)
-# There:  bash bench/gpu_check_device.sh        (from the repository root, with .whl/ carried along)
+# There:  bash bench/gpu_check_device.sh [--only NAME,...]   (from the repository root, with .whl/ carried along)
 #
 # Installs the wheels and SmartGen itself (editable, no dependencies) into the image's Python, says what it runs on,
 # then runs every check; the JSON, the table and the whole log land in $OUT (the device tool's folder) or in
@@ -25,5 +25,5 @@ print(f"python torch {torch.__version__} (cuda {torch.version.cuda}), triton {tr
       f"transformers {transformers.__version__}; devices: "
       + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
 EOF
-python3 -m smartgen.apps.gpu_check --out "$out" 2>&1 | tee "$out/gpu_check.log"
+python3 -m smartgen.apps.gpu_check --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -97,3 +97,23 @@ def test_the_table_has_one_line_per_row_and_aligned_columns():
     assert len(lines) == 3 and lines[2].endswith("exit 1")
     assert len({line.index(" pass") if " pass" in line else line.index(" fail") for line in lines[1:]}) == 1
     assert " 1234.5 " in lines[2] and "0.120" in lines[1]
+
+
+def test_a_failed_request_row_names_the_last_traceback_a_node_logged(tmp_path):
+    from smartgen.apps.gpu_check_nodes import _last_traceback
+
+    quiet, noisy = tmp_path / "decode.log", tmp_path / "prefill0.log"
+    quiet.write_text("INFO ready\n")
+    noisy.write_text(
+        "Traceback (most recent call last):\n  File a\nValueError: old\n"
+        "INFO again\nTraceback (most recent call last):\n  File b\nRuntimeError: devices differ\n"
+    )
+    assert _last_traceback([quiet, tmp_path / "missing.log"]) == ""
+    trace = _last_traceback([quiet, noisy])
+    assert trace.startswith("prefill0.log: Traceback") and trace.endswith("RuntimeError: devices differ")
+    assert "old" not in trace
+
+
+def test_every_check_fits_the_run_budget_on_cuda():
+    assert sum(check.cuda_budget_s for check in gpu_check.CHECKS) <= gpu_check.RUN_BUDGET_S["cuda"]
+    assert "serve.tcp" in {check.name for check in gpu_check.CHECKS}

@@ -21,9 +21,10 @@ import torch
 from smartgen.apps.gpu_check_base import Context, Row
 from smartgen.roles.processes import die_with_parent, read_ready_file
 
-__all__ = ["check_serve", "check_bench", "check_gpudirect"]
+__all__ = ["check_serve", "check_serve_tcp", "check_bench", "check_gpudirect"]
 
-EXACT_BUT_NOT = ("quant2",)  # lossy: its text may differ from full transfer's
+# lossy (2-bit KV; what was not pushed is never attended): their text may differ from full transfer's
+EXACT_BUT_NOT = ("quant2", "proactive-only")
 
 
 def _smartgen(*args: str) -> list[str]:
@@ -44,10 +45,7 @@ def _tail(path: Path, lines: int = 2) -> str:
 def check_serve(ctx: Context) -> None:
     """One `serve --role both` process on the device; one greedy request per scheme, each a 200 with every token
     asked for and the scheme it asked for; then SIGTERM, and a clean exit."""
-    import httpx
-
     from smartgen.apps.bench.models import SAMPLE_MODEL, SAMPLE_MODEL_16
-    from smartgen.engine.policy import POLICIES
 
     cuda = ctx.cuda
     model, name = (SAMPLE_MODEL_16, "sample16") if cuda else (SAMPLE_MODEL, "sample")
@@ -70,31 +68,103 @@ def check_serve(ctx: Context) -> None:
             return
         up_ms = (time.monotonic() - began) * 1e3
         ctx.add(Row("serve", ctx.device_name, "start", "fp32", "pass", ours_ms=up_ms, note=f"http {info['http']}"))
-        url = f"http://{info['http']}/v1/completions"
-        ids = torch.randint(3, 90, (prompt_tokens,), generator=torch.Generator().manual_seed(7)).tolist()
-        texts: dict[str, str] = {}
-        for scheme in POLICIES:
-            if ctx.over_time("serve", f"{shape}, {scheme}", "fp32", reserve_s=15):
-                continue
-            body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "scheme": scheme}
-            sent = time.monotonic()
-            try:
-                response = httpx.post(url, json=body, timeout=max(5.0, min(60.0, ctx.left() - 15)))
-            except httpx.HTTPError as exc:
-                ctx.add(Row("serve", ctx.device_name, f"{shape}, {scheme}", "fp32", "fail", note=f"{exc!r}"))
-                continue
-            took = (time.monotonic() - sent) * 1e3
-            ctx.add(_served(ctx, f"{shape}, {scheme}", scheme, response, new_tokens, took, texts))
+        _each_scheme(
+            ctx, "serve", f"http://{info['http']}/v1/completions", shape, new_tokens, prompt_tokens, [log_path]
+        )
     finally:
         _stop(ctx, node, log_path)
 
 
+# -- a prefill node and a decode node over TCP ----------------------------------------------------------------------
+def check_serve_tcp(ctx: Context) -> None:
+    """`serve --role prefill` and `--role decode` as two processes on the device over the TCP lane (as deployed: every
+    byte the decode node gets crosses a socket into host memory before its pool on the GPU), one greedy request per
+    scheme; then both stopped."""
+    from smartgen.apps.bench.models import SAMPLE_MODEL, SAMPLE_MODEL_16
+    from smartgen.apps.cluster import ClusterSpec, LocalCluster
+
+    model, name = (SAMPLE_MODEL_16, "sample16") if ctx.cuda else (SAMPLE_MODEL, "sample")
+    prompt_tokens, new_tokens, blocks = (1024, 16, 64) if ctx.cuda else (120, 8, 16)
+    spec = ClusterSpec(
+        model=model,
+        link_gbps=1.0,
+        blocks=blocks,
+        max_batch=2,
+        max_tokens=prompt_tokens + new_tokens + 64,
+        db=ctx.workdir / "profiles.db",
+        device=ctx.device_name,
+    )
+    run_dir = ctx.workdir / "tcp-nodes"
+    logs = [run_dir / "decode.log", run_dir / "prefill0.log"]
+    began = time.monotonic()
+    try:
+        cluster = LocalCluster(spec, run_dir=run_dir).__enter__()
+    except Exception as exc:
+        note = f"{exc}" + (f" | {trace}" if (trace := _last_traceback(logs)) else "")
+        ctx.add(Row("serve.tcp", ctx.device_name, "start", "fp32", "fail", note=note))
+        return
+    try:
+        up_ms = (time.monotonic() - began) * 1e3
+        ctx.add(Row("serve.tcp", ctx.device_name, "start", "fp32", "pass", ours_ms=up_ms, note=f"http {cluster.http}"))
+        url = f"http://{cluster.http}/v1/completions"
+        _each_scheme(
+            ctx, "serve.tcp", url, f"{name} prompt {prompt_tokens} + {new_tokens} new", new_tokens, prompt_tokens, logs
+        )
+    finally:
+        cluster.__exit__(None, None, None)
+
+
+def _each_scheme(
+    ctx: Context, check: str, url: str, shape: str, new_tokens: int, prompt_tokens: int, logs: list[Path]
+) -> None:
+    """One greedy request per scheme to `url`, a row each; a failed one's row ends with the traceback the nodes
+    logged (`logs`), since on a lent machine that is all that comes back."""
+    import httpx
+
+    from smartgen.engine.policy import POLICIES
+
+    ids = torch.randint(3, 90, (prompt_tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+    texts: dict[str, str] = {}
+    for scheme in POLICIES:
+        if ctx.over_time(check, f"{shape}, {scheme}", "fp32", reserve_s=15):
+            continue
+        body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "scheme": scheme}
+        sent = time.monotonic()
+        try:
+            response = httpx.post(url, json=body, timeout=max(5.0, min(60.0, ctx.left() - 15)))
+        except httpx.HTTPError as exc:
+            ctx.add(Row(check, ctx.device_name, f"{shape}, {scheme}", "fp32", "fail", note=f"{exc!r}"))
+            continue
+        took = (time.monotonic() - sent) * 1e3
+        row = _served(ctx, check, f"{shape}, {scheme}", scheme, response, new_tokens, took, texts)
+        if row.result == "fail" and (trace := _last_traceback(logs)):
+            row.note += f" | {trace}"
+        ctx.add(row)
+
+
+def _last_traceback(logs: list[Path], lines: int = 12) -> str:
+    """The last traceback any of `logs` holds, its lines joined (empty when none)."""
+    for path in logs:
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        starts = [i for i, line in enumerate(text) if line.startswith("Traceback")]
+        if starts:
+            return f"{path.name}: " + " | ".join(line.strip() for line in text[starts[-1] :][-lines:])
+    return ""
+
+
 def _served(
-    ctx: Context, shape: str, scheme: str, response: Any, new_tokens: int, took_ms: float, texts: dict[str, str]
+    ctx: Context,
+    check: str,
+    shape: str,
+    scheme: str,
+    response: Any,
+    new_tokens: int,
+    took_ms: float,
+    texts: dict[str, str],
 ) -> Row:
     if response.status_code != 200:
         return Row(
-            "serve", ctx.device_name, shape, "fp32", "fail", note=f"HTTP {response.status_code}: {response.text[:200]}"
+            check, ctx.device_name, shape, "fp32", "fail", note=f"HTTP {response.status_code}: {response.text[:200]}"
         )
     body = response.json()
     usage, text = body.get("usage", {}), body["choices"][0]["text"]
@@ -111,7 +181,7 @@ def _served(
         note += "; same text as full" if text == texts["full"] else "; text differs from full's (exact: a near tie?)"
     if problems:
         note = "; ".join(problems) + "; " + note
-    return Row("serve", ctx.device_name, shape, "fp32", "fail" if problems else "pass", ours_ms=took_ms, note=note)
+    return Row(check, ctx.device_name, shape, "fp32", "fail" if problems else "pass", ours_ms=took_ms, note=note)
 
 
 def _stop(ctx: Context, node: subprocess.Popen, log_path: Path) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +23,8 @@ from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.link import LinkEnd
 
 __all__ = ["DecodeControl", "LinkLoad"]
+
+_Key = TypeVar("_Key")
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class DecodeControl(DecodePath):
             case msg.Metadata():
                 request = self._note_arrival(message.request_id)
                 if request is not None and 0 <= message.layer < self.layout.num_layers:
-                    request.metadata[message.layer] = message.tensors
+                    request.metadata[message.layer] = self._here(message.tensors)
             case msg.FirstToken():
                 request = self._note_arrival(message.request_id)
                 if request is not None and request.resuming:  # prefilled again elsewhere: metadata is kept
@@ -142,7 +145,7 @@ class DecodeControl(DecodePath):
                     request.resume.set_result(message.token)
                 elif request is not None and not request.first_token.done():
                     for layer, entry in enumerate(msg.unpack_metadata(message.metadata, self.layout.num_layers)):
-                        request.metadata[layer].update(entry)
+                        request.metadata[layer].update(self._here(entry))
                     request.metrics.prefill_cached_tokens = message.cached
                     request.forecast_promised = message.forecast
                     request.first_token_at = time.monotonic()
@@ -154,10 +157,13 @@ class DecodeControl(DecodePath):
                     pass
                 elif message.step == 2:
                     if request.forecast_next_promised:
-                        request.forecast_next = message.queries
+                        request.forecast_next = self._here(message.queries)
                 else:
-                    request.forecast = message.queries
+                    request.forecast = self._here(message.queries)
                     second = message.second
+                    if second is not None:
+                        device = self.pool.k.device
+                        second = msg.SecondToken(second.token, second.keys.to(device), second.values.to(device))
                     expected = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
                     if second is not None and tuple(second.keys.shape) != expected:
                         log.warning(
@@ -176,6 +182,11 @@ class DecodeControl(DecodePath):
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
             case _:
                 raise msg.MessageError(f"a decode node does not take {type(message).__name__.upper()} messages")
+
+    def _here(self, tensors: dict[_Key, torch.Tensor]) -> dict[_Key, torch.Tensor]:
+        """A message's tensors on the pool's device: a lane decodes them into host memory, and a decode node on a GPU
+        selects with them beside the pool's K/V and metadata there (a no-op on the CPU)."""
+        return {key: tensor.to(self.pool.k.device) for key, tensor in tensors.items()}
 
     def _note_arrival(self, request_id: str) -> DecodeRequest | None:
         """A message with KV, metadata or a token arrived for the request: progress (`stall`)."""
