@@ -131,12 +131,14 @@ def test_a_forecast_fetches_step_ones_picks_ahead_and_changes_no_answer():
     full, plain = _generate("full"), _generate("smartgen-no-forecast")
     forecast = _generate("smartgen-no-second-token")
     assert [r.tokens for r in forecast] == [r.tokens for r in full] == [r.tokens for r in plain]
-    # the second request's first token comes while the first decodes on the slow link: its picks were asked for
-    # before its first step (the first, alone, starts at once and asks as it goes)
-    assert forecast[1].metrics.forecast_entries > 0 and forecast[0].metrics.forecast_entries == 0
+    # the request that joins the running batch asks for its picks before its first step (the one that runs first,
+    # alone, starts at once and asks as it goes); which of the two runs first is the prefill side's timing (under
+    # load the second's first token can be in before the first's forecast)
+    [joiner] = [r for r in forecast if r.metrics.forecast_entries > 0]
+    assert sum(r.metrics.forecast_entries == 0 for r in forecast) == 1
     # the forecast attends as the sparse step does, so it foresees that step's picks (a dense one: 89% here; the
     # decode node's rows are summed in another order, so a near tie may still go the other way)
-    assert forecast[1].metrics.first_step_foreseen >= 0.97, forecast[1].metrics.first_step_foreseen
+    assert joiner.metrics.first_step_foreseen >= 0.97, joiner.metrics.first_step_foreseen
     assert all(r.metrics.forecast_entries == 0 for r in plain)
 
 
@@ -149,8 +151,10 @@ def test_the_forecast_steps_token_is_the_second_and_the_answers_stay_full_transf
     for result in second:
         assert result.metrics.prefill_tokens == 2
         assert result.metrics.forecast_entries > 0  # alone or not, it fetched the forecast's picks
-    # the joiner fetched the picks of its own first step (the next step's forecast, exact), not step one's
-    assert second[1].metrics.first_step_foreseen >= 0.97, second[1].metrics.first_step_foreseen
+    # the joiner fetched the picks of its own first step (the next step's forecast, exact), not step one's; the one
+    # that ran first, alone, fetched step one's as it started (which of the two joins is the prefill side's timing)
+    foreseen = sorted(r.metrics.first_step_foreseen for r in second)
+    assert foreseen[-1] >= 0.97, foreseen
     assert all(r.metrics.prefill_tokens == 1 for r in full)
     # a request that ends at its second token never runs a decode step
     model = model_from_config(tiny_config("llama"))

@@ -55,3 +55,26 @@ def test_on_the_cpu_the_tensors_are_the_messages_own():
     page_max = torch.ones(2, 4, 8)
     engine._handle(msg.Metadata(rid, 2, {"page_max": page_max}))
     assert engine.request_metadata(rid)[2]["page_max"] is page_max  # no copy where none is needed
+
+
+def test_the_second_token_is_in_place_before_the_forecast_shows(monkeypatch):
+    """The driver takes the second token as soon as `forecast_pending` turns False, on its own thread: the FORECAST's
+    queries must become visible after its second token, or the driver finds none and decodes the second itself
+    (seen under load: one request in a batch with prefill_tokens 1)."""
+    engine, rid = _opened()
+    engine._handle(msg.FirstToken(rid, 5, {}, forecast=True))
+    request = engine._requests[rid]
+    seen = []
+    here = engine._here
+
+    def watching(tensors):
+        moved = here(tensors)
+        seen.append((request.second is not None, request.forecast is None))
+        return moved
+
+    monkeypatch.setattr(engine, "_here", watching)
+    engine._handle(
+        msg.Forecast(rid, {2: torch.ones(4, 8)}, msg.SecondToken(7, torch.ones(3, 2, 8), torch.ones(3, 2, 8)))
+    )
+    assert seen == [(True, True)]  # the queries were placed with the second token already there
+    assert not engine.forecast_pending(rid) and request.second is not None and request.second.token == 7

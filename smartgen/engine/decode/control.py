@@ -159,7 +159,6 @@ class DecodeControl(DecodePath):
                     if request.forecast_next_promised:
                         request.forecast_next = self._here(message.queries)
                 else:
-                    request.forecast = self._here(message.queries)
                     second = message.second
                     if second is not None:
                         device = self.pool.k.device
@@ -177,6 +176,8 @@ class DecodeControl(DecodePath):
                         request.second = second
                         request.forecast_next_promised = True
                         self._tell_token(self.on_second_token, message.request_id, second.token, request.second_at)
+                    # last: the driver takes the second token as soon as it sees the forecast (forecast_pending)
+                    request.forecast = self._here(message.queries)
             case msg.Error() | msg.Abort():
                 overloaded = isinstance(message, msg.Error) and message.overloaded
                 self._fail_request(message.request_id, message.reason or "prefill node failed", overloaded=overloaded)
