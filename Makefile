@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-lanes test-slow lint format demo bench gpu-check gpu-wheels lanes pyverbs-debian clean FORCE
+.PHONY: venv test test-lanes test-slow test-oldest lint format demo bench gpu-check gpu-wheels lanes pyverbs-debian clean FORCE
 
 venv: $(STAMP)
 
@@ -39,6 +39,20 @@ test-lanes: lanes
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist worksteal)
+
+# The oldest transformers pyproject admits (the lent H200 image's release), installed beside .venv's and put first on
+# the path: the tests that run the model through SmartGen's hooks and cache (its forward's cache argument was renamed
+# in 5.2x, and 5.17 ignored the new name silently), then the CPU half of the GPU check's decode and serve checks.
+OLDEST_TRANSFORMERS ?= transformers==5.17.0 huggingface_hub==1.33.0
+OLDEST_SITE := $(VENV)/oldest-transformers
+test-oldest: venv
+	$(PY) -m pip install -q --no-deps --upgrade --target $(OLDEST_SITE) $(OLDEST_TRANSFORMERS)
+	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
+	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)) \
+		tests/test_cache_kwarg.py tests/test_runtime.py tests/test_runtime_sparse.py tests/test_forecast.py \
+		tests/test_selectors.py tests/test_prefix_cache.py tests/test_head_sizes.py
+	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m smartgen.apps.gpu_check --cpu --only decode.sample16,decode.random32,serve,serve.tcp \
+		--out gpu-check-results/oldest-transformers
 
 # ruff (lint + format check) and mypy, as configured in pyproject.toml; `make format` applies the formatter.
 lint: venv
