@@ -189,12 +189,14 @@ def test_a_silent_peer_is_declared_dead_within_its_lease_and_heartbeats_keep_an_
     finally:
         watched.close()
         b.close()
+    # a lease long enough that a busy test machine's stalls (a heartbeat thread not scheduled for 0.45 s, seen in CI
+    # under a 0.6 s lease) do not read as a dead peer: heartbeats every 0.375 s, a stall must pass 1.1 s
     a, b = _tcp_pair()
-    arm(a, Lease(0.6))
-    arm(b, Lease(0.6))
+    arm(a, Lease(1.5))
+    arm(b, Lease(1.5))
     left, right = TcpLane(a, "left"), TcpLane(b, "right")
     try:
-        time.sleep(2.0)  # three leases of silence but for heartbeats
+        time.sleep(3.5)  # more than two leases of silence but for heartbeats
         assert not left.closed and not right.closed, (left.error, right.error)
     finally:
         left.close()
