@@ -42,13 +42,15 @@ test-slow: venv
 
 # The oldest transformers pyproject admits (the lent H200 image's release), installed beside .venv's and put first on
 # the path: the tests that run the model through SmartGen's hooks and cache (its forward's cache argument was renamed
-# in 5.2x, and 5.17 ignored the new name silently), then the CPU half of the GPU check's decode and serve checks.
+# in 5.2x, and 5.17 ignored the new name silently), then the CPU half of the GPU check's decode and serve checks. In one
+# process: under two workers beside the heavier files, test_forecast's second-token test failed 2 of 3 runs here (both
+# requests fetched step one's picks; the cause is not found yet), never alone or under 5.25.
 OLDEST_TRANSFORMERS ?= transformers==5.17.0 huggingface_hub==1.33.0
 OLDEST_SITE := $(VENV)/oldest-transformers
 test-oldest: venv
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OLDEST_SITE) $(OLDEST_TRANSFORMERS)
 	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
-	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)) \
+	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_cache_kwarg.py tests/test_runtime.py tests/test_runtime_sparse.py tests/test_forecast.py \
 		tests/test_selectors.py tests/test_prefix_cache.py tests/test_head_sizes.py
 	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m smartgen.apps.gpu_check --cpu --only decode.sample16,decode.random32,serve,serve.tcp \

@@ -143,7 +143,7 @@ def _each_scheme(
 
 
 def _last_traceback(logs: list[Path], lines: int = 12) -> str:
-    """The last traceback any of `logs` holds, its lines joined (empty when none)."""
+    """The last traceback in the first of `logs` that holds one, its last lines joined (empty when none holds one)."""
     for path in logs:
         text = path.read_text(errors="replace").splitlines() if path.exists() else []
         starts = [i for i, line in enumerate(text) if line.startswith("Traceback")]
