@@ -93,9 +93,18 @@ def instrument(clock: StepClock) -> None:
     for owner, name in ((move, "split_reorder"), (move, "entry_status"), (decide, "plan_assembly")):
         clock.wrap(owner, name, "split")
     clock.wrap(move, "gather_kv", "gather")
+    clock.wrap(move, "gather_valid", "gather")
     for name in ("_send_fetches", "_land_fetches", "_land_late"):
         clock.wrap(DecodeEngine, name, "fetch")
-    for name in ("assemble", "begin_layer", "append", "end_step", "_newly_selected", "hint_factor", "prefetch_wanted"):
+    for name in (
+        "assemble",
+        "begin_layer",
+        "append",
+        "end_step",
+        "count_step_selections",
+        "hint_factor",
+        "prefetch_wanted",
+    ):
         clock.wrap(DecodeEngine, name, "books")
     clock.wrap(DecodeDriver, "step", "books")
     clock.wrap(sim._SyntheticDecode, "step", MODEL)
@@ -168,6 +177,7 @@ def main() -> None:
     parser.add_argument("--layer-ms", type=float, default=1.0, help="emulated decode compute per layer (ms)")
     parser.add_argument("--prefill-us", type=float, default=30.0, help="emulated prefill compute per token (us)")
     parser.add_argument("--stall-ratio", type=float, default=4.7, help="full transfer / prefill time: sets the link")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together (each of every length)")
     parser.add_argument("--skip-first", action="store_true", help="leave the first decode step (its fetches) out")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one decode node's step thread; the machine is shared
@@ -176,7 +186,7 @@ def main() -> None:
     print(
         f"{args.scheme}: L={args.layers} H={args.kv_heads} d={args.head_dim} fp16, {args.select_ratio:.0%} selected, "
         f"stall ratio {args.stall_ratio}, emulated step {emulated_ms:g} ms, {args.steps - 1} decode steps x "
-        f"{args.reps} reps; ms of CPU per step (median)"
+        f"{args.reps} reps, batch {args.batch}; ms of CPU per step (median)"
     )
     header = f"{'context':>8} {'link Gb/s':>9} " + " ".join(f"{c:>8}" for c in COMPONENTS)
     print(header + f" {'total':>8} {'x emul':>7} {'no gath':>8} {'od%':>5}")
@@ -185,7 +195,7 @@ def main() -> None:
         for length in (int(x) for x in args.lengths.split(",")):
             config = sim.SimulationConfig(
                 layout,
-                lengths=(length,),
+                lengths=(length,) * args.batch,
                 steps=args.steps,
                 select_ratio=args.select_ratio,
                 prefill_seconds_per_token=args.prefill_us * 1e-6,

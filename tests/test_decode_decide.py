@@ -119,11 +119,25 @@ def test_remote_entries_are_flat_token_head_ids_less_what_was_asked():
     assert message.heads.tolist() == [[True, False], [True, True]]
 
 
-def test_hint_ids_name_the_remote_tokens_of_a_wider_selection():
+def test_hints_name_the_remote_tokens_of_a_wider_selection():
     wide = torch.tensor([[4, 1], [4, 2]])
     status = torch.tensor([[REMOTE, LOCAL], [REMOTE, REMOTE]], dtype=torch.int8)
-    assert decide.hint_ids(wide, status, layer=2, length=10).tolist() == [22, 24]
-    assert decide.hint_ids(wide, torch.full_like(status, LOCAL), layer=2, length=10) is None
+    marks = decide.hint_marks(wide, status, torch.tensor([20, 20]))  # layer 2 of a 10-token request
+    assert marks.tolist() == [[24, -1], [24, 22]]
+    assert decide.hinted([marks]).tolist() == [22, 24]
+    assert decide.hinted([decide.hint_marks(wide, torch.full_like(status, LOCAL), torch.tensor([20, 20]))]) is None
+    assert decide.hinted([]) is None
+
+
+def test_hints_of_a_batch_carry_each_requests_own_layer_offset():
+    """Rows of a batch mark with their own request's length; a notice's hints are the union of every layer's."""
+    wide = torch.tensor([[3, 0], [1, 2]])  # request 0 (length 5) then request 1 (length 8), one head each
+    status = torch.full_like(wide, REMOTE, dtype=torch.int8)
+    status[1, 1] = 0  # padding is never hinted
+    marks = decide.hint_marks(wide, status, torch.tensor([1 * 5, 1 * 8]))
+    assert marks.tolist() == [[8, 5], [9, -1]]
+    later = decide.hint_marks(torch.tensor([[3]]), torch.tensor([[REMOTE]], dtype=torch.int8), torch.tensor([10]))
+    assert decide.hinted([marks[0:1], later]).tolist() == [5, 8, 13]
 
 
 @settings(max_examples=60, deadline=None)

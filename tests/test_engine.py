@@ -677,3 +677,44 @@ def test_remote_layers_are_scanned_once_a_step():
     finally:
         decode.close()
         prefill.close()
+
+
+def test_selection_counts_are_per_step_and_a_redone_step_counts_once():
+    """A step's selections are counted when it ends (`end_step`): every (layer >= 2, token, head) entry once per
+    step that selected it, the union's bytes with it. A deferred step taken back (`undo_step`) counts nothing, so
+    redoing it does not count its layers twice; layers 0-1 are never counted."""
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("full"), length=120)
+        heads = LAYOUT.num_kv_heads
+        metrics = decode.metrics(rid)
+        first = torch.arange(10).expand(heads, 10).contiguous()
+        padded = torch.cat([torch.arange(5, 15).expand(heads, 10), torch.full((heads, 2), -1)], 1).contiguous()
+        for layer in range(LAYOUT.num_layers):
+            decode.assemble(layer, [rid], first)
+        assert metrics.selection_counts is None and metrics.selected_union_bytes == 0  # counted when it ends
+        decode.end_step([rid])
+        decode.assemble(2, [rid], padded)  # a step that is taken back before it ends
+        decode.undo_step(rid)
+        decode.assemble(2, [rid], padded)
+        decode.assemble(3, [rid], padded)
+        decode.end_step([rid])
+        counts = metrics.selection_counts
+        assert counts is not None and counts.shape == (LAYOUT.num_layers, 120, heads)
+        assert int(counts[:2].sum()) == 0
+        expected = torch.zeros(120, dtype=torch.int32)
+        expected[:10] += 1
+        expected[5:15] += 1
+        assert torch.equal(counts[2], expected.unsqueeze(1).expand(120, heads))
+        assert torch.equal(counts[3], expected.unsqueeze(1).expand(120, heads))
+        assert int(counts[4:].sum()) == (LAYOUT.num_layers - 4) * 10 * heads
+        entry_bytes = 2 * LAYOUT.head_dim * LAYOUT.dtype.itemsize
+        distinct = (LAYOUT.num_layers - 2) * 10 * heads + 2 * 5 * heads  # step 2 adds tokens 10-14 in layers 2-3
+        assert metrics.selected_union_bytes == distinct * entry_bytes
+        assert metrics.union_bytes_at_token[-2:] == [
+            (LAYOUT.num_layers - 2) * 10 * heads * entry_bytes,
+            distinct * entry_bytes,
+        ]
+    finally:
+        decode.close()
+        prefill.close()

@@ -40,8 +40,8 @@ def _run(scheme: str, record: list | None = None, fetches: list | None = None) -
             decode = p.decode_engine
             send, prefetch = decode._send_fetches, decode.prefetch
 
-            def sent(layer, requests, split):
-                out = send(layer, requests, split)
+            def sent(layer, requests, split, remote_of):
+                out = send(layer, requests, split, remote_of)
                 fetches.append(("step", layer, sum(int(e.numel()) for _, e, _, _ in out)))
                 return out
 

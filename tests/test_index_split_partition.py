@@ -97,3 +97,35 @@ def test_gather_copies_exactly_the_range_of_each_row(data, num_slots, batch, num
             expect_k[r, j], expect_v[r, j] = k_pool[slot, token, head], v_pool[slot, token, head]
     gather_kv_reference(k_pool, v_pool, slots, index, start, stop, k_out, v_out)
     assert torch.equal(k_out, expect_k) and torch.equal(v_out, expect_v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), **BATCH, num_tokens=st.integers(1, 20), k=st.integers(0, 8), strided_out=st.booleans())
+def test_gather_valid_copies_each_rows_valid_prefix_and_zeroes_the_rest(
+    data, num_slots, batch, num_heads, num_tokens, k, strided_out
+):
+    """gather_valid_reference gives what zeroed outputs and gather_kv_reference over [0, num_valid) give, whatever
+    the padding's positions (-1, past the end, or real tokens), into a contiguous or a strided output."""
+    from smartgen.engine.index_ops import gather_kv_reference, gather_valid_reference
+
+    head_dim, rows = 3, batch * num_heads
+    k_pool = torch.randn(num_slots, num_tokens, num_heads, head_dim, dtype=torch.float16)
+    v_pool = torch.randn(num_slots, num_tokens, num_heads, head_dim, dtype=torch.float16)
+    slots = torch.tensor(data.draw(st.lists(st.integers(0, num_slots - 1), min_size=batch, max_size=batch)))
+    num_valid = torch.tensor(data.draw(st.lists(st.integers(0, k), min_size=rows, max_size=rows)), dtype=torch.int32)
+    valid = torch.tensor(
+        data.draw(st.lists(st.integers(0, num_tokens - 1), min_size=rows * k, max_size=rows * k)), dtype=torch.int64
+    ).view(rows, k)
+    padding = torch.tensor(
+        data.draw(st.lists(st.integers(-1, num_tokens + 2), min_size=rows * k, max_size=rows * k)), dtype=torch.int64
+    ).view(rows, k)
+    index = torch.where(torch.arange(k).unsqueeze(0) < num_valid.unsqueeze(1), valid, padding)
+    want_k, want_v = torch.zeros(rows, k, head_dim, dtype=torch.float16), torch.zeros(rows, k, head_dim).half()
+    gather_kv_reference(k_pool, v_pool, slots, index, torch.zeros_like(num_valid), num_valid, want_k, want_v)
+    if strided_out:
+        k_out = torch.full((rows, k, 2 * head_dim), 5.0, dtype=torch.float16)[..., ::2]
+        v_out = torch.full((rows, k, 2 * head_dim), 5.0, dtype=torch.float16)[..., ::2]
+    else:
+        k_out, v_out = torch.empty(rows, k, head_dim, dtype=torch.float16), torch.empty(rows, k, head_dim).half()
+    gather_valid_reference(k_pool, v_pool, slots, index, num_valid, k_out, v_out)
+    assert torch.equal(k_out, want_k) and torch.equal(v_out, want_v)

@@ -309,6 +309,28 @@ def test_gather_kv_skips_out_of_range_positions_in_window() -> None:
     assert bool((out[:, 0, 1:3] == -1.0).all())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_gather_valid_on_the_kernel_matches_its_reference(layout: str) -> None:
+    """index_ops.gather_valid dispatches to the gather kernel (outputs zeroed first); it must equal the reference,
+    which gathers the whole grid and zeroes the padding, bit for bit."""
+    gen = torch.Generator().manual_seed(13)
+    batch, num_heads, k, num_tokens, head_dim = 3, 2, 9, 11, 16
+    rows = batch * num_heads
+    split = split_reorder_reference(
+        make_index(rows, k, num_tokens, gen), make_mask(num_tokens, gen), make_slots(batch, gen), num_heads
+    )
+    slots = make_slots(batch, gen)
+    k_pool = make_pool(num_tokens, num_heads, head_dim, torch.float16, layout)
+    v_pool = make_pool(num_tokens, num_heads, head_dim, torch.float16, "contiguous")
+    num_valid = split.num_remote + split.num_local
+    got = torch.full((2, rows, k, head_dim), 3.0, dtype=torch.float16)
+    want = torch.full((2, rows, k, head_dim), 3.0, dtype=torch.float16)
+    assert kernels.use_triton(k_pool)
+    index_ops.gather_valid(k_pool, v_pool, slots, split.index, num_valid, got[0], got[1])
+    index_ops.gather_valid_reference(k_pool, v_pool, slots, split.index, num_valid, want[0], want[1])
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- launcher checks
 
 

@@ -322,6 +322,7 @@ class DecodeControl(DecodePath):
         """Takes back a deferred request's step: the token it appended goes, the step will be done again."""
         request = self._require_any(request_id)
         self.pool.drop_last(request.slot)
+        request.step_selections = []  # the layers it got through are selected again when the step is redone
         request.deferred = False
 
     def ready_to_resume(self, request_id: str) -> bool:

@@ -20,7 +20,8 @@ __all__ = [
     "plan_assembly",
     "drop_remote_rows",
     "remote_entries",
-    "hint_ids",
+    "hint_marks",
+    "hinted",
     "hint_ratio",
     "prefetches",
     "prefetch_layer",
@@ -126,13 +127,21 @@ def remote_entries(index: torch.Tensor, status: torch.Tensor, asked: Sequence[to
     return entries
 
 
-def hint_ids(wide: torch.Tensor, status: torch.Tensor, layer: int, length: int) -> torch.Tensor | None:
-    """The tokens a wider selection of one request (`wide`, `status` [H, k']) picks that are still remote in some
-    head, as flat ids layer * length + token for the next IDLE; None when it picks none."""
-    remote = status == REMOTE
-    if not bool(remote.any()):
+def hint_marks(wide: torch.Tensor, status: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A wider selection's picks (`wide`, `status` [R, k']) marked for the next IDLE: flat id layer * length +
+    token where the pick is still remote in its head, -1 elsewhere; `offsets` [R] is layer * length of each row's
+    request. A whole batch in one pass: which tokens they name is left to `hinted`, at the notice."""
+    return torch.where(status == REMOTE, wide + offsets.to(wide.dtype).unsqueeze(1), -1)
+
+
+def hinted(marks: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The distinct tokens a request's `hint_marks` since its last notice name, sorted, on the CPU; None when
+    they name none."""
+    if not marks:
         return None
-    return wide[remote].unique().cpu() + layer * length
+    noted = torch.cat([rows.reshape(-1) for rows in marks])
+    tokens = noted[noted >= 0].unique().cpu()
+    return tokens if tokens.numel() else None
 
 
 def drop_remote_rows(split: IndexSplit, rows: torch.Tensor) -> IndexSplit:

@@ -260,6 +260,7 @@ class DecodeEngine(DecodeControl):
         now = time.monotonic()
         for request_id in request_ids:
             request = self._require(request_id)
+            self.count_step_selections(request)  # before the token: its union bytes are the step's
             request.metrics.record_token(now)
             request.deferred_since = None
             request.remote_layers = None  # pushes and fetches landed during the step: scan again next step

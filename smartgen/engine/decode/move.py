@@ -13,7 +13,7 @@ import torch
 import smartgen.engine.decode.decide as decide
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.request import Assembled, DecodeRequest, LateFetch, LinkLost, RequestFailed
-from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, split_reorder
+from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, gather_valid, split_reorder
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout
 from smartgen.engine.mask import REMOTE
 from smartgen.engine.metrics import PathCounters
@@ -93,8 +93,7 @@ class DecodePath:
             )
             request.layers_since_notice = notice.layers_since_notice
             if notice.send:
-                hints = torch.cat(request.hints).unique() if request.hints else None
-                request.hints = []
+                hints, request.hints = decide.hinted(request.hints), []
                 request.link.control.send(msg.Idle(request_id, layer, hints).pack())
 
     def hint_factor(self, request_ids: list[str], layer: int | None = None) -> float:
@@ -128,18 +127,20 @@ class DecodePath:
     def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
         """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
         selector at (1 + hints) x its budget) picks and that are still remote in some head: what the selector is
-        likely to pick next. Only requests whose policy hints."""
+        likely to pick next. Only requests whose policy hints. The whole batch's picks are marked in one pass and
+        kept as views; the next notice reduces them (`decide.hinted`), so noting costs no host read per request."""
         num_heads = self.layout.num_kv_heads
         requests = [self._require_any(rid) for rid in request_ids]
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=wide.device)
         status = entry_status(wide, self.pool.masks.layer(layer).to(wide.device), slots, num_heads)
+        offsets = torch.tensor([layer * r.length for r in requests], device=wide.device)
+        marks = decide.hint_marks(wide, status, offsets.repeat_interleave(num_heads))
         for b, request in enumerate(requests):
-            if not (request.flags.hints and request.live):
-                continue
-            rows = slice(b * num_heads, (b + 1) * num_heads)
-            hinted = decide.hint_ids(wide[rows], status[rows], layer, request.length)
-            if hinted is not None:
-                request.hints.append(hinted)
+            if request.flags.hints and request.live:
+                request.hints.append(marks[b * num_heads : (b + 1) * num_heads])
+                if len(request.hints) > 2 * self.layout.num_layers:  # no notice for a while: keep its size bounded
+                    kept = decide.hinted(request.hints)
+                    request.hints = [] if kept is None else [kept]
 
     def assemble(
         self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None
@@ -168,35 +169,50 @@ class DecodePath:
         )
         split, num_remote, local_stop, early_stop = plan.split, plan.split.num_remote, plan.num_valid, plan.early_stop
         num_rows, k = index.shape
-        k_out = torch.zeros(num_rows, k, self.layout.head_dim, dtype=self.layout.dtype, device=self.pool.k.device)
-        v_out = torch.zeros_like(k_out)
-        fetches = self._send_fetches(layer, requests, split)
+        shape = (num_rows, k, self.layout.head_dim)
+        # one host read decides which requests fetch (a read per request and layer cost a sync each on a GPU)
+        remote_of = num_remote.view(len(requests), num_heads).sum(1).tolist()
+        fetches = self._send_fetches(layer, requests, split, remote_of)
         # local entries of parallel requests now, while their fetches are in flight; the others' after landing
         started = time.monotonic()
-        gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, num_remote, early_stop, k_out, v_out)
-        entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
-        self.counters.add("local", int((early_stop - num_remote).sum()) * entry_bytes, time.monotonic() - started)
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        if plan.all_parallel:
+            # every valid entry in one gather, the remote ones too: whatever they read is overwritten once their
+            # fetch lands (below), and the padding is zeroed
+            k_out = torch.empty(shape, dtype=self.layout.dtype, device=self.pool.k.device)
+            v_out = torch.empty_like(k_out)
+            gather_valid(k_pool, v_pool, slots, split.index, local_stop, k_out, v_out)
+        else:
+            k_out = torch.zeros(shape, dtype=self.layout.dtype, device=self.pool.k.device)
+            v_out = torch.zeros_like(k_out)
+            gather_kv(k_pool, v_pool, slots, split.index, num_remote, early_stop, k_out, v_out)
+        early_s = time.monotonic() - started
         self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
+        late_s = 0.0
         if not plan.all_parallel:
             local_started = time.monotonic()
-            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, early_stop, local_stop, k_out, v_out)
-            late_bytes = int((local_stop - early_stop).sum()) * entry_bytes
-            self.counters.add("local", late_bytes, time.monotonic() - local_started)
+            gather_kv(k_pool, v_pool, slots, split.index, early_stop, local_stop, k_out, v_out)
+            late_s = time.monotonic() - local_started
         if fetches:
             zeros = torch.zeros_like(num_remote)
-            gather_kv(self.pool.k[layer], self.pool.v[layer], slots, split.index, zeros, num_remote, k_out, v_out)
+            gather_kv(k_pool, v_pool, slots, split.index, zeros, num_remote, k_out, v_out)
+        # the layer's counts per request in one host read: selected, dropped, gathered early, gathered late
+        counts = torch.stack([local_stop, plan.dropped, early_stop - num_remote, local_stop - early_stop])
+        selected_of, dropped_of, early_of, late_of = counts.view(4, len(requests), num_heads).sum(2).tolist()
+        entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
+        self.counters.add("local", sum(early_of) * entry_bytes, early_s)
+        if not plan.all_parallel:
+            self.counters.add("local", sum(late_of) * entry_bytes, late_s)
         selected = remote = 0
         for b, request in enumerate(requests):
             if request.deferred:
                 continue  # its step is redone: counted then
-            rows = slice(b * num_heads, (b + 1) * num_heads)
-            row_selected, row_remote = int(local_stop[rows].sum()), int(num_remote[rows].sum())
-            request.metrics.count_selection(row_selected, row_remote, layer, int(plan.dropped[rows].sum()))
+            row_selected, row_remote = selected_of[b], remote_of[b]
+            request.metrics.count_selection(row_selected, row_remote, layer, dropped_of[b])
             if row_remote:
                 request.remote_met.add(layer)
             if layer >= DENSE_LAYERS:  # layers 0-1 move whole whatever is selected: the bound counts them apart
-                new = self._newly_selected(request, layer, split.index[rows])
-                request.metrics.count_new_selection(new * entry_bytes)
+                request.step_selections.append((layer, split.index[b * num_heads : (b + 1) * num_heads]))
             selected += row_selected
             remote += row_remote
         self.counters.add_selection(selected, remote)
@@ -219,22 +235,36 @@ class DecodePath:
                 self.pool.sync_staged(layer, [request.slot])
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
 
-    def _newly_selected(self, request: DecodeRequest, layer: int, rows: torch.Tensor) -> int:
-        """How many entries of index rows [H, k] no earlier step of `request` selected; counts the selection of
-        each (`RequestMetrics.selection_counts`)."""
+    def count_step_selections(self, request: DecodeRequest) -> None:
+        """Counts the selections of the step just ended (`RequestMetrics.selection_counts`) and the bytes of the
+        entries no earlier step selected (the bound's `selected_union_bytes`). Once a step, not once a layer: the
+        step's selecting layers share one index width, so they are counted in a few tensor operations, and never
+        while a layer waits for them."""
+        pending, request.step_selections = request.step_selections, []
+        if not pending:
+            return
         counts = request.metrics.selection_counts
+        length, num_heads = request.length, self.layout.num_kv_heads
         if counts is None:
-            shape = (self.layout.num_layers, request.length, self.layout.num_kv_heads)
+            shape = (self.layout.num_layers, length, num_heads)
             counts = request.metrics.selection_counts = torch.zeros(shape, dtype=torch.int32)
-        # flat ids token * H + head into the layer's [n * H] counts: a 1-D read and add (the 2-D advanced index they
-        # replace cost ~1 ms a layer at 32K tokens: 26K entries)
-        num_heads = rows.shape[0]
-        valid = (rows >= 0) & (rows < request.length)
-        flat = (rows * num_heads + torch.arange(num_heads, device=rows.device).unsqueeze(1))[valid].cpu()
-        seen = counts[layer].view(-1)
+        # flat ids (layer * n + token) * H + head into the [L * n * H] counts: a 1-D read and add (a 2-D advanced
+        # index cost ~1 ms a layer at 32K tokens: 26K entries)
+        by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for layer, rows in pending:
+            by_width.setdefault(rows.shape[1], []).append((layer, rows))
+        flats = []
+        for group in by_width.values():
+            rows = torch.stack([r for _, r in group]).cpu()  # [L', H, k]
+            layers = torch.tensor([layer for layer, _ in group], dtype=torch.int64).view(-1, 1, 1)
+            valid = (rows >= 0) & (rows < length)
+            heads = torch.arange(num_heads).view(1, -1, 1)
+            flats.append(((layers * length + rows) * num_heads + heads)[valid])
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        seen = counts.view(-1)
         new = int((seen.index_select(0, flat) == 0).sum())
         seen.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32))
-        return new
+        request.metrics.count_new_selection(new * 2 * self.layout.head_dim * self.layout.dtype.itemsize)
 
     def local_spans(
         self, layer: int, request_ids: list[str], starts: list[int], stops: list[int]
@@ -259,15 +289,16 @@ class DecodePath:
         return spans
 
     def _send_fetches(
-        self, layer: int, requests: list[DecodeRequest], split: IndexSplit
+        self, layer: int, requests: list[DecodeRequest], split: IndexSplit, remote_of: list[int]
     ) -> list[tuple[DecodeRequest, torch.Tensor, Future, float]]:
-        """FETCH for every request with remote entries: exactly its remote (token, KV head) entries, as flat ids
-        token * H + head (a head no query of the step selected is not moved)."""
+        """FETCH for every request with remote entries (`remote_of[b]`: request b's count): exactly its remote
+        (token, KV head) entries, as flat ids token * H + head (a head no query of the step selected is not
+        moved)."""
         num_heads = self.layout.num_kv_heads
         fetches = []
         for b, request in enumerate(requests):
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            if not bool(split.num_remote[rows].any()) or request.metrics.error:
+            if not remote_of[b] or request.metrics.error:
                 continue  # a failed request's rows are assembled from what is local; it leaves after the step
             if request.resuming:  # nothing to fetch from until its new prefill node has prefilled: park it
                 request.deferred = True

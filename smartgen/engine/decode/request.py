@@ -59,7 +59,7 @@ class DecodeRequest:
     # fetches a step gave up waiting for (stall_timeout), or prefetched: landed when they arrive
     late: list[LateFetch] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
-    hints: list[torch.Tensor] = field(default_factory=list)  # flat ids (layer * length + token) for the next IDLE
+    hints: list[torch.Tensor] = field(default_factory=list)  # `decide.hint_marks` rows for the next IDLE
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
     resume: Future | None = None
@@ -71,6 +71,8 @@ class DecodeRequest:
     # layers whose selection (or prefetch) met remote entries this step, and last step's (None: no step yet)
     remote_met: set[int] = field(default_factory=set)
     remote_met_before: set[int] | None = None
+    # this step's selection of each layer >= 2 ([H, k] index rows), counted once the step ends
+    step_selections: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # what of its KV has arrived and when (the first-token bound judges this progress); the engine's open sets it
     arrival: Arrival = field(default_factory=lambda: Arrival(0, 0, 0.0))
     # the first step's forecast: FIRST_TOKEN promised one; its queries once FORECAST came (taken once, then None)
