@@ -105,6 +105,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert all(r["first_step_coverage"] == 0.0 for r in group["requests"])
         if group["scheme"] == "proactive-only":
             assert group["path_bytes"]["on_demand"] == group["path_bytes"]["speculative"] == 0
+        # the decode node counts each fetch it landed: none without on-demand bytes, and a reply takes time
+        assert (group["fetches"] > 0) == (group["path_bytes"]["on_demand"] > 0)
+        assert (group["fetch_s"] > 0) == (group["fetches"] > 0)
     for group in measured:  # the decode node's requests and notices back to the prefill node are counted
         assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
     # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group
@@ -120,6 +123,8 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         if summary["scheme"] == "full":
             assert summary["vs_full"]["ttst_speedup"] == pytest.approx(1.0)
         assert summary["ttst_bound"] > 0
+        if summary["fetch_round_trip"] is not None:  # a paced link: no reply lands before its bytes have crossed
+            assert summary["fetch_round_trip"] >= summary["fetch_link"] > 0
         assert summary["ttst_bound_selection"] >= summary["ttst_bound"]
         bound = summary["ctl_bound"]
         assert len(bound) == len(summary["node_ctl"]) and bound == sorted(bound)

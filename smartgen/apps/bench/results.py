@@ -46,6 +46,8 @@ class Group:
     posting_s: float
     link_bytes: int  # sent by the prefill nodes (push and control lanes): the KV's direction
     link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
+    fetches: int = 0  # fetch replies the decode node landed (on demand and prefetched)
+    fetch_s: float = 0.0  # their summed time from sending the FETCH to landing the reply
     joins: list[dict[str, Any]] = field(default_factory=list)  # joins.Join of each request that joined others
 
 

@@ -406,9 +406,13 @@ def _is_optimal(scheme: str) -> bool:
 
 def _totals(status: dict[str, Any]) -> dict[str, float]:
     """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links; and the
-    bytes the decode node sent back over its links (`link_bytes_back`)."""
+    bytes the decode node sent back over its links (`link_bytes_back`), its fetch replies landed and their summed
+    time from sending to landing (`fetches`, `fetch_s`)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
     totals.update(descriptors=0, posting_s=0.0, link_bytes=0, link_bytes_back=0)
+    paths = status["decode"].get("paths", {})
+    totals["fetches"] = paths.get("transfers", {}).get("on_demand", 0)
+    totals["fetch_s"] = paths.get("seconds", {}).get("on_demand", 0.0)
     for link in status["decode"].get("links", []):
         totals["link_bytes_back"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
@@ -482,6 +486,7 @@ def _run_group(
                 "first_step_coverage": usage.get("first_step_coverage"),
                 "first_step_wait": usage.get("first_step_wait"),
                 "fetch_wait": usage.get("fetch_wait"),
+                "prefetched_entries": usage.get("prefetched_entries"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                 "held_tokens": usage.get("held_tokens"),
                 "score": prompts.score(sample, answer.text) if trained else None,
@@ -501,6 +506,8 @@ def _run_group(
         posting_s=after["posting_s"] - before["posting_s"],
         link_bytes=int(after["link_bytes"] - before["link_bytes"]),
         link_bytes_back=int(after["link_bytes_back"] - before["link_bytes_back"]),
+        fetches=int(after["fetches"] - before["fetches"]),
+        fetch_s=after["fetch_s"] - before["fetch_s"],
         joins=[asdict(join) for join in find_joins(requests)],
     ), counts
 

@@ -81,6 +81,11 @@ class Summary:
     # joins.py: the joins of the measured rounds, and over them each join's p99 of running requests' gaps
     joins: int = 0
     join_p99: dict[str, float | None] = field(default_factory=dict)  # mean, p50, p99, min, max (seconds)
+    # one fetch on the decode node, from sending its FETCH to landing its reply (seconds, mean over the measured
+    # rounds' fetches), and the link's time for its bytes alone: their difference is what a fetch waits beyond
+    # its own bytes (queued behind other transfers, the prefill node's turn to serve it, the handoffs)
+    fetch_round_trip: float | None = None
+    fetch_link: float | None = None
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -178,6 +183,11 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         ),
         joins=len(joins),
         join_p99=_stats([float(j["p99"]) for j in joins]),
+        fetch_round_trip=_ratio(sum(g.fetch_s for g in groups), sum(g.fetches for g in groups)),
+        fetch_link=_ratio(
+            sum(g.path_bytes.get("on_demand", 0) for g in groups) / rate if rate else None,
+            sum(g.fetches for g in groups),
+        ),
     )
 
 

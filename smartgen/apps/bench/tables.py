@@ -173,8 +173,9 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         "selection (what prefill cannot hide of layers 0-1, metadata and that selection); TBT fl: mean TBT (ms) "
         "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound); join: per "
         "request that joined others decoding, the p99 of their token gaps from its first token to the first its "
-        "decode node computed, the median over joins (ms; - with none)",
-        ["scheme", "cov1%", "wait1", "wait", "fetch", "desc", "post", "bound1", "TBT fl", "join"],
+        "decode node computed, the median over joins (ms; - with none); rtt: one fetch from its FETCH to its "
+        "reply landed, and after / its bytes' own link time (ms, means over the fetches)",
+        ["scheme", "cov1%", "wait1", "wait", "fetch", "desc", "post", "bound1", "TBT fl", "join", "rtt"],
     )
     for s in rows:
         waits.add_row(
@@ -188,6 +189,7 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.ttst_bound_selection),
             _ms(s.tbt_floor),
             _ms(s.join_p99.get("p50")),
+            f"{_ms1(s.fetch_round_trip)} / {_ms1(s.fetch_link)}" if s.fetch_round_trip is not None else "-",
         )
     return timings, node, transfers, waits
 
