@@ -108,6 +108,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         # the decode node counts each fetch it landed: none without on-demand bytes, and a reply takes time
         assert (group["fetches"] > 0) == (group["path_bytes"]["on_demand"] > 0)
         assert (group["fetch_s"] > 0) == (group["fetches"] > 0)
+        assert sum(landed for landed, _ in group["fetch_kinds"].values()) == group["fetches"]  # every kind counted
     for group in measured:  # the decode node's requests and notices back to the prefill node are counted
         assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
     # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group

@@ -64,6 +64,9 @@ def _run(scheme: str, record: list | None = None, fetches: list | None = None) -
         moved = p.prefill_engine.counters.snapshot()["bytes"]
         if fetches is not None:
             fetches.append(("prefetched", -1, result.metrics.prefetched_entries))
+            counters = p.decode_engine.counters.snapshot()
+            fetches += [("landed", kind, n["landed"]) for kind, n in counters["fetches"].items()]
+            fetches.append(("landed", "all", counters["transfers"]["on_demand"]))
         return result.tokens, moved
 
 
@@ -128,6 +131,9 @@ def test_prefetch_fetches_ahead_and_changes_no_token():
     assert sum(n for _, n in ahead) > 0, "some prefetch must go out on a slow link"
     (prefetched,) = [n for kind, _, n in log if kind == "prefetched"]
     assert prefetched > 0
+    landed = {kind: n for what, kind, n in log if what == "landed"}  # the decode node counts each fetch by kind
+    assert landed["prefetch"] > 0 and landed["step"] > 0
+    assert landed["step"] + landed["prefetch"] + landed["forecast"] == landed["all"]
     entries = [(layer, e) for kind, layer, e in log if kind == "entry"]
     assert len(entries) == len(set(entries)), "an entry a prefetch asked for is never asked for again"
 

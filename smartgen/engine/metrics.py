@@ -15,10 +15,13 @@ from smartgen.engine.layout import DENSE_LAYERS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PATHS", "RequestState", "RequestMetrics", "PathCounters"]
+__all__ = ["PATHS", "FETCH_KINDS", "RequestState", "RequestMetrics", "PathCounters"]
 
 # "full" is what a full-transfer request pushes during prefill (counted apart from SmartGen's proactive set)
 PATHS = ("proactive", "full", "on_demand", "speculative", "local", "metadata")
+# a decode node's fetches: a step's own (on its critical path), a look-ahead prefetch of the next layer, and a
+# forecast's (a joining request's first step, asked at low priority before it runs)
+FETCH_KINDS = ("step", "prefetch", "forecast")
 
 
 class RequestState(str, Enum):
@@ -184,6 +187,9 @@ class PathCounters:
         self.failed: dict[str, int] = defaultdict(int)
         self.selected_entries = 0
         self.remote_entries = 0
+        # fetch replies landed by kind (FETCH_KINDS): how many, and their summed time from sending to landing
+        self.fetch_landed: dict[str, int] = defaultdict(int)
+        self.fetch_seconds: dict[str, float] = defaultdict(float)
         self._observers: list[Callable[[str, int, float], None]] = []
 
     def observe(self, callback: Callable[[str, int, float], None]) -> None:
@@ -208,6 +214,12 @@ class PathCounters:
         with self._lock:
             self.failed[path] += 1
 
+    def add_fetch(self, kind: str, seconds: float) -> None:
+        """A fetch reply of `kind` landed `seconds` after its FETCH was sent."""
+        with self._lock:
+            self.fetch_landed[kind] += 1
+            self.fetch_seconds[kind] += seconds
+
     def add_selection(self, selected: int, remote: int) -> None:
         with self._lock:
             self.selected_entries += selected
@@ -228,4 +240,8 @@ class PathCounters:
                 "selected_entries": self.selected_entries,
                 "remote_entries": self.remote_entries,
                 "on_demand_ratio": self.remote_entries / self.selected_entries if self.selected_entries else 0.0,
+                "fetches": {
+                    kind: {"landed": self.fetch_landed.get(kind, 0), "seconds": self.fetch_seconds.get(kind, 0.0)}
+                    for kind in FETCH_KINDS
+                },
             }

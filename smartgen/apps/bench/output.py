@@ -12,6 +12,7 @@ from smartgen.apps.bench.figures import figures, goodput_figure
 from smartgen.apps.bench.goodput import LATENCIES, PERCENTILES
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import NODE_METRICS, ROUND_METRICS, Summary
+from smartgen.engine.metrics import FETCH_KINDS
 
 __all__ = ["write_outputs", "CSV_COLUMNS"]
 
@@ -63,6 +64,7 @@ CSV_COLUMNS = (
     "first_step_wait_s",
     "wait_per_step_s",
     "fetch_round_trip_s",
+    *(f"fetch_round_trip_{kind}_s" for kind in FETCH_KINDS),
     "fetch_link_s",
     "fetch_link_per_step_s",
     "full_bytes",
@@ -126,6 +128,7 @@ def _row(result: BenchResult, s: Summary) -> dict[str, Any]:
         "first_step_wait_s": s.first_step_wait,
         "wait_per_step_s": s.wait_per_step,
         "fetch_round_trip_s": s.fetch_round_trip,
+        **{f"fetch_round_trip_{kind}_s": s.fetch_round_trip_by_kind.get(kind) for kind in FETCH_KINDS},
         "fetch_link_s": s.fetch_link,
         "fetch_link_per_step_s": s.fetch_link_per_step,
         **{f"{p}_bytes": paths.get(p, 0.0) for p in ("full", "proactive", "on_demand", "speculative", "metadata")},

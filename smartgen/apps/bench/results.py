@@ -48,6 +48,8 @@ class Group:
     link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
     fetches: int = 0  # fetch replies the decode node landed (on demand and prefetched)
     fetch_s: float = 0.0  # their summed time from sending the FETCH to landing the reply
+    # by kind (metrics.FETCH_KINDS: a step's own, prefetch, forecast): [replies landed, their summed time]
+    fetch_kinds: dict[str, list[float]] = field(default_factory=dict)
     joins: list[dict[str, Any]] = field(default_factory=list)  # joins.Join of each request that joined others
 
 

@@ -43,6 +43,7 @@ from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.apps.bench.watch import NodeWatch, num_links, read_link
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
+from smartgen.engine.metrics import FETCH_KINDS
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -407,12 +408,15 @@ def _is_optimal(scheme: str) -> bool:
 def _totals(status: dict[str, Any]) -> dict[str, float]:
     """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links; and the
     bytes the decode node sent back over its links (`link_bytes_back`), its fetch replies landed and their summed
-    time from sending to landing (`fetches`, `fetch_s`)."""
+    time from sending to landing (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
     totals.update(descriptors=0, posting_s=0.0, link_bytes=0, link_bytes_back=0)
     paths = status["decode"].get("paths", {})
     totals["fetches"] = paths.get("transfers", {}).get("on_demand", 0)
     totals["fetch_s"] = paths.get("seconds", {}).get("on_demand", 0.0)
+    for kind, landed in paths.get("fetches", {}).items():
+        totals[f"fetches.{kind}"] = landed["landed"]
+        totals[f"fetch_s.{kind}"] = landed["seconds"]
     for link in status["decode"].get("links", []):
         totals["link_bytes_back"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
@@ -508,6 +512,13 @@ def _run_group(
         link_bytes_back=int(after["link_bytes_back"] - before["link_bytes_back"]),
         fetches=int(after["fetches"] - before["fetches"]),
         fetch_s=after["fetch_s"] - before["fetch_s"],
+        fetch_kinds={
+            kind: [
+                int(after.get(f"fetches.{kind}", 0) - before.get(f"fetches.{kind}", 0)),
+                after.get(f"fetch_s.{kind}", 0.0) - before.get(f"fetch_s.{kind}", 0.0),
+            ]
+            for kind in FETCH_KINDS
+        },
         joins=[asdict(join) for join in find_joins(requests)],
     ), counts
 

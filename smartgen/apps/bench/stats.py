@@ -16,6 +16,7 @@ from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.fetch_link import fetch_link_per_step
 from smartgen.apps.bench.percentiles import percentile
 from smartgen.apps.bench.results import BenchResult, Group, Regime
+from smartgen.engine.metrics import FETCH_KINDS
 from smartgen.lanes.rate import bytes_per_second
 
 __all__ = ["Summary", "summarize", "percentile", "round_spread", "ROUND_METRICS", "NODE_METRICS"]
@@ -86,6 +87,7 @@ class Summary:
     # its own bytes (queued behind other transfers, the prefill node's turn to serve it, the handoffs)
     fetch_round_trip: float | None = None
     fetch_link: float | None = None
+    fetch_round_trip_by_kind: dict[str, float | None] = field(default_factory=dict)  # metrics.FETCH_KINDS
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -184,6 +186,13 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         joins=len(joins),
         join_p99=_stats([float(j["p99"]) for j in joins]),
         fetch_round_trip=_ratio(sum(g.fetch_s for g in groups), sum(g.fetches for g in groups)),
+        fetch_round_trip_by_kind={
+            kind: _ratio(
+                sum(g.fetch_kinds.get(kind, [0, 0.0])[1] for g in groups),
+                sum(g.fetch_kinds.get(kind, [0, 0.0])[0] for g in groups),
+            )
+            for kind in FETCH_KINDS
+        },
         fetch_link=_ratio(
             sum(g.path_bytes.get("on_demand", 0) for g in groups) / rate if rate else None,
             sum(g.fetches for g in groups),

@@ -174,7 +174,8 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
         "if every token came as early as the link and all-local steps allow (ctl.png's dashed bound); join: per "
         "request that joined others decoding, the p99 of their token gaps from its first token to the first its "
         "decode node computed, the median over joins (ms; - with none); rtt: one fetch from its FETCH to its "
-        "reply landed, and after / its bytes' own link time (ms, means over the fetches)",
+        "reply landed, a step's own / every kind's (prefetches and forecasts too) / the link's time for a "
+        "fetch's bytes alone (ms, means over the fetches)",
         ["scheme", "cov1%", "wait1", "wait", "fetch", "desc", "post", "bound1", "TBT fl", "join", "rtt"],
     )
     for s in rows:
@@ -189,7 +190,11 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             _ms(s.ttst_bound_selection),
             _ms(s.tbt_floor),
             _ms(s.join_p99.get("p50")),
-            f"{_ms1(s.fetch_round_trip)} / {_ms1(s.fetch_link)}" if s.fetch_round_trip is not None else "-",
+            (
+                f"{_ms1(s.fetch_round_trip_by_kind.get('step'))} / {_ms1(s.fetch_round_trip)} / {_ms1(s.fetch_link)}"
+                if s.fetch_round_trip is not None
+                else "-"
+            ),
         )
     return timings, node, transfers, waits
 

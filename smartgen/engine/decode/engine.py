@@ -149,7 +149,7 @@ class DecodeEngine(DecodeControl):
         entries = decide.remote_entries(index, status)
         if not entries.numel():
             return 0
-        request.late.append((layer, entries, self._send_fetch(request, layer, entries, low=True), time.monotonic()))
+        request.late.append((layer, entries, self._send_fetch(request, layer, entries, "forecast"), time.monotonic()))
         request.metrics.forecast_entries += int(entries.numel())
         return int(entries.numel())
 

@@ -25,12 +25,24 @@ from smartgen.lanes.link import LinkEnd
 __all__ = ["DecodePath", "fetch_message"]
 
 
+def _kind_of(future: Future) -> str:
+    return future.kind if isinstance(future, _KindFuture) else "step"
+
+
 def fetch_message(request_id: str, layer: int, fetch_id: int, entries: torch.Tensor, num_heads: int) -> msg.Fetch:
     """FETCH for flat (token, head) ids token * H + head, sorted: positions and the [T, H] heads wanted."""
     positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
     heads = torch.zeros(positions.numel(), num_heads, dtype=torch.bool)
     heads[token_of, entries % num_heads] = True
     return msg.Fetch(request_id, layer, fetch_id, positions, heads)
+
+
+class _KindFuture(Future):
+    """A fetch's future, knowing what kind of fetch it is (`metrics.FETCH_KINDS`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
 
 
 class DecodePath:
@@ -314,10 +326,12 @@ class DecodePath:
                 fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
         return fetches
 
-    def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor, *, low: bool = False) -> Future:
-        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost). `low`:
-        its reply goes after the replies to other fetches queued at the prefill node (a forecast's)."""
-        future: Future = Future()
+    def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor, kind: str = "step") -> Future:
+        """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost). `kind`
+        (`metrics.FETCH_KINDS`) is what its landing is counted as; a forecast's reply goes after the replies to
+        other fetches queued at the prefill node."""
+        future = _KindFuture(kind)
+        low = kind == "forecast"
         link = request.link  # once: a lost link may be swapped for another under us (recompute)
         with self._lock:
             fetch_id = next(self._fetch_ids)
@@ -374,7 +388,9 @@ class DecodePath:
             entries = decide.remote_entries(index[rows], status[rows], asked)
             if not entries.numel():
                 continue
-            request.late.append((layer, entries, self._send_fetch(request, layer, entries), time.monotonic()))
+            request.late.append(
+                (layer, entries, self._send_fetch(request, layer, entries, "prefetch"), time.monotonic())
+            )
             request.metrics.prefetched_entries += int(entries.numel())
             request.remote_met.add(layer)
 
@@ -416,10 +432,16 @@ class DecodePath:
                 self._fail_request(request.request_id, str(exc))
                 continue
             request.metrics.count_fetch_wait(time.monotonic() - waited)
-            self._land_reply(request, layer, entries, reply, sent)
+            self._land_reply(request, layer, entries, reply, sent, _kind_of(future))
 
     def _land_reply(
-        self, request: DecodeRequest, layer: int, entries: torch.Tensor, reply: msg.FetchReply, sent: float
+        self,
+        request: DecodeRequest,
+        layer: int,
+        entries: torch.Tensor,
+        reply: msg.FetchReply,
+        sent: float,
+        kind: str = "step",
     ) -> None:
         expected = (entries.numel(), self.layout.head_dim)
         if reply.k is None or reply.v is None:  # the lane put it in place, where the FETCH's landing said
@@ -437,6 +459,7 @@ class DecodePath:
         request.fetch_counts[layer].view(-1).index_add_(0, entries, torch.ones_like(entries, dtype=torch.int32))
         request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
         self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
+        self.counters.add_fetch(kind, time.monotonic() - sent)
 
     def _land_late(self, requests: list[DecodeRequest]) -> None:
         """Lands the replies of fetches an earlier step gave up waiting for, as far as they have arrived."""
@@ -447,7 +470,7 @@ class DecodePath:
                     waiting.append((layer, entries, future, sent))
                     continue
                 try:
-                    self._land_reply(request, layer, entries, future.result(), sent)
+                    self._land_reply(request, layer, entries, future.result(), sent, _kind_of(future))
                 except LinkLost as exc:
                     if not self.recompute:  # else asked again of the node it is opened on next
                         self._fail_request(request.request_id, str(exc), lost=True)
