@@ -718,3 +718,27 @@ def test_selection_counts_are_per_step_and_a_redone_step_counts_once():
     finally:
         decode.close()
         prefill.close()
+
+
+def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
+    """Hints are kept as marks until a notice reduces them; a request that gets no notice for long (a fetch always
+    in flight) has its marks reduced in place past 2L layers' worth, keeping every hinted token."""
+    from smartgen.engine.decode import decide
+    from smartgen.engine.mask import REMOTE
+
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        slot, heads = decode.slot_of(rid), LAYOUT.num_kv_heads
+        decode.pool.masks.values[:, slot, :120] = REMOTE
+        request = decode._requests[rid]
+        notes = 3 * LAYOUT.num_layers
+        for i in range(notes):
+            decode.hint(2 + i % 2, [rid], torch.tensor([[i % 100, 100 + i % 3]]).expand(heads, 2).contiguous())
+            assert len(request.hints) <= 2 * LAYOUT.num_layers + 1
+        hinted = decide.hinted(request.hints)
+        expected = {(2 + i % 2) * 120 + t for i in range(notes) for t in (i % 100, 100 + i % 3)}
+        assert hinted is not None and set(hinted.tolist()) == expected
+    finally:
+        decode.close()
+        prefill.close()

@@ -152,7 +152,7 @@ class DecodePath:
                 request.hints.append(marks[b * num_heads : (b + 1) * num_heads])
                 if len(request.hints) > 2 * self.layout.num_layers:  # no notice for a while: keep its size bounded
                     kept = decide.hinted(request.hints)
-                    request.hints = [] if kept is None else [kept]
+                    request.hints = [] if kept is None else [kept.to(wide.device)]  # beside later marks
 
     def assemble(
         self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None
