@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together (each of every length)")
     parser.add_argument("--skip-first", action="store_true", help="leave the first decode step (its fetches) out")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     torch.set_num_threads(1)  # one decode node's step thread; the machine is shared
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, torch.float16, num_blocks=1024)
     emulated_ms = args.layers * args.layer_ms
