@@ -313,6 +313,7 @@ def bench(
         point_tables,
         prefix_table,
         regime_line,
+        steps_table,
     )
     from smartgen.store import StoreError
 
@@ -404,6 +405,8 @@ def bench(
         )
         if (placement := placement_table(result, index)) is not None:
             tables = [*tables, placement]
+        if not result.loads and (steps := steps_table(summaries, index)) is not None:
+            tables = [*tables, steps]
         for table in tables:
             console.print(table)
     if (sweep := prefix_table(result, summaries)) is not None:

@@ -109,6 +109,10 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         assert (group["fetches"] > 0) == (group["path_bytes"]["on_demand"] > 0)
         assert (group["fetch_s"] > 0) == (group["fetches"] > 0)
         assert sum(landed for landed, _ in group["fetch_kinds"].values()) == group["fetches"]  # every kind counted
+        # the decode node's steps by batch size (batch 1 here): emulated compute and link waits within the wall
+        assert list(group["steps"]) == ["1"], group["steps"]
+        steps, wall, cpu, emulated, wait = group["steps"]["1"]
+        assert steps >= 1 and wall >= cpu > 0 and wall >= emulated + wait and emulated >= 0  # --quick: native
     for group in measured:  # the decode node's requests and notices back to the prefill node are counted
         assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
     # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group
@@ -127,6 +131,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         if summary["fetch_round_trip"] is not None:  # a paced link: no reply lands before its bytes have crossed
             assert summary["fetch_round_trip"] >= summary["fetch_link"] > 0
         assert summary["ttst_bound_selection"] >= summary["ttst_bound"]
+        assert list(summary["step_by_batch"]) == ["1"] and summary["step_by_batch"]["1"]["other_s"] >= 0
         bound = summary["ctl_bound"]
         assert len(bound) == len(summary["node_ctl"]) and bound == sorted(bound)
 

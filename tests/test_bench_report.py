@@ -20,9 +20,9 @@ from smartgen.apps.bench.joins import find_joins
 from smartgen.apps.bench.load import LoadRun
 from smartgen.apps.bench.output import write_outputs
 from smartgen.apps.bench.phases import Phases
-from smartgen.apps.bench.runner import BenchResult, Group, Regime
+from smartgen.apps.bench.runner import BenchResult, Group, Regime, step_deltas
 from smartgen.apps.bench.stats import summarize
-from smartgen.apps.bench.tables import load_table, point_tables
+from smartgen.apps.bench.tables import load_table, point_tables, steps_table
 from smartgen.cli.app import app
 
 runner = CliRunner()
@@ -363,3 +363,48 @@ def test_bench_tasks_must_be_eval_suite_tasks() -> None:
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: --tasks must name some of passkey, niah_single")
         assert says in lines[0] and "Traceback" not in result.output + result.stderr
+
+
+def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> None:
+    """The decode node counts each step's wall, its thread's CPU, the emulated compute and the link waits by batch
+    size; a group holds the difference over its round, the summary the mean per step and the rest as `other`."""
+    from smartgen.engine.metrics import PathCounters
+
+    counters = PathCounters()
+    counters.add_step(1, 0.5, 0.2, 0.1, 0.1)
+    before = {
+        f"steps.{b}.{name}": value for b, parts in counters.snapshot()["steps"].items() for name, value in parts.items()
+    }
+    counters.add_step(4, 0.6, 0.3, 0.1, 0.05)
+    counters.add_step(4, 0.4, 0.2, 0.1, 0.05)
+    after = {
+        f"steps.{b}.{name}": value for b, parts in counters.snapshot()["steps"].items() for name, value in parts.items()
+    }
+    deltas = step_deltas(before, after)
+    assert list(deltas) == ["4"]  # batch 1 ran no step in between: left out
+    assert deltas["4"] == pytest.approx([2, 1.0, 0.5, 0.2, 0.1])
+    result = _rounds_result()
+    for group in result.groups:
+        group.steps = {"4": [2, 1.0, 0.5, 0.2, 0.1]} if group.scheme == "smartgen" else {}
+    summaries = summarize(result)
+    ours = next(s for s in summaries if s.scheme == "smartgen")
+    # the measured rounds' steps (three rounds of two): means per step; other = wall - cpu - emulated - wait
+    assert ours.step_by_batch["4"] == pytest.approx(
+        {"steps": 6, "wall_s": 0.5, "cpu_s": 0.25, "emulated_s": 0.1, "wait_s": 0.05, "other_s": 0.1}
+    )
+    assert all(not s.step_by_batch for s in summaries if s.scheme != "smartgen")
+    lines = _render((steps_table(summaries, 0),), 80)
+    assert max(len(line) for line in lines) <= 80
+    assert next(line.split() for line in lines if line.split()[:1] == ["smartgen"]) == [
+        "smartgen",
+        "4",
+        "6",
+        "500",
+        "250",
+        "100",
+        "50",
+        "100",
+    ]
+    for group in result.groups:
+        group.steps = {}
+    assert steps_table(summarize(result), 0) is None  # nothing recorded (an older results file): no table

@@ -161,3 +161,20 @@ def test_query_proactive_set_keeps_the_numbers_and_is_used(llama, monkeypatch):
     )
     assert [r.tokens for r in split] == [r.tokens for r in local]
     assert {layer for layer, scored in seen if scored} == {2, 3}  # every layer past the always-sent ones
+
+
+def test_every_decode_step_is_counted_by_batch_size_with_its_parts(llama):
+    """The decode node's step breakdown (`PathCounters.add_step`, the bench's step table): each step's wall time,
+    its thread's CPU, the emulated compute it slept and its waits for fetch replies, by the batch it ran."""
+    layers = llama.config.num_hidden_layers
+    with InprocPipeline(llama, get_policy("partial"), "quest", {"budget": 0.3, "page_size": 4}, num_blocks=16) as p:
+        p.decode_runner.emulate_layer_s = 0.002
+        results = p.generate(_prompts(), NEW_TOKENS)
+        steps = p.decode_engine.counters.snapshot()["steps"]
+    assert set(steps) <= {"1", "2"} and steps
+    assert sum(parts["steps"] for parts in steps.values()) >= NEW_TOKENS - 1
+    assert sum(int(b) * parts["steps"] for b, parts in steps.items()) == sum(len(r.tokens) - 1 for r in results)
+    for parts in steps.values():
+        assert parts["emulated_s"] >= parts["steps"] * layers * 0.002  # every layer of every step slept
+        assert parts["wall_s"] >= parts["cpu_s"] > 0 and parts["wall_s"] >= parts["emulated_s"] + parts["wait_s"]
+    assert sum(parts["wait_s"] for parts in steps.values()) > 0  # partial fetches layers >= 2 at every step

@@ -15,13 +15,15 @@ from smartgen.engine.layout import DENSE_LAYERS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PATHS", "FETCH_KINDS", "RequestState", "RequestMetrics", "PathCounters"]
+__all__ = ["PATHS", "FETCH_KINDS", "STEP_FIELDS", "RequestState", "RequestMetrics", "PathCounters"]
 
 # "full" is what a full-transfer request pushes during prefill (counted apart from SmartGen's proactive set)
 PATHS = ("proactive", "full", "on_demand", "speculative", "local", "metadata")
 # a decode node's fetches: a step's own (on its critical path), a look-ahead prefetch of the next layer, and a
 # forecast's (a joining request's first step, asked at low priority before it runs)
 FETCH_KINDS = ("step", "prefetch", "forecast")
+# a decode node's steps by batch size (`PathCounters.add_step`): how many, and their summed seconds of each part
+STEP_FIELDS = ("steps", "wall_s", "cpu_s", "emulated_s", "wait_s")
 
 
 class RequestState(str, Enum):
@@ -190,6 +192,8 @@ class PathCounters:
         # fetch replies landed by kind (FETCH_KINDS): how many, and their summed time from sending to landing
         self.fetch_landed: dict[str, int] = defaultdict(int)
         self.fetch_seconds: dict[str, float] = defaultdict(float)
+        # decode steps by batch size: [steps, wall, the step thread's CPU, emulated compute, link waits] (seconds)
+        self.steps: dict[int, list[float]] = {}
         self._observers: list[Callable[[str, int, float], None]] = []
 
     def observe(self, callback: Callable[[str, int, float], None]) -> None:
@@ -220,6 +224,15 @@ class PathCounters:
             self.fetch_landed[kind] += 1
             self.fetch_seconds[kind] += seconds
 
+    def add_step(self, batch: int, wall_s: float, cpu_s: float, emulated_s: float, wait_s: float) -> None:
+        """One decode step of `batch` requests: its wall time, the step thread's own CPU, the emulated compute it
+        slept (benchmarks) and its waits for the link (fetch replies, layers 0-1); the rest of the wall is the step
+        thread runnable but not running (other threads of the node on its CPU, the GIL)."""
+        with self._lock:
+            row = self.steps.setdefault(batch, [0, 0.0, 0.0, 0.0, 0.0])
+            for i, value in enumerate((1, wall_s, cpu_s, emulated_s, wait_s)):
+                row[i] += value
+
     def add_selection(self, selected: int, remote: int) -> None:
         with self._lock:
             self.selected_entries += selected
@@ -244,4 +257,5 @@ class PathCounters:
                     kind: {"landed": self.fetch_landed.get(kind, 0), "seconds": self.fetch_seconds.get(kind, 0.0)}
                     for kind in FETCH_KINDS
                 },
+                "steps": {str(batch): dict(zip(STEP_FIELDS, row)) for batch, row in sorted(self.steps.items())},
             }

@@ -116,7 +116,7 @@ class _DecodeHandler:
             out = span_decode_attention(query[:, :, -1], spans, scaling, softcap)
             self._look_ahead(layer)
             if runner.emulate_layer_s:
-                time.sleep(runner.emulate_layer_s)
+                runner.emulate()
             return out.unsqueeze(1), None
         if future is not None:
             assembled = future.result()
@@ -137,7 +137,7 @@ class _DecodeHandler:
         )
         self._look_ahead(layer)
         if runner.emulate_layer_s:  # benchmarks: a slower decode device's compute, overlapping the look-ahead fetch
-            time.sleep(runner.emulate_layer_s)
+            runner.emulate()
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
 
     def _look_ahead(self, layer: int) -> None:
@@ -179,6 +179,7 @@ class DecodeRunner:
         if emulate_layer_s < 0:
             raise ValueError(f"emulated layer time must be >= 0, got {emulate_layer_s}")
         self.emulate_layer_s = emulate_layer_s
+        self.emulated_s = 0.0  # slept so far (emulate)
         self.model = model
         self.selector = selector
         self.engine = engine
@@ -192,6 +193,12 @@ class DecodeRunner:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
         self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
         self._widened: dict[float, Selector | None] = {}  # the selector at (1 + hints) x its budget
+
+    def emulate(self) -> None:
+        """Sleeps one layer's emulated compute (`emulate_layer_s`), counted for the step's breakdown."""
+        started = time.monotonic()
+        time.sleep(self.emulate_layer_s)
+        self.emulated_s += time.monotonic() - started
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
@@ -316,7 +323,20 @@ class DecodeRunner:
         return self.assemble(layer, batch, None, hidden)
 
     def step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feeds each request's last token; returns (next tokens [B], logits [B, V] float32)."""
+        """Feeds each request's last token; returns (next tokens [B], logits [B, V] float32). Counts the step's wall
+        time, its thread's CPU, the emulated compute and the link waits by batch size (`PathCounters.add_step`)."""
+        started, cpu, emulated, waited = time.monotonic(), time.thread_time(), self.emulated_s, self.engine.link_wait_s
+        tokens, logits = self._step(batch)
+        self.engine.counters.add_step(
+            len(batch.request_ids),
+            time.monotonic() - started,
+            time.thread_time() - cpu,
+            self.emulated_s - emulated,
+            self.engine.link_wait_s - waited,
+        )
+        return tokens, logits
+
+    def _step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         handler = _DecodeHandler(self, batch)
         cache = EngineCache(self.engine, batch.request_ids)
         device = self.model.device

@@ -50,6 +50,8 @@ class Group:
     fetch_s: float = 0.0  # their summed time from sending the FETCH to landing the reply
     # by kind (metrics.FETCH_KINDS: a step's own, prefetch, forecast): [replies landed, their summed time]
     fetch_kinds: dict[str, list[float]] = field(default_factory=dict)
+    # the decode node's steps by batch size: [steps, wall, its thread's CPU, emulated compute, link waits] (seconds)
+    steps: dict[str, list[float]] = field(default_factory=dict)
     joins: list[dict[str, Any]] = field(default_factory=list)  # joins.Join of each request that joined others
 
 

@@ -43,7 +43,7 @@ from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.apps.bench.watch import NodeWatch, num_links, read_link
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
-from smartgen.engine.metrics import FETCH_KINDS
+from smartgen.engine.metrics import FETCH_KINDS, STEP_FIELDS
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -408,7 +408,8 @@ def _is_optimal(scheme: str) -> bool:
 def _totals(status: dict[str, Any]) -> dict[str, float]:
     """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links; and the
     bytes the decode node sent back over its links (`link_bytes_back`), its fetch replies landed and their summed
-    time from sending to landing (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`)."""
+    time from sending to landing (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`), and its
+    decode steps by batch size (`steps.<batch>.<part>`, metrics.STEP_FIELDS)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
     totals.update(descriptors=0, posting_s=0.0, link_bytes=0, link_bytes_back=0)
     paths = status["decode"].get("paths", {})
@@ -417,6 +418,9 @@ def _totals(status: dict[str, Any]) -> dict[str, float]:
     for kind, landed in paths.get("fetches", {}).items():
         totals[f"fetches.{kind}"] = landed["landed"]
         totals[f"fetch_s.{kind}"] = landed["seconds"]
+    for batch, parts in paths.get("steps", {}).items():
+        for name in STEP_FIELDS:
+            totals[f"steps.{batch}.{name}"] = parts[name]
     for link in status["decode"].get("links", []):
         totals["link_bytes_back"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
@@ -519,8 +523,20 @@ def _run_group(
             ]
             for kind in FETCH_KINDS
         },
+        steps=step_deltas(before, after),
         joins=[asdict(join) for join in find_joins(requests)],
     ), counts
+
+
+def step_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, list[float]]:
+    """The decode steps a group ran, by batch size: [steps, wall, CPU, emulated, link waits] (seconds), from the
+    decode node's counters before and after it (`_totals`); batch sizes it ran no step at are left out."""
+    batches = {key.split(".")[1] for key in after if key.startswith("steps.")}
+    deltas = {
+        batch: [after[f"steps.{batch}.{name}"] - before.get(f"steps.{batch}.{name}", 0.0) for name in STEP_FIELDS]
+        for batch in sorted(batches, key=int)
+    }
+    return {batch: row for batch, row in deltas.items() if row[0] > 0}
 
 
 def _settle(cluster: LocalCluster, timeout: float = 30.0) -> None:

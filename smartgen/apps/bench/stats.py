@@ -88,6 +88,33 @@ class Summary:
     fetch_round_trip: float | None = None
     fetch_link: float | None = None
     fetch_round_trip_by_kind: dict[str, float | None] = field(default_factory=dict)  # metrics.FETCH_KINDS
+    # the decode node's step by batch size over the measured rounds (`step_parts`): steps, and the mean seconds of
+    # its wall, its thread's CPU, the emulated compute, the link waits and the rest (the thread runnable, not running)
+    step_by_batch: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
+    """The decode step by batch size over these groups: how many steps, and per step the mean wall time, the step
+    thread's CPU, the emulated compute, the link waits, and `other`, the wall none of those explain (the thread
+    runnable but not running: the node's other threads on its CPU, the GIL)."""
+    sums: dict[str, list[float]] = {}
+    for group in groups:
+        for batch, row in group.steps.items():
+            total = sums.setdefault(batch, [0.0] * len(row))
+            for i, value in enumerate(row):
+                total[i] += value
+    parts = {}
+    for batch in sorted(sums, key=int):
+        steps, wall, cpu, emulated, wait = sums[batch]
+        parts[batch] = {
+            "steps": steps,
+            "wall_s": wall / steps,
+            "cpu_s": cpu / steps,
+            "emulated_s": emulated / steps,
+            "wait_s": wait / steps,
+            "other_s": max(0.0, wall - cpu - emulated - wait) / steps,
+        }
+    return parts
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -193,6 +220,7 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
             )
             for kind in FETCH_KINDS
         },
+        step_by_batch=step_parts(groups),
         fetch_link=_ratio(
             sum(g.path_bytes.get("on_demand", 0) for g in groups) / rate if rate else None,
             sum(g.fetches for g in groups),

@@ -14,7 +14,7 @@ from smartgen.apps.bench.results import Regime
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["point_tables", "regime_line", "load_table", "latency_table", "nodes_table", "prefix_table"]
+__all__ = ["point_tables", "steps_table", "regime_line", "load_table", "latency_table", "nodes_table", "prefix_table"]
 
 MIB = 2**20
 
@@ -197,6 +197,34 @@ def point_tables(result: BenchResult, summaries: list[Summary], point: int) -> t
             ),
         )
     return timings, node, transfers, waits
+
+
+def steps_table(summaries: list[Summary], point: int) -> Table | None:
+    """The decode node's step by batch size for each scheme of one point (None when no round recorded steps)."""
+    rows = [s for s in summaries if s.point == point and s.step_by_batch]
+    if not rows:
+        return None
+    table = _table(
+        "the decode step by batch size (ms per step, means over the measured rounds' steps): B: requests in the "
+        "step; wall: the step's time; cpu: its thread's own CPU; emul: the emulated compute it slept; wait: its "
+        "waits for the link (fetch replies, layers 0-1); other: the rest, its thread runnable but not running (the "
+        "node's other threads on its CPU, the GIL). A scheme's TBT over an all-local step of the same batch is "
+        "wait + other + the cpu beyond that step's",
+        ["scheme", "B", "steps", "wall", "cpu", "emul", "wait", "other"],
+    )
+    for s in rows:
+        for batch, parts in s.step_by_batch.items():
+            table.add_row(
+                Text(s.scheme),
+                batch,
+                f"{parts['steps']:.0f}",
+                _ms(parts["wall_s"]),
+                _ms(parts["cpu_s"]),
+                _ms(parts["emulated_s"]),
+                _ms(parts["wait_s"]),
+                _ms(parts["other_s"]),
+            )
+    return table
 
 
 def _runs(result: BenchResult, point: int) -> list[Any]:

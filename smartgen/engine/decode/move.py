@@ -74,6 +74,7 @@ class DecodePath:
         self.counters = PathCounters()
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.stall_timeout = stall_timeout
+        self.link_wait_s = 0.0  # the step thread's waits for the link so far (fetch replies, layers 0-1's push)
         self._requests: dict[str, DecodeRequest] = {}
         self._fetches: dict[int, tuple[Future, LinkEnd]] = {}  # fetch id -> its reply's future, the link it went on
         self._fetch_ids = itertools.count()
@@ -199,7 +200,9 @@ class DecodePath:
             v_out = torch.zeros_like(k_out)
             gather_kv(k_pool, v_pool, slots, split.index, num_remote, early_stop, k_out, v_out)
         early_s = time.monotonic() - started
+        waited = time.monotonic()
         self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
+        self.link_wait_s += time.monotonic() - waited
         late_s = 0.0
         if not plan.all_parallel:
             local_started = time.monotonic()
@@ -246,6 +249,7 @@ class DecodePath:
                 time.sleep(0.0002)
                 self.pool.sync_staged(layer, [request.slot])
             request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
+            self.link_wait_s += time.monotonic() - waited
 
     def count_step_selections(self, request: DecodeRequest) -> None:
         """Counts the selections of the step just ended (`RequestMetrics.selection_counts`) and the bytes of the
