@@ -248,8 +248,9 @@ class DecodePath:
                     break
                 time.sleep(0.0002)
                 self.pool.sync_staged(layer, [request.slot])
-            request.metrics.count_fetch_wait(time.monotonic() - waited)  # the link's time, as a fetch's would be
-            self.link_wait_s += time.monotonic() - waited
+            elapsed = time.monotonic() - waited
+            request.metrics.count_fetch_wait(elapsed)  # the link's time, as a fetch's would be
+            self.link_wait_s += elapsed
 
     def count_step_selections(self, request: DecodeRequest) -> None:
         """Counts the selections of the step just ended (`RequestMetrics.selection_counts`) and the bytes of the
