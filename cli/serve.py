@@ -119,8 +119,9 @@ EmulateLayerMs = Annotated[
     float,
     option(
         DECODE,
-        "Benchmarks only: add this many ms of emulated compute to every layer of every step, to stand in "
-        "for a slower decode device (`smartgen bench --decode-ratio` sets it). 0 = off.",
+        "Benchmarks only: add this many ms of emulated compute to every layer of every decode step, to stand "
+        "in for a slower decode device (`smartgen bench --decode-ratio` sets it); on a prefill node, to the decode "
+        "steps it runs (the forecast, a head start). 0 = off.",
         min=0.0,
     ),
 ]

@@ -203,7 +203,8 @@ def test_the_streaming_client_times_each_chunk_and_keeps_the_nodes_usage() -> No
         assert 0 <= timings["ttft"] < timings["ttst"] and timings["ttst"] >= 0.3
         assert timings["itl"] == pytest.approx([chunks[1] - chunks[0], chunks[2] - chunks[1], chunks[3] - chunks[2]])
         # TBT per token after the second: the node's four tokens, two of them from the second chunk to the last
-        assert timings["tbt"] == pytest.approx((chunks[3] - chunks[1]) / 2) and timings["tbt"] >= 0.05
+        # (0.1 s apart as sent: a chunk read a few ms late on a busy machine shortens the gap it closes, so not >= 0.05)
+        assert timings["tbt"] == pytest.approx((chunks[3] - chunks[1]) / 2) and timings["tbt"] >= 0.04
         assert timings["e2e"] >= timings["ctl"][-1]
         assert (timings["node_ttft"], timings["node_ttst"], timings["node_ctl"]) == (0.01, 0.3, [0.01, 0.3])
         failures = [

@@ -29,6 +29,18 @@ class _Engine:
         self.seconds: dict[str, int] = {}  # second tokens a FORECAST brought, not taken
         self.pending_next: set[str] = set()  # the next step's forecast (after a second token): promised, not come
         self.forecasts_next: dict[str, dict] = {}
+        self.heads: dict[str, list[int]] = {}  # head-start tokens come, not taken
+        self.heading: set[str] = set()  # a head start still under way (its end not come)
+
+    def take_head_token(self, request_id: str) -> int | None:
+        tokens = self.heads.get(request_id)
+        if not tokens:
+            return None
+        self.metrics(request_id).record_token(2.0)
+        return tokens.pop(0)
+
+    def head_pending(self, request_id: str) -> bool:
+        return request_id in self.heading
 
     def take_second_token(self, request_id: str) -> int | None:
         token = self.seconds.pop(request_id, None)
@@ -96,6 +108,13 @@ def test_the_first_request_joins_at_once_and_a_later_one_when_its_dense_layers_a
     assert [r.request_id for r in driver.running] == ["a", "b"] and not driver.prefilling
 
 
+def _stalled(engine: _Engine, request_id: str) -> None:
+    """Nothing arrived for the request for the bound; aborting it is a no-op on the fake engine."""
+    engine.stalls[request_id] = Stall(idle_s=130.0, num_landed=2, num_entries=8, last_s=1.0, num_ahead=0, behind=False)
+    engine.abort = lambda request_id, reason: None  # type: ignore[attr-defined]
+    engine.has_request = lambda request_id: True  # type: ignore[attr-defined]
+
+
 def test_a_waiting_request_is_aborted_once_its_kv_stalls():
     engine = _Engine()
     driver = _driver(engine)
@@ -103,9 +122,7 @@ def test_a_waiting_request_is_aborted_once_its_kv_stalls():
     driver.collect_first_tokens()
     driver.prefilling = [_request("b")]
     driver.collect_first_tokens()
-    engine.stalls["b"] = Stall(idle_s=130.0, num_landed=2, num_entries=8, last_s=1.0, num_ahead=0, behind=False)
-    engine.abort = lambda request_id, reason: None  # type: ignore[attr-defined]
-    engine.has_request = lambda request_id: True  # type: ignore[attr-defined]
+    _stalled(engine, "b")
     (finished,) = driver.collect_first_tokens()
     assert finished.reason == "timeout" and (finished.error or "").startswith("its KV stalled: nothing arrived for it")
 
@@ -216,3 +233,42 @@ def test_a_request_that_samples_decodes_its_second_token_itself():
     driver.collect_first_tokens()
     assert [r.request_id for r in driver.running] == ["a"] and request.tokens == [7]  # alone: no wait
     assert not runner.fetched
+
+
+def test_a_head_start_streams_its_tokens_as_they_come_and_the_request_joins_once_they_end():
+    """Policy.head_start: tokens the prefill node decoded ahead leave as they come; the request stays out of the
+    batch while more may come (its step would decode a token the prefill node is decoding), then joins without
+    fetching a forecast's picks (its KV has left)."""
+    engine, runner, driver = _forecast_driver()
+    engine.seconds["a"], engine.heads["a"], engine.heading = 9, [11, 12], {"a"}
+    driver.prefilling = [_request("a")]
+    events = driver.collect_first_tokens()
+    assert [(e.request_id, e.index) for e in events] == [("a", 0), ("a", 1), ("a", 2), ("a", 3)]
+    assert not driver.running and driver.prefilling[0].tokens == [7, 9, 11, 12]
+    engine.heads["a"] = [13]
+    assert [e.index for e in driver.collect_first_tokens()] == [4] and not driver.running
+    engine.heading.clear()  # the step-2 FORECAST ended the head start
+    engine.forecasts["a"] = {2: torch.zeros(2, 4)}
+    assert driver.collect_first_tokens() == []
+    assert [r.request_id for r in driver.running] == ["a"] and not runner.fetched
+
+
+def test_a_head_start_that_reaches_max_tokens_finishes_the_request_without_a_step():
+    engine, _, driver = _forecast_driver()
+    finished: list[str] = []
+    engine.finish = lambda rid: finished.append(rid) or engine.metrics(rid)  # type: ignore[attr-defined]
+    engine.seconds["a"], engine.heads["a"], engine.heading = 9, list(range(20, 26)), {"a"}
+    driver.prefilling = [_request("a")]  # max_tokens 8: the first, the second and six from the head start
+    events = driver.collect_first_tokens()
+    assert [e.index for e in events if hasattr(e, "index")] == list(range(8))
+    assert finished == ["a"] and not driver.prefilling and not driver.running
+
+
+def test_a_head_start_that_stalls_fails_its_request_on_the_progress_bound():
+    engine, _, driver = _forecast_driver()
+    engine.seconds["a"], engine.heading = 9, {"a"}
+    driver.prefilling = [_request("a")]
+    driver.collect_first_tokens()
+    _stalled(engine, "a")
+    (finished,) = driver.collect_first_tokens()
+    assert finished.reason == "timeout" and (finished.error or "").startswith("its head start stalled")

@@ -228,11 +228,7 @@ def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_
         body = {"prompt": _prompt(11, 80), "max_tokens": 48, "ignore_eos": True, "scheme": "partial"}
         reference = httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
         assert reference["usage"]["completion_tokens"] == 48, reference
-        wait_until(
-            lambda: all(get_json(f"http://{s}/status")["requests_held"] == 0 for _, _, s in pair.prefills.values()),
-            20,
-            "the reference run to be released",
-        )
+        _wait_released(pair)
         texts: list[str] = []
         killed, before = "", {}
         with httpx.stream("POST", pair.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
@@ -262,6 +258,15 @@ def test_recompute_reprefills_a_decoding_request_elsewhere_and_its_tokens_equal_
         assert after["on_demand"] > before["on_demand"]
     finally:
         pair.stop()
+
+
+def _wait_released(pair: Nodes) -> None:
+    """Waits until no prefill node holds a request (the reference run's RELEASE has reached them)."""
+    wait_until(
+        lambda: all(get_json(f"http://{s}/status")["requests_held"] == 0 for _, _, s in pair.prefills.values()),
+        20,
+        "the reference run to be released",
+    )
 
 
 def _holder_count(pair: Nodes, name: str) -> int:
@@ -349,3 +354,54 @@ def test_a_decoding_request_waits_parked_for_its_new_prefill_node_and_the_batch_
 
 def _is_token(event) -> bool:
     return isinstance(event, TokenEvent)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_prefill_node_killed_during_its_head_start_fails_the_request_cleanly_or_hands_it_on(
+    model_dir, tmp_path, lane, policy
+):
+    """Real processes, scheme smartgen on a slow link: the prefill node streams tokens ahead (its head start) while
+    the KV crosses; kill -9 it mid-stream. Under `fail` the stream ends with a 503 error event and the decode node
+    frees the request; under `recompute` the other prefill node takes it and the answer is an undisturbed run's."""
+    slow = ("--blocks", "16", "--link-gbps", "0.001", "--emulate-layer-ms", "5")  # ~0.6 s of KV, 20 ms steps
+    pair = Nodes(
+        model_dir,
+        tmp_path,
+        num_prefills=2,
+        lane=lane,
+        extra=slow,
+        decode_extra=("--on-prefill-failure", policy, "--prefix-cache-bytes", "0"),
+    )
+    try:
+        pair.wait_ready()
+        body = {"prompt": _prompt(12, 80), "max_tokens": 48, "ignore_eos": True, "scheme": "smartgen"}
+        reference = httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
+        assert reference["usage"]["completion_tokens"] == 48, reference
+        assert reference["usage"]["prefill_tokens"] > 4, reference["usage"]  # the head start ran past the kill point
+        _wait_released(pair)
+        free = get_json(pair.url + "/health")["free_slots"]
+        texts: list[str] = []
+        errors: list[dict] = []
+        killed = ""
+        with httpx.stream("POST", pair.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                texts += [choice["text"] for choice in event["choices"]]
+                if len(texts) == 4 and not killed:
+                    killed = _holder(pair)
+                    pair.prefills[killed][0].kill()
+        assert killed
+        if policy == "fail":
+            assert errors and errors[0]["code"] == 503, errors
+        else:
+            assert not errors and "".join(texts) == reference["choices"][0]["text"]
+        health = lambda: get_json(pair.url + "/health")  # noqa: E731
+        wait_until(lambda: health()["free_slots"] == free, 20, "the decode node to free the request's slot")
+    finally:
+        pair.stop()

@@ -146,7 +146,7 @@ def test_the_forecast_steps_token_is_the_second_and_the_answers_stay_full_transf
     """Policy.second_token: every request's second token comes from the prefill node's forecast step (its time is
     the FORECAST's arrival, before the decode node ran a step for it), the first token's K/V with it, and every
     answer is full transfer's."""
-    full, second = _generate("full"), _generate("smartgen")
+    full, second = _generate("full"), _generate("smartgen-no-head-start")  # smartgen's head start: test_head_start
     assert [r.tokens for r in second] == [r.tokens for r in full]
     for result in second:
         assert result.metrics.prefill_tokens == 2

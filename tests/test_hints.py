@@ -123,7 +123,7 @@ def test_prefetch_fetches_ahead_and_changes_no_token():
     """smartgen (hints and prefetch): layer l+1's speculated selection is fetched while layer l computes (never
     for layers 0-1), and layer l+1 then asks only for what that missed; the tokens are the paper's paths' own."""
     log: list = []
-    tokens, _ = _run("smartgen", fetches=log)
+    tokens, _ = _run("smartgen-no-head-start", fetches=log)  # smartgen's decode steps, not the prefill node's
     plain, _ = _run("smartgen-paper")
     assert tokens == plain
     ahead = [(layer, n) for kind, layer, n in log if kind == "ahead"]

@@ -29,7 +29,8 @@ def _ready(nodes: Nodes) -> bool:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory) -> Iterator[Nodes]:
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "tinym")
-    extra = ("--blocks", "16", "--link-gbps", "1", "--lease", str(LEASE_S))
+    # 3 ms of emulated compute a layer: a 400-token answer takes seconds, so a freeze always lands mid-request
+    extra = ("--blocks", "16", "--link-gbps", "1", "--lease", str(LEASE_S), "--emulate-layer-ms", "3")
     pair = Nodes(model_dir, tmp_path_factory.mktemp("run"), extra=extra)
     try:
         pair.wait_ready()

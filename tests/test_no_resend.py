@@ -33,7 +33,7 @@ def test_partial_transfer_moves_no_token_twice():
 
 
 def test_a_speculative_push_never_resends_a_fetched_token():
-    with _pipeline("smartgen") as pipeline:
+    with _pipeline("smartgen-no-head-start") as pipeline:  # the decode node fetches
         engine = pipeline.prefill_engine
         geometry = pipeline.decode_engine.pool.geometry
         heads_of: dict[tuple[int, int], set[int]] = {}

@@ -55,6 +55,9 @@ class _Engine:
     def dense_layers_local(self, request_id: str) -> bool:
         return True
 
+    def head_pending(self, request_id: str) -> bool:  # full transfer: no head start
+        return False
+
     def request_metadata(self, request_id: str) -> list:
         return []
 

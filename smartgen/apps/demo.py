@@ -264,7 +264,10 @@ def run_demo(
     }
     total = len(config.schemes) * len(samples)
     report = progress or (lambda what, done, total: None)
-    paced = replace(spec, link_gbps=regime.link_gbps, decode_extra=emulate_flags(regime.emulate_layer_ms))
+    emulate = emulate_flags(regime.emulate_layer_ms)  # the prefill node's decode steps (forecast, head start) too
+    paced = replace(
+        spec, link_gbps=regime.link_gbps, decode_extra=emulate, prefill_extra=(*spec.prefill_extra, *emulate)
+    )
     with LocalCluster(paced) as cluster:
         where = "in one process (inproc lane)" if cluster.colocated else f"over the {config.lane} lane"
         say(f"prefill node and decode node up {where}, OpenAI API on {cluster.url}/v1")

@@ -278,7 +278,11 @@ def _setup(
         return get_policy("full"), "dense", {}, KVQuantizer(quant or KVQuantConfig())
     if cond.scheme == "streamingllm":
         return get_policy("full"), "streaming", {"budget": cond.budget, "sinks": STREAMING_SINKS}, None
-    return get_policy("smartgen" if cond.scheme == "smartgen" else "proactive-only"), cond.selector, params, None
+    if cond.scheme == "smartgen":
+        # without the prefill node's head start: its steps pick as the decode node's would (the same answers), but
+        # the report's selection and fetch counts are the decode node's, which would then see few steps or none
+        return get_policy("smartgen-no-head-start"), cond.selector, params, None
+    return get_policy("proactive-only"), cond.selector, params, None
 
 
 def _prompt_ids(tokenizer, sample: Sample) -> list[int]:

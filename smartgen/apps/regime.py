@@ -59,5 +59,6 @@ def decode_side(
 
 
 def emulate_flags(emulate_layer_ms: float) -> tuple[str, ...]:
-    """The decode node's `serve` flags for that emulation (ClusterSpec.decode_extra); none when it is 0."""
+    """The `serve` flags for that emulation (ClusterSpec.decode_extra, and prefill_extra for the prefill node's own
+    decode steps); none when it is 0."""
     return ("--emulate-layer-ms", f"{emulate_layer_ms:.4f}") if emulate_layer_ms else ()

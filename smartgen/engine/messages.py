@@ -99,6 +99,9 @@ class Open:
     # [L, n] int32: how often the request's own decode steps select each token (a recorded run of the same
     # prompt): the "optimal" proactive set, which only a replay can know
     oracle_counts: torch.Tensor | None = None
+    # output tokens past the second the prefill node may decode ahead of the decode node (Policy.head_start): 0 for
+    # none (a request that samples, or a policy without it)
+    head_tokens: int = 0
 
     def pack(self) -> Message:
         meta: dict[str, Any] = {
@@ -111,6 +114,8 @@ class Open:
         }
         if self.resumed:
             meta["resumed"] = True
+        if self.head_tokens:
+            meta["head_tokens"] = self.head_tokens
         payload = {} if self.prompt_ids is None else {"input_ids": self.prompt_ids.to(torch.int64).cpu()}
         if self.held is not None:
             payload["held"] = self.held.to(torch.uint8).cpu().contiguous()
@@ -133,7 +138,15 @@ class Open:
             _field(meta, "resumed", bool, what) if "resumed" in meta else False,
             _field(meta, "held_prefix", int, what) if "held_prefix" in meta else 0,
             _oracle_counts(message.payload.get("oracle_counts"), meta.get("length")),
+            _head_tokens(meta),
         )
+
+
+def _head_tokens(meta: dict[str, Any]) -> int:
+    count = _field(meta, "head_tokens", int, "OPEN") if "head_tokens" in meta else 0
+    if count < 0:
+        raise MessageError(f"OPEN: head_tokens must be >= 0, got {count}")
+    return count
 
 
 def _held(held: torch.Tensor | None, length: object) -> torch.Tensor | None:
@@ -322,7 +335,9 @@ class Forecast:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     second: SecondToken | None = None
     # 1: the first decode step's; 2: the step after it, on the second token (a FORECAST that brought `second`
-    # promises this one: the decode node's own first step, whose picks a joining request fetches before it joins)
+    # promises this one: the decode node's own first step, whose picks a joining request fetches before it joins;
+    # after a head start it ends the prefill node's tokens, empty); 3: a head-start token (Policy.head_start), in
+    # `second`: the next output token and the K/V of the token its step ran on
     step: int = 1
 
     def pack(self) -> Message:
@@ -358,8 +373,8 @@ class Forecast:
                 raise MessageError(f"FORECAST: token must be >= 0, got {token}")
             second = SecondToken(token, keys, values)
         step = _field(message.meta, "step", int, "FORECAST") if "step" in message.meta else 1
-        if step not in (1, 2) or (second is not None and step != 1):
-            raise MessageError(f"FORECAST: step must be 1, or 2 without a second token, got {step}")
+        if step not in (1, 2, 3) or (second is not None and step == 2) or (second is None and step == 3):
+            raise MessageError(f"FORECAST: step must be 1, 2 without a token or 3 with one, got {step}")
         return cls(message.request_id, queries, second, step)
 
 

@@ -86,6 +86,13 @@ class Policy:
     queries (a second FORECAST): a joining request fetches those picks, its own first step's, before it joins; one
     alone fetches step one's at once and starts. A request that samples (temperature > 0) or keeps its logits
     ignores it and decodes its second token itself. Same answers: the forecast steps attend as the decode node's.
+    head_start: with the second token, a greedy request's prefill node keeps decoding it while it has nothing else to
+    prefill and some of the request's KV has not left yet: each step attends to its whole local KV as the decode
+    node's step would (the same selector), and its token goes out at once with the K/V of the token it ran on
+    (FORECAST step 3). The decode node streams those tokens, adds their K/V to the pool, and takes over once the
+    prefill node stops (its step-2 FORECAST marks the end): when the KV has all left, another request waits for
+    prefill, or the request's tokens run out. A lone request's tokens then come at an all-local step's pace while its
+    cache crosses the link, instead of each step waiting for its picks. Same answers.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
@@ -108,6 +115,7 @@ class Policy:
     chain: bool = False
     forecast: bool = False
     second_token: bool = False
+    head_start: bool = False
     schedule: bool = False
 
     def __post_init__(self) -> None:
@@ -133,6 +141,8 @@ class Policy:
             raise ValueError("a forecast's picks are fetched: a policy that fetches nothing cannot forecast")
         if self.second_token and not self.forecast:
             raise ValueError("the second token comes from the forecast step: second_token needs forecast")
+        if self.head_start and not self.second_token:
+            raise ValueError("the prefill node decodes on from the second token: head_start needs second_token")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -163,6 +173,7 @@ SMARTGEN = Policy(
     chain=True,
     forecast=True,
     second_token=True,
+    head_start=True,
     schedule=True,
 )
 
@@ -180,8 +191,9 @@ POLICIES: dict[str, Policy] = {
         # TBT, same TTST), the first step's forecast and speculation scheduled on the link (docs/engine.md)
         SMARTGEN,
         # the ablations, one part left out each
-        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False, second_token=False),
-        replace(SMARTGEN, name="smartgen-no-second-token", second_token=False),
+        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False, second_token=False, head_start=False),
+        replace(SMARTGEN, name="smartgen-no-second-token", second_token=False, head_start=False),
+        replace(SMARTGEN, name="smartgen-no-head-start", head_start=False),
         replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
         replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
         replace(SMARTGEN, name="smartgen-no-hints", hints=0.0),

@@ -193,9 +193,12 @@ def _start(settings: ServeSettings, say: Callable[[str], None]) -> RunningNode:
             prefill, note = build_prefill_node(
                 s.node, host, port, s.node.db, s.fallback_strategy, model_name, s.prefill_limits
             )
+            # the decode steps a prefill node runs (forecast, head start) pay the decode device's emulated compute
+            prefill.runner.emulate_layer_s = s.decode.emulate_layer_ms / 1e3
             running._start_prefill(prefill, note)
         elif s.role == "both":
             both, note = build_colocated_node(s.node, s.fallback_strategy, model_name, s.prefill_limits, s.decode)
+            both.prefill.runner.emulate_layer_s = s.decode.emulate_layer_ms / 1e3
             try:
                 running._start_prefill(both.prefill, note)
             except BaseException:

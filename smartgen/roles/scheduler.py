@@ -61,7 +61,9 @@ class _Active:
     skip_special: bool = True  # special tokens add no text (GenerationParams.skip_special_tokens)
     held: int = 0  # tokens in a row whose text waits for the rest of a character (`text_piece`)
     streamed: int = 0  # tokens put on the handle: the first may go from the link's thread, ahead of the driver
-    early: list[int] = field(default_factory=list)  # the first token, as the link's thread saw it arrive
+    early: list[int] = field(
+        default_factory=list
+    )  # the tokens the link's thread streamed as they arrived (first, second, head start)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -303,11 +305,13 @@ class DecodeScheduler:
             self._stream(active, Token(request_id, token, 0, arrived), [token])
 
     def _second_token_arrived(self, request_id: str, token: int, arrived: float) -> None:
-        """On the link's thread: a second token from the forecast step (Policy.second_token) goes to its client at
-        once too, when the request takes it (the driver's rule: greedy); the driver's own event for it is skipped."""
+        """On the link's thread: a second token from the forecast step (Policy.second_token), and each token of the
+        prefill node's head start after it (Policy.head_start), goes to its client at once too, when the request
+        takes them (the driver's rule: greedy); the driver's own events for them are skipped."""
         active = self._active.get(request_id)
-        if active is not None and len(active.early) == 1 and self.driver.takes_second(active.request):
-            self._stream(active, Token(request_id, token, 1, arrived), [*active.early, token])
+        if active is not None and active.early and self.driver.takes_second(active.request):
+            active.early.append(token)
+            self._stream(active, Token(request_id, token, len(active.early) - 1, arrived), list(active.early))
 
     def _stream(self, active: _Active, event: Token, tokens: list[int]) -> None:
         """Puts one token's text piece on the handle, once and in order, whichever thread gets there first."""

@@ -123,6 +123,8 @@ class DecodeDriver:
                 prompt_ids=request.prompt_ids,
                 arrival=request.arrival,
                 oracle_counts=request.oracle_counts,
+                # the prefill node's head start (greedy, as the second token): the tokens past the second there are
+                head_tokens=max(0, request.max_tokens - 2) if self.takes_second(request) else 0,
             )
         except (PoolFull, RuntimeError) as exc:
             metrics = RequestMetrics(request.request_id, request.prompt_ids.numel(), created=request.arrival)
@@ -196,6 +198,23 @@ class DecodeDriver:
                         events += self._emit(request, second)
                         if isinstance(events[-1], Finished):
                             continue
+                # the prefill node's head start (Policy.head_start): its tokens leave as they come, and the request
+                # joins only once they end (its step would decode a token the prefill node is decoding)
+                finished = False
+                while takes_second and (head := self.engine.take_head_token(rid)) is not None:
+                    events += self._emit(request, head)
+                    if finished := isinstance(events[-1], Finished):
+                        break
+                if finished:
+                    continue
+                if self.engine.head_pending(rid):
+                    if stall := self.engine.stall(rid, self.prefill_timeout):
+                        reason = f"its head start stalled: {stall.describe(self.prefill_timeout)}"
+                        events.append(self._abort(request, reason, "timeout"))
+                    else:
+                        still.append(request)
+                    continue
+                headed = len(request.tokens) > 2  # its KV has (nearly) all left: no forecast picks to fetch
                 # full transfer: decoding starts when every block is here; any other request joins a running batch
                 # once its layers 0-1 are (its first step would wait for them, and every request in the batch with
                 # it), both under the same bound as the first token: on progress, not on the transfer's length
@@ -207,7 +226,7 @@ class DecodeDriver:
                 # first step's); while others run, join only once they are local (its step would wait for them,
                 # and the batch with it). Alone it then starts at once: its step waits for what is in flight instead
                 # of asking layer by layer. Alone and without a second token to take it starts without the forecast.
-                if not waiting and (self.running or takes_second):
+                if not waiting and not headed and (self.running or takes_second):
                     # a joiner past its second token fetches the picks of the step after it: its own first step
                     after = bool(self.running) and len(request.tokens) == 2
                     if self.engine.forecast_pending(rid, after_second=after):

@@ -6,6 +6,7 @@ so the engine can push a layer's planned blocks while later layers compute.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,9 @@ class PrefillRunner:
         self.model = model
         self.selector = selector
         self.sampler = sampler or Sampler()
+        # benchmarks: the decode node's emulated compute per layer (`serve --emulate-layer-ms`), slept in every
+        # decode step this node runs (the forecast, a head start): they stand for the same device's steps
+        self.emulate_layer_s = 0.0
         self.kinds = layer_kinds(model.config)
         needs_hidden = selector is not None and getattr(selector, "needs_prefill_hidden", False)
         self.capture = HiddenCapture(model) if needs_hidden else None
@@ -180,16 +184,10 @@ class PrefillRunner:
         from the sparse step's layer by layer (76-78% of step one's picks on the 16-layer sample); a selector that
         picks by something other than the query (a look-ahead one) leaves the step dense. `keep_cache`: the output
         keeps the cache, now with the first token, for `forecast_next`."""
-        handler, logits = self._forecast_step(output, output.first_token)
+        forecasted = self.step_ahead(output, output.first_token)
         if not keep_cache:
             output.cache = None  # the K/V are the engine's to keep; this copy goes now
-        layers = range(self.model.config.num_hidden_layers)
-        return Forecasted(
-            handler.queries,
-            int(logits.float().argmax()),
-            torch.stack([handler.keys[layer] for layer in layers]),
-            torch.stack([handler.values[layer] for layer in layers]),
-        )
+        return forecasted
 
     def forecast_next(self, output: PrefillOutput, token: int) -> dict[int, torch.Tensor]:
         """The step after `forecast` (its cache kept), on `token`, the second: its query per selecting layer, as
@@ -199,6 +197,19 @@ class PrefillRunner:
             return self._forecast_step(output, token)[0].queries
         finally:
             output.cache = None
+
+    def step_ahead(self, output: PrefillOutput, token: int) -> Forecasted:
+        """One more decode step on `token` (the last output token) over the kept cache, which it extends, as
+        `forecast` runs one (Policy.head_start): its queries, the next token (greedy), and `token`'s K/V in every
+        layer."""
+        handler, logits = self._forecast_step(output, token)
+        layers = range(self.model.config.num_hidden_layers)
+        return Forecasted(
+            handler.queries,
+            int(logits.float().argmax()),
+            torch.stack([handler.keys[layer] for layer in layers]),
+            torch.stack([handler.values[layer] for layer in layers]),
+        )
 
     def _forecast_step(self, output: PrefillOutput, token: int) -> tuple[_ForecastHandler, torch.Tensor]:
         """One decode step on `token` over the prefill run's cache (which it extends): its handler and logits [V]."""
@@ -219,6 +230,8 @@ class PrefillRunner:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[0, -1]
+        if self.emulate_layer_s:
+            time.sleep(self.emulate_layer_s * self.model.config.num_hidden_layers)
         return handler, logits
 
 

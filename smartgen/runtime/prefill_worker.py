@@ -152,10 +152,27 @@ class PrefillWorker:
             return
         queries = {}
         try:
-            queries = self.runner.forecast_next(output, second.token)
+            if not self._head_start(request, output, second.token):
+                queries = self.runner.forecast_next(output, second.token)
         except Exception:
             log.warning("forecast of %s's next step failed", request.request_id, exc_info=True)
+        finally:
+            output.cache = None
+        # after a head start, this empty FORECAST ends its tokens: the decode node takes over from the last one
         self.engine.send_forecast(request.request_id, queries, step=2)
+
+    def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> int:
+        """Policy.head_start: decodes the request on from its second token (`token`) while `head_start_wanted` says
+        so, each token sent at once with the K/V of the one its step ran on (FORECAST step 3); stops after an end of
+        sequence. Returns the tokens sent."""
+        rid, sent = request.request_id, 0
+        stops = _eos_ids(getattr(self.runner, "model", None))
+        while token not in stops and self.engine.head_start_wanted(rid, sent):
+            step = self.runner.step_ahead(output, token)
+            if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
+                break
+            token, sent = step.token, sent + 1
+        return sent
 
     def _hand_off(
         self,
@@ -173,3 +190,12 @@ class PrefillWorker:
             k, v = self.kv_transform(layer, k, v)
         self.engine.prefill_layer(request_id, layer, k, v, token_scores)
         self._metadata_bytes += self.engine.send_metadata(request_id, layer, metadata)
+
+
+def _eos_ids(model: object) -> set[int]:
+    """The model's end-of-sequence token ids (its generation config's, else its config's); none without a model."""
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        if eos is not None:
+            return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
+    return set()

@@ -386,6 +386,8 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         separate_cpus=config.separate_cpus,
         device=config.device,
         decode_extra=extra,
+        # the prefill node's own decode steps (forecast, head start) pay the same emulated compute
+        prefill_extra=emulate_flags(regime.emulate_layer_ms),
         prefill_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "decode" else "0",
         decode_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "prefill" else "0",
     )

@@ -156,8 +156,21 @@ class DecodeControl(DecodePath):
                 if request is None or not request.forecast_promised or request.forecast_taken:
                     pass
                 elif message.step == 2:
+                    request.head_done = True
                     if request.forecast_next_promised:
                         request.forecast_next = self._here(message.queries)
+                elif message.step == 3:  # a head-start token: before the step-2 FORECAST that ends them
+                    head = message.second
+                    if head is not None and request.forecast_next_promised and not request.head_done:
+                        expected = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
+                        if tuple(head.keys.shape) != expected:
+                            raise msg.MessageError(f"FORECAST: a head-start token's K/V are {tuple(head.keys.shape)}")
+                        device = self.pool.k.device
+                        at = time.monotonic()
+                        request.head.append(
+                            (msg.SecondToken(head.token, head.keys.to(device), head.values.to(device)), at)
+                        )
+                        self._tell_token(self.on_second_token, message.request_id, head.token, at)
                 else:
                     second = message.second
                     if second is not None:

@@ -43,12 +43,14 @@ class DecodeEngine(DecodeControl):
         prompt_ids: torch.Tensor | None = None,
         arrival: float | None = None,
         oracle_counts: torch.Tensor | None = None,
+        head_tokens: int = 0,
     ) -> str:
         """Admits a request of `length` prompt tokens: slot, masks, lane, OPEN. Returns its id.
 
         `prompt_ids` travel with OPEN when the prefill node runs a model (serving). `arrival`
         (time.monotonic(), default now) is when the request arrived: its TTFT and TTST count from it.
         `oracle_counts` ([L, n]): a recorded run's selection counts, for the "optimal" proactive set.
+        `head_tokens`: output tokens past the second its prefill node may decode ahead (Policy.head_start; 0: none).
         """
         request_id = request_id or uuid.uuid4().hex
         link = self._pick_link(prompt_ids)  # before the slot: with no live prefill node the request fails at once
@@ -65,6 +67,7 @@ class DecodeEngine(DecodeControl):
             prompt_ids,
             held_prefix=held,
             oracle_counts=oracle_counts,
+            head_tokens=head_tokens if policy.head_start else 0,
         )
         per_token = self.layout.num_layers * self.layout.num_kv_heads  # KV entries of one prompt token
         request = DecodeRequest(
@@ -168,6 +171,31 @@ class DecodeEngine(DecodeControl):
         request.metrics.record_token(request.second_at)
         request.metrics.prefill_tokens = 2
         return second.token
+
+    def head_pending(self, request_id: str) -> bool:
+        """Its prefill node may still decode tokens ahead for it (Policy.head_start): OPEN allowed some, and the
+        step-2 FORECAST that ends them has not come (False once the request failed or its prefill node was lost)."""
+        request = self._require_any(request_id)
+        message = request.open_message
+        if message is None or not message.head_tokens or request.metrics.error or request.resuming:
+            return False
+        if not request.forecast_next_promised:  # until the step-1 FORECAST says whether a second token came
+            return request.forecast_promised and request.forecast is None and not request.forecast_taken
+        return not request.head_done
+
+    def take_head_token(self, request_id: str) -> int | None:
+        """The next token its prefill node decoded ahead (Policy.head_start), once, after the second token was
+        taken: the K/V of the token before it go into the pool and it counts as arrived when its FORECAST did. None
+        when none is waiting."""
+        request = self._require(request_id)
+        if not request.head or len(request.metrics.token_times) < 2:
+            return None
+        head, at = request.head.pop(0)  # the link's thread appends: pop and append are atomic
+        for layer in range(self.layout.num_layers):
+            self.append(layer, request_id, head.keys[layer], head.values[layer])
+        request.metrics.record_token(at)
+        request.metrics.prefill_tokens += 1
+        return head.token
 
     def forecast_landed(self, request_id: str) -> bool:
         """Every fetch in flight for the request has its reply (or it failed): its first step will not wait."""

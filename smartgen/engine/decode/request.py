@@ -85,6 +85,9 @@ class DecodeRequest:
     # a FORECAST that brought a second token promises the next step's queries (its step-2 FORECAST)
     forecast_next_promised: bool = False
     forecast_next: dict[int, torch.Tensor] | None = None
+    # head-start tokens (Policy.head_start) as their FORECASTs brought them, in order, with their arrival, until taken
+    head: list[tuple[msg.SecondToken, float]] = field(default_factory=list)
+    head_done: bool = False  # the step-2 FORECAST came: no head-start token comes after it
     flags: DecodeFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:

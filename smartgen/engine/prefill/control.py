@@ -192,6 +192,7 @@ class PrefillEngine(PrefillPath):
             held_prefix=message.held_prefix,
             held=message.held,
             resumed=message.resumed,
+            head_tokens=message.head_tokens if policy.head_start and not message.resumed else 0,
             unsent=unsent_entries(
                 self.layout.num_layers, length, self.layout.num_kv_heads, message.held, message.held_prefix
             ),
@@ -272,6 +273,16 @@ class PrefillEngine(PrefillPath):
         if request is not None:
             self.gate.drop(id(request.link), request_id)
         return self.store.release(request_id)
+
+    def head_start_wanted(self, request_id: str, decoded: int) -> bool:
+        """Whether this node decodes one more token of the request ahead of its decode node (Policy.head_start),
+        `decoded` past the second so far: the request is still here, OPEN allowed that many more, no other request
+        waits for prefill (a head start only uses a prefill node's idle time), and some of its KV has not left yet
+        (once it all has, the decode node's steps find every pick local)."""
+        request = self._get(request_id)
+        if request is None or decoded >= request.head_tokens or self.num_queued:
+            return False
+        return request.unsent is not None and bool(request.unsent.any())
 
     @property
     def num_queued(self) -> int:

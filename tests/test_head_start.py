@@ -1,0 +1,112 @@
+"""The prefill node's head start (Policy.head_start): a greedy request's prefill node decodes on from its second token
+while it has nothing else to prefill and the request's KV is still leaving, each token sent at once with the K/V of
+the one before; the decode node streams them, adds their K/V and takes over when they end. Same answers."""
+
+import time
+
+import pytest
+import torch
+from tiny_models import tiny_config
+
+from smartgen.engine import messages as msg
+from smartgen.engine.policy import get_policy
+from smartgen.lanes.base import Message, MessageKind
+from smartgen.runtime.models import model_from_config, model_info
+from smartgen.runtime.pipeline import InprocPipeline
+from smartgen.runtime.prefill import PrefillRunner
+from smartgen.selectors import make_selector
+
+
+def test_head_start_tokens_and_open_limits_cross_the_wire_and_bad_ones_are_refused():
+    head = msg.SecondToken(9, torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+    back = msg.unpack(msg.Forecast("r", {}, head, step=3).pack())
+    assert back.step == 3 and back.second is not None and back.second.token == 9
+    assert torch.equal(back.second.keys, head.keys)
+    opened = msg.Open("r", 0, 10, "smartgen", "profile", 0.1, head_tokens=62)
+    assert msg.unpack(opened.pack()).head_tokens == 62
+    assert msg.unpack(msg.Open("r", 0, 10, "smartgen", "profile", 0.1).pack()).head_tokens == 0
+    for bad in (
+        Message(MessageKind.FORECAST, "r", {"step": 3}, {}),  # a head-start step without its token
+        Message(MessageKind.FORECAST, "r", {"step": 4}, {}),
+        Message(MessageKind.OPEN, "r", {**opened.pack().meta, "head_tokens": -1}, {}),
+    ):
+        with pytest.raises(msg.MessageError):
+            msg.unpack(bad)
+
+
+def test_a_head_start_needs_the_second_token():
+    with pytest.raises(ValueError, match="head_start needs second_token"):
+        get_policy("smartgen-no-second-token").__class__("x", forecast=True, head_start=True)
+    assert get_policy("smartgen").head_start and not get_policy("smartgen-no-head-start").head_start
+
+
+def _generate(scheme: str, prompts: list[torch.Tensor], tokens: int, gbps: float = 0.02):
+    model = model_from_config(tiny_config("llama"))
+    policy = get_policy(scheme, "sequential", 0.05)
+    with InprocPipeline(
+        model, policy, "quest", {"budget": 0.25}, gbps=gbps, prefill_seconds_per_token=1e-5, num_blocks=16
+    ) as pipeline:
+        calls: list[int] = []
+        step = pipeline.decode_runner.step
+        pipeline.decode_runner.step = lambda batch: calls.append(len(batch.request_ids)) or step(batch)
+        return pipeline.generate(prompts, tokens), calls
+
+
+def _prompts(*lengths: int) -> list[torch.Tensor]:
+    return [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+
+
+def test_a_lone_request_on_a_slow_link_gets_every_token_from_its_prefill_node_with_full_transfers_answer():
+    prompts = _prompts(200)
+    (full,), _ = _generate("full", prompts, 8)
+    (ahead,), steps = _generate("smartgen", prompts, 8)
+    assert ahead.tokens == full.tokens
+    # its KV is still crossing the 20 Mbit/s link when the answer ends: the decode node never ran a step
+    assert ahead.metrics.prefill_tokens == 8 and not steps
+    assert len(ahead.metrics.token_times) == 8 and ahead.metrics.token_times == sorted(ahead.metrics.token_times)
+    (plain,), plain_steps = _generate("smartgen-no-head-start", prompts, 8)
+    assert plain.tokens == full.tokens and plain.metrics.prefill_tokens == 2 and len(plain_steps) == 6
+
+
+def test_the_decode_node_takes_over_once_the_kv_has_all_left():
+    """On a fast link the KV has all left after a few head-start steps: the decode node decodes the rest, from the
+    token the prefill node stopped at, with the K/V of every token before it in its pool."""
+    prompts = _prompts(160)
+    (full,), _ = _generate("full", prompts, 24, gbps=5.0)
+    (ahead,), steps = _generate("smartgen", prompts, 24, gbps=5.0)
+    assert ahead.tokens == full.tokens
+    assert 2 <= ahead.metrics.prefill_tokens < 24
+    assert len(steps) == 24 - ahead.metrics.prefill_tokens
+
+
+def test_no_head_start_while_another_request_waits_for_prefill():
+    """A head start only uses the prefill node's idle time: the first request, whose forecast runs while the others
+    wait for prefill, gets none; the last one, with nothing behind it, gets one. Answers stay full transfer's."""
+    prompts = _prompts(200, 180, 150)
+    full, _ = _generate("full", prompts, 6)
+    ahead, _ = _generate("smartgen", prompts, 6)
+    assert [r.tokens for r in ahead] == [r.tokens for r in full]
+    assert ahead[0].metrics.prefill_tokens == 2
+    assert ahead[-1].metrics.prefill_tokens == 6
+
+
+def test_a_head_start_stops_at_the_answers_end():
+    """max_tokens bounds it (OPEN allows max_tokens - 2), and the decode node's tokens never run past the answer."""
+    prompts = _prompts(200)
+    (full,), _ = _generate("full", prompts, 3)
+    (ahead,), steps = _generate("smartgen", prompts, 3)
+    assert ahead.tokens == full.tokens and len(ahead.tokens) == 3 and ahead.metrics.prefill_tokens == 3 and not steps
+
+
+def test_the_prefill_runners_decode_steps_pay_the_emulated_compute():
+    model = model_from_config(tiny_config("llama"))
+    runner = PrefillRunner(model, make_selector("quest", model_info(model), budget=0.3))
+    output = runner.run(
+        torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(5)).tolist(), keep_cache=True
+    )
+    first = runner.forecast(output, keep_cache=True)
+    runner.emulate_layer_s = 0.01
+    started = time.monotonic()
+    step = runner.step_ahead(output, first.token)
+    assert time.monotonic() - started >= 0.01 * model.config.num_hidden_layers
+    assert step.keys.shape == first.keys.shape and 0 <= step.token < model.config.vocab_size
