@@ -58,13 +58,13 @@ def _prompts(*lengths: int) -> list[torch.Tensor]:
 
 def test_a_lone_request_on_a_slow_link_gets_every_token_from_its_prefill_node_with_full_transfers_answer():
     prompts = _prompts(200)
-    (full,), _ = _generate("full", prompts, 8)
-    (ahead,), steps = _generate("smartgen", prompts, 8)
+    (full,), _ = _generate("full", prompts, 8, gbps=0.005)
+    (ahead,), steps = _generate("smartgen", prompts, 8, gbps=0.005)
     assert ahead.tokens == full.tokens
-    # its KV is still crossing the 20 Mbit/s link when the answer ends: the decode node never ran a step
+    # its KV (0.3 s of this 5 Mbit/s link) is still crossing when the answer ends: the decode node never ran a step
     assert ahead.metrics.prefill_tokens == 8 and not steps
     assert len(ahead.metrics.token_times) == 8 and ahead.metrics.token_times == sorted(ahead.metrics.token_times)
-    (plain,), plain_steps = _generate("smartgen-no-head-start", prompts, 8)
+    (plain,), plain_steps = _generate("smartgen-no-head-start", prompts, 8, gbps=0.005)
     assert plain.tokens == full.tokens and plain.metrics.prefill_tokens == 2 and len(plain_steps) == 6
 
 
@@ -110,3 +110,14 @@ def test_the_prefill_runners_decode_steps_pay_the_emulated_compute():
     step = runner.step_ahead(output, first.token)
     assert time.monotonic() - started >= 0.01 * model.config.num_hidden_layers
     assert step.keys.shape == first.keys.shape and 0 <= step.token < model.config.vocab_size
+
+
+def test_the_kv_keeps_crossing_during_a_head_start_so_the_decode_node_takes_over():
+    """The decode node sends no idle notices while the prefill node decodes: each head-start step stands for one, so
+    speculation goes on and the KV (a few prefills' worth of link time here) has all left long before the answer
+    ends; the decode node then decodes the rest."""
+    prompts = _prompts(200)
+    (full,), _ = _generate("full", prompts, 48, gbps=0.2)
+    (ahead,), steps = _generate("smartgen", prompts, 48, gbps=0.2)
+    assert ahead.tokens == full.tokens
+    assert 2 < ahead.metrics.prefill_tokens < 48 and len(steps) == 48 - ahead.metrics.prefill_tokens

@@ -168,6 +168,7 @@ class PrefillWorker:
         rid, sent = request.request_id, 0
         stops = _eos_ids(getattr(self.runner, "model", None))
         while token not in stops and self.engine.head_start_wanted(rid, sent):
+            self.engine.note_head_step(rid)  # its KV goes on crossing meanwhile
             step = self.runner.step_ahead(output, token)
             if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
                 break

@@ -167,6 +167,13 @@ class PrefillPath:
             fetched, request.fetched_since_idle = request.fetched_since_idle, 0
             return self._push_next_slice(request, window, fetched)
 
+    def note_head_step(self, request_id: str) -> None:
+        """A head-start step is about to run (Policy.head_start): its decode node runs no steps meanwhile and so sends
+        no idle notices, so each such step stands for one and speculation goes on, chained or not."""
+        request = self._get(request_id)
+        if request is not None and request.flags.speculative:
+            self._submit_speculation(self._speculate_on_notice, request)
+
     def _chain(self, request: OpenedRequest) -> None:
         """A speculative slice landed: push the next one now, sized to CHAIN_WINDOW_S of link, rather than wait
         for the next idle notice. The decode node sends none while its fetches are on the link, and the link
