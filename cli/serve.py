@@ -94,8 +94,8 @@ Scheme = Annotated[
     option(
         DECODE,
         "Default transfer scheme: smartgen (the paper's three paths with hints, prefetch, chained speculation "
-        "scheduled behind proactive sets, and the first step's forecast, whose token is the second), smartgen-no-forecast, "
-        "smartgen-no-second-token, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, "
+        "scheduled behind proactive sets, the first step's forecast, whose token is the second, and the prefill node decoding on while idle: its head start), smartgen-no-forecast, "
+        "smartgen-no-second-token, smartgen-no-head-start, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, "
         "partial, partial+profile, partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit "
         "quantized KV: lossy); a request may ask for another.",
     ),

@@ -163,11 +163,11 @@ class PrefillWorker:
 
     def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> int:
         """Policy.head_start: decodes the request on from its second token (`token`) while `head_start_wanted` says
-        so, each token sent at once with the K/V of the one its step ran on (FORECAST step 3); stops after an end of
-        sequence. Returns the tokens sent."""
+        so, each token sent at once with the K/V of the one its step ran on (FORECAST step 3). An end of sequence
+        does not stop it: the decode node knows whether the request ignores it, and ends the request (RELEASE) when
+        it does not. Returns the tokens sent."""
         rid, sent = request.request_id, 0
-        stops = _eos_ids(getattr(self.runner, "model", None))
-        while token not in stops and self.engine.head_start_wanted(rid, sent):
+        while self.engine.head_start_wanted(rid, sent):
             self.engine.note_head_step(rid)  # its KV goes on crossing meanwhile
             step = self.runner.step_ahead(output, token)
             if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
@@ -191,12 +191,3 @@ class PrefillWorker:
             k, v = self.kv_transform(layer, k, v)
         self.engine.prefill_layer(request_id, layer, k, v, token_scores)
         self._metadata_bytes += self.engine.send_metadata(request_id, layer, metadata)
-
-
-def _eos_ids(model: object) -> set[int]:
-    """The model's end-of-sequence token ids (its generation config's, else its config's); none without a model."""
-    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(config, "eos_token_id", None)
-        if eos is not None:
-            return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
-    return set()

@@ -277,11 +277,14 @@ class PrefillEngine(PrefillPath):
     def head_start_wanted(self, request_id: str, decoded: int) -> bool:
         """Whether this node decodes one more token of the request ahead of its decode node (Policy.head_start),
         `decoded` past the second so far: the request is still here, OPEN allowed that many more, no other request
-        waits for prefill (a head start only uses a prefill node's idle time), and some of its KV has not left yet
-        (once it all has, the decode node's steps find every pick local)."""
+        waits for prefill (a head start only uses a prefill node's idle time), and some of its KV has not landed yet
+        (unsent, or posted and on its way: once it has all landed, the decode node's steps find every pick local)."""
         request = self._get(request_id)
         if request is None or decoded >= request.head_tokens or self.num_queued:
             return False
+        with self._lock:
+            if request.pushes_in_flight:
+                return True
         return request.unsent is not None and bool(request.unsent.any())
 
     @property

@@ -281,6 +281,14 @@ class PrefillPath:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
         completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
+        with self._lock:
+            request.pushes_in_flight += 1
+
+        def settled(_: bool) -> None:
+            with self._lock:
+                request.pushes_in_flight -= 1
+
+        completion.add_done_callback(settled)
         self.counters.add(path, kv_bytes)
         posted = time.monotonic()
 

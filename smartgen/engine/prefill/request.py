@@ -58,7 +58,7 @@ class OpenedRequest:
     # flat ids (layer * length + token) the decode node's idle notices hinted at, one tensor per notice, newest
     # last: speculation pushes them, newest first, before the plan's speculative order
     hint_queue: list[torch.Tensor] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
+    pushes_in_flight: int = 0  # pushes posted and not yet landed (or failed): under the engine's lock
     held: torch.Tensor | None = None  # [L, n] bool: tokens the decode node already holds (never pushed)
     resumed: bool = False  # the decode node had decoded it already: no metadata, FIRST_TOKEN only says "ready"
     head_tokens: int = 0  # output tokens past the second this node may decode ahead (OPEN's, Policy.head_start)
