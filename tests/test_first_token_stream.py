@@ -56,9 +56,10 @@ def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_no
     """smartgen on a 2 Mbit/s link: the prefill node's forecast step gives the second token, which leaves at once;
     the decode node's first step (the third token) waits for the link. A request that samples decodes its second
     token itself."""
-    with _nodes("smartgen") as decode:
+    with _nodes("smartgen-no-head-start") as decode:
         prompt = PROMPT
-        events, received, node_times = _stream(decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen"))
+        params = GenerationParams(max_tokens=4, scheme="smartgen-no-head-start")
+        events, received, node_times = _stream(decode, prompt, params)
         finish = events[-1]
         assert isinstance(finish, FinishEvent) and finish.error is None, finish
         assert [e.index for e in events[:-1]] == [0, 1, 2, 3]  # each once, in order
@@ -72,7 +73,29 @@ def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_no
         assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
 
         sampled, _, _ = _stream(
-            decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen", temperature=0.7, seed=3)
+            decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen-no-head-start", temperature=0.7, seed=3)
         )
         assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
         assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 5
+
+
+def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
+    """smartgen on a 2 Mbit/s link, alone: the prefill node decodes on from the second token (its head start), and
+    each of those tokens is streamed as its FORECAST lands, in order, with full transfer's tokens; a request
+    that samples gets none (the prefill node's steps are greedy) and decodes from its second token itself."""
+    with _nodes("smartgen") as decode:
+        events, received, node_times = _stream(decode, PROMPT, GenerationParams(max_tokens=6, scheme="smartgen"))
+        finish = events[-1]
+        assert isinstance(finish, FinishEvent) and finish.error is None, finish
+        assert [e.index for e in events[:-1]] == list(range(6))
+        assert finish.usage["prefill_tokens"] == 6 and finish.usage["fetch_wait"] == 0
+        # each reached the client after the node counted it at its FORECAST's arrival, and in the order computed
+        assert all(node_times[i] <= received[i] for i in range(6)), (received, node_times)
+        assert [received[i] for i in range(6)] == sorted(received.values())
+        reference, _, _ = _stream(decode, PROMPT, GenerationParams(max_tokens=6, scheme="full"))
+        assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
+        sampled, _, _ = _stream(
+            decode, PROMPT, GenerationParams(max_tokens=6, scheme="smartgen", temperature=0.7, seed=3)
+        )
+        assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
+        assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 7
