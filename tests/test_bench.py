@@ -347,7 +347,10 @@ def test_a_bench_on_the_inproc_lane_runs_one_process_and_pays_the_link(tmp_path:
     rate = data["points"][0]["regime"]["link_gbps"] * 1e9 / 8
     assert data["points"][0]["regime"]["cpus"] == "shared"  # one process cannot be split
     for group in data["groups"]:
-        assert group["link_bytes"] > 0 and group["posting_s"] > 0
+        assert group["link_bytes"] > 0
+        # the in-process lane counts a push's posting as it lands: full transfer waits for every one, while smartgen's
+        # answer may end inside its prefill node's head start, before any of its pushes has landed
+        assert group["posting_s"] > 0 or group["scheme"] != "full"
         for request in group["requests"]:
             assert request["error"] is None
         if group["scheme"] == "full":
