@@ -123,7 +123,7 @@ class DecodeDriver:
                 prompt_ids=request.prompt_ids,
                 arrival=request.arrival,
                 oracle_counts=request.oracle_counts,
-                # the prefill node's head start (greedy, as the second token): the tokens past the second there are
+                # how many tokens past the second its prefill node may decode ahead (greedy only, as the second token)
                 head_tokens=max(0, request.max_tokens - 2) if self.takes_second(request) else 0,
             )
         except (PoolFull, RuntimeError) as exc:
