@@ -52,7 +52,7 @@ test-oldest: venv
 	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -c 'import transformers; print("transformers", transformers.__version__)'
 	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_cache_kwarg.py tests/test_runtime.py tests/test_runtime_sparse.py tests/test_forecast.py \
-		tests/test_selectors.py tests/test_prefix_cache.py tests/test_head_sizes.py
+		tests/test_selectors.py tests/test_prefix_cache.py tests/test_head_sizes.py tests/test_head_start.py
 	PYTHONPATH=$(abspath $(OLDEST_SITE)) $(PY) -m smartgen.apps.gpu_check --cpu --only decode.sample16,decode.random32,serve,serve.tcp \
 		--out gpu-check-results/oldest-transformers
 

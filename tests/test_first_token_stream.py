@@ -13,7 +13,7 @@ def test_the_first_token_reaches_the_client_before_the_second_is_computed():
     """partial on a 2 Mbit/s link: the first decode step fetches most of the prompt's KV on demand, so the second
     token is computed well after the first arrives; the client must hold the first before then (it once left with
     the second, after that step)."""
-    with _nodes("partial") as decode:
+    with _nodes("partial") as (decode, _):
         events, received, node_times = _stream(decode, PROMPT, GenerationParams(max_tokens=3, scheme="partial"))
         finish = events[-1]
         assert isinstance(finish, FinishEvent) and finish.error is None, finish
@@ -28,12 +28,12 @@ PROMPT = torch.randint(3, 90, (200,), generator=torch.Generator().manual_seed(7)
 
 @contextmanager
 def _nodes(scheme: str):
-    """A prefill and a decode node on a 2 Mbit/s link, the decode node's default scheme `scheme`."""
+    """A decode and a prefill node on a 2 Mbit/s link, the decode node's default scheme `scheme`."""
     parts = tiny_parts()
     prefill = prefill_node(parts, link_gbps=0.002)
     decode = decode_node(parts, [prefill], scheme=scheme, link_gbps=0.002)
     try:
-        yield decode
+        yield decode, prefill
     finally:
         decode.stop()
         prefill.stop()
@@ -56,7 +56,7 @@ def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_no
     """smartgen on a 2 Mbit/s link: the prefill node's forecast step gives the second token, which leaves at once;
     the decode node's first step (the third token) waits for the link. A request that samples decodes its second
     token itself."""
-    with _nodes("smartgen-no-head-start") as decode:
+    with _nodes("smartgen-no-head-start") as (decode, _):
         prompt = PROMPT
         params = GenerationParams(max_tokens=4, scheme="smartgen-no-head-start")
         events, received, node_times = _stream(decode, prompt, params)
@@ -83,7 +83,7 @@ def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
     """smartgen on a 2 Mbit/s link, alone: the prefill node decodes on from the second token (its head start), and
     each of those tokens is streamed as its FORECAST lands, in order, with full transfer's tokens; a request
     that samples gets none (the prefill node's steps are greedy) and decodes from its second token itself."""
-    with _nodes("smartgen") as decode:
+    with _nodes("smartgen") as (decode, prefill):
         events, received, node_times = _stream(decode, PROMPT, GenerationParams(max_tokens=6, scheme="smartgen"))
         finish = events[-1]
         assert isinstance(finish, FinishEvent) and finish.error is None, finish
@@ -99,3 +99,8 @@ def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
         )
         assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
         assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 7
+        # the prefill node counts the head start's tokens (4 past the second) in /status and /metrics alike
+        assert prefill.snapshot()["head_start"] == {"tokens": 4, "steps_yielded": 0}
+        metrics = prefill.monitoring.exposition()[0].decode()
+        assert "smartgen:head_start_tokens_total 4.0" in metrics
+        assert "smartgen:head_start_steps_yielded_total 0.0" in metrics

@@ -2,6 +2,7 @@
 while it has nothing else to prefill and the request's KV is still leaving, each token sent at once with the K/V of
 the one before; the decode node streams them, adds their K/V and takes over when they end. Same answers."""
 
+import threading
 import time
 
 import pytest
@@ -11,9 +12,10 @@ from tiny_models import tiny_config
 from smartgen.engine import messages as msg
 from smartgen.engine.policy import get_policy
 from smartgen.lanes.base import Message, MessageKind
+from smartgen.runtime.driver import Finished
 from smartgen.runtime.models import model_from_config, model_info
-from smartgen.runtime.pipeline import InprocPipeline
-from smartgen.runtime.prefill import PrefillRunner
+from smartgen.runtime.pipeline import InprocPipeline, wait_until
+from smartgen.runtime.prefill import PrefillRunner, StepYielded
 from smartgen.selectors import make_selector
 
 
@@ -121,3 +123,85 @@ def test_the_kv_keeps_crossing_during_a_head_start_so_the_decode_node_takes_over
     (ahead,), steps = _generate("smartgen", prompts, 48, gbps=0.2)
     assert ahead.tokens == full.tokens
     assert 2 < ahead.metrics.prefill_tokens < 48 and len(steps) == 48 - ahead.metrics.prefill_tokens
+
+
+def test_a_head_start_step_given_up_mid_step_leaves_the_cache_as_it_was():
+    """`yield_to` is asked before each layer; True abandons the step with the layers it ran cut back out of the kept
+    cache, so the next step computes exactly what it would have without the abandoned one."""
+    model = model_from_config(tiny_config("llama"))
+    runner = PrefillRunner(model, make_selector("quest", model_info(model), budget=0.3))
+    prompt = torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(8)).tolist()
+    outputs = [runner.run(prompt, keep_cache=True) for _ in range(2)]
+    firsts = [runner.forecast(output, keep_cache=True) for output in outputs]
+    length = outputs[0].cache.get_seq_length()
+    asked: list[int] = []
+    with pytest.raises(StepYielded):
+        runner.step_ahead(outputs[0], firsts[0].token, yield_to=lambda: asked.append(1) or len(asked) == 2)
+    assert len(asked) == 2  # the first layer ran, the second gave way
+    assert [layer.keys.shape[-2] for layer in outputs[0].cache.layers] == [length] * model.config.num_hidden_layers
+    again, untouched = (runner.step_ahead(output, first.token) for output, first in zip(outputs, firsts))
+    assert again.token == untouched.token
+    assert torch.equal(again.keys, untouched.keys) and torch.equal(again.values, untouched.values)
+
+
+def _lone(prompt: torch.Tensor, tokens: int) -> list[int]:
+    (result,), _ = _generate("full", [prompt], tokens)
+    return result.tokens
+
+
+@pytest.mark.parametrize("held_call", [2, 3])
+def test_a_prompt_arriving_mid_step_takes_the_prefill_node_from_the_head_start_at_the_next_layer(held_call: int):
+    """A head start only uses idle time: a prompt that arrives while a head-start step runs does not wait for the
+    step, which is given up at its next layer; the decode node takes over the first request from its last streamed
+    token (after a first step given up, from the second token, with no forecast of its own first step: that step
+    would hold the prompt up too). Both answers are full transfer's."""
+    prompts = _prompts(200, 150)
+    expected = [_lone(prompt, 10) for prompt in prompts]
+    model = model_from_config(tiny_config("llama"))
+    policy = get_policy("smartgen", "sequential", 0.05)
+    with InprocPipeline(
+        model, policy, "quest", {"budget": 0.25}, gbps=0.005, prefill_seconds_per_token=1e-5, num_blocks=16
+    ) as pipeline:
+        runner, real = pipeline.prefill_runner, pipeline.prefill_runner.step_ahead
+        held, steps = threading.Event(), []
+
+        def step_ahead(output, token, *, yield_to=None):
+            steps.append("ran")
+            ask = yield_to
+            # the forecast step (the second token) runs through here too: call 2 is the first head-start step, 3 the
+            # second; the held one waits at its second layer until the prompt has arrived
+            if len(steps) == held_call:
+                asked: list[int] = []
+
+                def ask() -> bool:
+                    asked.append(1)
+                    if len(asked) == 2:
+                        held.set()
+                        wait_until(yield_to, 10)
+                    return yield_to()
+
+            try:
+                return real(output, token, yield_to=ask)
+            except StepYielded:
+                steps[-1] = "yielded"
+                raise
+
+        runner.step_ahead = step_ahead
+        first, second = pipeline._requests(prompts, 10, None, False)
+        finished: dict[str, Finished] = {}
+        with pipeline._running() as (driver, errors):
+            driver.add(first)
+            added, deadline = False, time.monotonic() + 60
+            while first.request_id not in finished or second.request_id not in finished:
+                assert time.monotonic() < deadline, f"stuck: {steps}"
+                if held.is_set() and not added:
+                    driver.add(second)
+                    added = True
+                events = driver.step()
+                finished.update({e.request_id: e for e in events if isinstance(e, Finished)})
+                time.sleep(0.001)
+            assert not errors
+    assert steps[:held_call] == ["ran"] * (held_call - 1) + ["yielded"]
+    assert finished[first.request_id].tokens == expected[0] and finished[second.request_id].tokens == expected[1]
+    # the first token, the second, and each head-start token before the step that gave way; the rest it decoded
+    assert finished[first.request_id].metrics.prefill_tokens == held_call

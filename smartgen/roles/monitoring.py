@@ -116,8 +116,11 @@ def decode_monitoring(
     return monitoring
 
 
-def prefill_monitoring(engine: PrefillEngine, model: str, num_prefilled: Callable[[], int]) -> NodeMonitoring:
-    """Monitoring of a prefill node: store occupancy, queue, pushes per path; peers are the decode nodes."""
+def prefill_monitoring(
+    engine: PrefillEngine, model: str, num_prefilled: Callable[[], int], head_start: Callable[[], tuple[int, int]]
+) -> NodeMonitoring:
+    """Monitoring of a prefill node: store occupancy, queue, pushes per path; peers are the decode nodes.
+    `head_start()`: (tokens this node decoded ahead of decode nodes, head-start steps it abandoned for a prompt)."""
 
     def peers() -> list[Peer]:
         return [Peer(f"decode-{i + 1}", link) for i, link in enumerate(engine.links)]
@@ -133,6 +136,11 @@ def prefill_monitoring(engine: PrefillEngine, model: str, num_prefilled: Callabl
     def totals() -> dict[str, tuple[str, float]]:
         return {
             "requests_prefilled": ("Requests prefilled.", num_prefilled()),
+            "head_start_tokens": ("Tokens this node decoded ahead of a decode node while idle.", head_start()[0]),
+            "head_start_steps_yielded": (
+                "Head-start steps abandoned mid-step for a prompt that arrived.",
+                head_start()[1],
+            ),
             "kv_crossed_twice_bytes": (
                 "KV bytes fetches sent that a push had already put on the link (they crossed twice).",
                 sum(engine.crossed_twice.snapshot()["bytes"].values()),

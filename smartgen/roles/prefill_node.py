@@ -107,7 +107,9 @@ class PrefillNode:
             else None
         )
         self.address = self.listener.address if self.listener is not None else None
-        self.monitoring = prefill_monitoring(self.engine, model_name, lambda: self.num_prefilled)
+        self.monitoring = prefill_monitoring(
+            self.engine, model_name, lambda: self.num_prefilled, lambda: self.head_start
+        )
         self.status_hooks: list[Callable[[dict[str, Any]], None]] = []  # each adds to /status (KV events...)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work_loop, name="prefill-work", daemon=True)]
@@ -128,6 +130,9 @@ class PrefillNode:
             "store_cap_bytes": self.engine.store.max_bytes,
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
+            # tokens decoded here while idle, ahead of the decode node (Policy.head_start), and steps given up
+            # mid-step for an arriving prompt
+            "head_start": dict(zip(("tokens", "steps_yielded"), self.head_start)),
             "paths": self.engine.counters.snapshot(),
             # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
             "crossed_twice_bytes": sum(self.engine.crossed_twice.snapshot()["bytes"].values()),
@@ -184,6 +189,10 @@ class PrefillNode:
     @property
     def num_prefilled(self) -> int:
         return self.worker.num_prefilled
+
+    @property
+    def head_start(self) -> tuple[int, int]:
+        return self.worker.head_tokens, self.worker.head_steps_yielded
 
     def _work_loop(self) -> None:
         self.worker.run(self._stop, poll=0.2)

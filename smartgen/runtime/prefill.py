@@ -28,6 +28,7 @@ __all__ = [
     "PrefillOutput",
     "Forecasted",
     "PrefillRunner",
+    "StepYielded",
     "LayerSink",
     "capture_qk",
     "infinigen_skewing",
@@ -47,6 +48,11 @@ class PrefillOutput:
     metadata: list[dict[str, torch.Tensor]]  # per layer; {} where the layer needs none
     cache: DynamicCache | None = None  # the prompt's K/V as HF keeps them (a run with keep_cache=True), for `forecast`
     length: int = 0  # prompt tokens
+
+
+class StepYielded(Exception):
+    """A head-start step gave way, between two layers, to a prompt waiting for prefill (`step_ahead`'s `yield_to`):
+    the kept cache is as before the step, and nothing of it left."""
 
 
 @dataclass(slots=True)
@@ -198,11 +204,14 @@ class PrefillRunner:
         finally:
             output.cache = None
 
-    def step_ahead(self, output: PrefillOutput, token: int) -> Forecasted:
+    def step_ahead(
+        self, output: PrefillOutput, token: int, *, yield_to: Callable[[], bool] | None = None
+    ) -> Forecasted:
         """One more decode step on `token` (the last output token) over the kept cache, which it extends, as
         `forecast` runs one (Policy.head_start): its queries, the next token (greedy), and `token`'s K/V in every
-        layer."""
-        handler, logits = self._forecast_step(output, token)
+        layer. `yield_to` is asked before each layer: True abandons the step (StepYielded), so a prompt that
+        arrives mid-step waits at most a layer, not a step."""
+        handler, logits = self._forecast_step(output, token, yield_to)
         layers = range(self.model.config.num_hidden_layers)
         return Forecasted(
             handler.queries,
@@ -211,7 +220,9 @@ class PrefillRunner:
             torch.stack([handler.values[layer] for layer in layers]),
         )
 
-    def _forecast_step(self, output: PrefillOutput, token: int) -> tuple[_ForecastHandler, torch.Tensor]:
+    def _forecast_step(
+        self, output: PrefillOutput, token: int, yield_to: Callable[[], bool] | None = None
+    ) -> tuple[_ForecastHandler, torch.Tensor]:
         """One decode step on `token` over the prefill run's cache (which it extends): its handler and logits [V]."""
         if output.cache is None:
             raise ValueError("forecast needs a prefill run with keep_cache=True")
@@ -219,20 +230,40 @@ class PrefillRunner:
             self.selector is not None and not self.selector.lookahead and not isinstance(self.selector, DenseSelector)
         )
         handler = _ForecastHandler(self.kinds, self.selector if sparse else None, output.metadata, output.length)
+        handler.emulate_layer_s = self.emulate_layer_s
+        if yield_to is not None and _truncatable(output.cache):
+            handler.yield_to = yield_to
         position = output.cache.get_seq_length()  # the prompt, and any token a step before this one added
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.model.device)
         positions = torch.tensor([[position]], dtype=torch.int64, device=self.model.device)
-        with torch.no_grad(), use_handler(handler):
-            logits = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                **with_cache(self.model, output.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[0, -1]
-        if self.emulate_layer_s:
-            time.sleep(self.emulate_layer_s * self.model.config.num_hidden_layers)
+        try:
+            with torch.no_grad(), use_handler(handler):
+                logits = self.model(
+                    input_ids=ids,
+                    position_ids=positions,
+                    **with_cache(self.model, output.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[0, -1]
+        except StepYielded:
+            _truncate(output.cache, position)  # the layers it ran have this token's K/V: the next step must not
+            raise
         return handler, logits
+
+
+def _truncatable(cache: DynamicCache) -> bool:
+    """Whether `_truncate` can undo a step on this cache: plain per-layer K/V (a sliding-window layer keeps a window
+    that a cut cannot restore, so a step over one is never abandoned)."""
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _truncate(cache: DynamicCache, length: int) -> None:
+    """Cuts every layer of `cache` back to its first `length` positions."""
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and values is not None and keys.shape[-2] > length:
+            layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]  # type: ignore[union-attr]
 
 
 class _ForecastHandler:
@@ -251,8 +282,18 @@ class _ForecastHandler:
         self.queries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}  # per layer the stepped token's K [H, d] (the last entry of `key`)
         self.values: dict[int, torch.Tensor] = {}
+        self.emulate_layer_s = 0.0  # slept in each layer, as the decode node's runner does (PrefillRunner's)
+        self.yield_to: Callable[[], bool] | None = None
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
+        if self.yield_to is not None and self.yield_to():
+            raise StepYielded
+        out = self._attend(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
+        if self.emulate_layer_s:
+            time.sleep(self.emulate_layer_s)
+        return out
+
+    def _attend(self, module, query, key, value, attention_mask, scaling, softcap, **kwargs: Any):
         layer = module.layer_idx
         self.keys[layer], self.values[layer] = key[0, :, -1].detach().clone(), value[0, :, -1].detach().clone()
         step_query = query[:, :, -1]  # [1, Hq, d]

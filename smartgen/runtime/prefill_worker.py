@@ -27,7 +27,7 @@ import torch
 from smartgen.engine import messages as msg
 from smartgen.engine.policy import Strategy
 from smartgen.engine.prefill import OpenedRequest, PrefillEngine, RequestGone
-from smartgen.runtime.prefill import PrefillOutput, PrefillRunner
+from smartgen.runtime.prefill import PrefillOutput, PrefillRunner, StepYielded
 
 __all__ = ["PrefillWorker", "KVTransform"]
 
@@ -65,6 +65,8 @@ class PrefillWorker:
         self.computed_tokens = 0  # prompt tokens really run through the model (a cached prefix is not)
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = []  # this request's K/V before kv_transform
         self.errors: list[BaseException] = []  # what failed requests raised, for callers that re-raise
+        self.head_tokens = 0  # tokens decoded by head starts (Policy.head_start)
+        self.head_steps_yielded = 0  # head-start steps abandoned for a prompt that arrived mid-step
 
     def run(self, stop: threading.Event, poll: float = 0.05) -> None:
         """Serves requests until `stop` is set."""
@@ -152,7 +154,8 @@ class PrefillWorker:
             return
         queries = {}
         try:
-            if not self._head_start(request, output, second.token):
+            sent, yielded = self._head_start(request, output, second.token)
+            if not sent and not yielded:  # a prompt that cut the head start short does not wait for this step either
                 queries = self.runner.forecast_next(output, second.token)
         except Exception:
             log.warning("forecast of %s's next step failed", request.request_id, exc_info=True)
@@ -161,19 +164,29 @@ class PrefillWorker:
         # after a head start, this empty FORECAST ends its tokens: the decode node takes over from the last one
         self.engine.send_forecast(request.request_id, queries, step=2)
 
-    def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> int:
+    def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> tuple[int, bool]:
         """Policy.head_start: decodes the request on from its second token (`token`) while `head_start_wanted` says
         so, each token sent at once with the K/V of the one its step ran on (FORECAST step 3). An end of sequence
         does not stop it: the decode node knows whether the request ignores it, and ends the request (RELEASE) when
-        it does not. Returns the tokens sent."""
+        it does not. A prompt arriving mid-step abandons the step at the next layer: a head start only uses idle
+        time, so it must not hold up a prefill by a whole step. Returns the tokens sent, and whether a step was
+        abandoned so."""
         rid, sent = request.request_id, 0
         while self.engine.head_start_wanted(rid, sent):
             self.engine.note_head_step(rid)  # its KV goes on crossing meanwhile
-            step = self.runner.step_ahead(output, token)
+            try:
+                step = self.runner.step_ahead(output, token, yield_to=self._prompt_waiting)
+            except StepYielded:
+                self.head_steps_yielded += 1
+                return sent, True
             if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
                 break
             token, sent = step.token, sent + 1
-        return sent
+            self.head_tokens += 1
+        return sent, False
+
+    def _prompt_waiting(self) -> bool:
+        return self.engine.num_queued > 0
 
     def _hand_off(
         self,
