@@ -103,4 +103,4 @@ def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
         assert prefill.snapshot()["head_start"] == {"tokens": 4, "steps_yielded": 0}
         metrics = prefill.monitoring.exposition()[0].decode()
         assert "smartgen:head_start_tokens_total 4.0" in metrics
-        assert "smartgen:head_start_steps_yielded_total 0.0" in metrics
+        assert "smartgen:decode_steps_yielded_total 0.0" in metrics

@@ -205,3 +205,32 @@ def test_a_prompt_arriving_mid_step_takes_the_prefill_node_from_the_head_start_a
     assert finished[first.request_id].tokens == expected[0] and finished[second.request_id].tokens == expected[1]
     # the first token, the second, and each head-start token before the step that gave way; the rest it decoded
     assert finished[first.request_id].metrics.prefill_tokens == held_call
+
+
+def test_the_forecast_of_a_first_step_is_not_run_while_a_prompt_waits():
+    """Without a head start the prefill node forecasts the decode node's first step (the step-2 FORECAST's queries)
+    only while no prompt waits: in a burst, every later prompt would wait a step more for each request ahead of it.
+    The last request of the burst gets its forecast; answers stay full transfer's."""
+    prompts = _prompts(200, 180, 150)
+    full, _ = _generate("full", prompts, 6)
+    model = model_from_config(tiny_config("llama"))
+    policy = get_policy("smartgen-no-head-start", "sequential", 0.05)
+    with InprocPipeline(
+        model, policy, "quest", {"budget": 0.25}, gbps=0.02, prefill_seconds_per_token=1e-5, num_blocks=16
+    ) as pipeline:
+        runner, real = pipeline.prefill_runner, pipeline.prefill_runner.forecast_next
+        outcomes: list[str] = []
+
+        def forecast_next(output, token, *, yield_to=None):
+            try:
+                queries = real(output, token, yield_to=yield_to)
+            except StepYielded:
+                outcomes.append("given up")
+                raise
+            outcomes.append("sent" if queries else "empty")
+            return queries
+
+        runner.forecast_next = forecast_next
+        ahead = pipeline.generate(prompts, 6)
+    assert [r.tokens for r in ahead] == [r.tokens for r in full]
+    assert outcomes == ["given up", "given up", "sent"]

@@ -120,7 +120,7 @@ def prefill_monitoring(
     engine: PrefillEngine, model: str, num_prefilled: Callable[[], int], head_start: Callable[[], tuple[int, int]]
 ) -> NodeMonitoring:
     """Monitoring of a prefill node: store occupancy, queue, pushes per path; peers are the decode nodes.
-    `head_start()`: (tokens this node decoded ahead of decode nodes, head-start steps it abandoned for a prompt)."""
+    `head_start()`: (tokens this node decoded ahead of decode nodes, decode steps it gave up for a waiting prompt)."""
 
     def peers() -> list[Peer]:
         return [Peer(f"decode-{i + 1}", link) for i, link in enumerate(engine.links)]
@@ -137,8 +137,8 @@ def prefill_monitoring(
         return {
             "requests_prefilled": ("Requests prefilled.", num_prefilled()),
             "head_start_tokens": ("Tokens this node decoded ahead of a decode node while idle.", head_start()[0]),
-            "head_start_steps_yielded": (
-                "Head-start steps abandoned mid-step for a prompt that arrived.",
+            "decode_steps_yielded": (
+                "Decode steps this node gave up for a prompt waiting for prefill (head start, forecast).",
                 head_start()[1],
             ),
             "kv_crossed_twice_bytes": (

@@ -130,8 +130,8 @@ class PrefillNode:
             "store_cap_bytes": self.engine.store.max_bytes,
             "requests_open": self.engine.num_open,
             "prefilled": self.num_prefilled,
-            # tokens decoded here while idle, ahead of the decode node (Policy.head_start), and steps given up
-            # mid-step for an arriving prompt
+            # tokens decoded here while idle, ahead of the decode node (Policy.head_start), and this node's decode
+            # steps given up for a prompt waiting for prefill (head-start steps, forecasts of a first step)
             "head_start": dict(zip(("tokens", "steps_yielded"), self.head_start)),
             "paths": self.engine.counters.snapshot(),
             # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
@@ -192,7 +192,7 @@ class PrefillNode:
 
     @property
     def head_start(self) -> tuple[int, int]:
-        return self.worker.head_tokens, self.worker.head_steps_yielded
+        return self.worker.head_tokens, self.worker.steps_yielded
 
     def _work_loop(self) -> None:
         self.worker.run(self._stop, poll=0.2)

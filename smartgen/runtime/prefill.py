@@ -195,12 +195,15 @@ class PrefillRunner:
             output.cache = None  # the K/V are the engine's to keep; this copy goes now
         return forecasted
 
-    def forecast_next(self, output: PrefillOutput, token: int) -> dict[int, torch.Tensor]:
+    def forecast_next(
+        self, output: PrefillOutput, token: int, *, yield_to: Callable[[], bool] | None = None
+    ) -> dict[int, torch.Tensor]:
         """The step after `forecast` (its cache kept), on `token`, the second: its query per selecting layer, as
         `forecast` gives them. It is the decode node's first step when the second token came from `forecast`
-        (Policy.second_token); the cache goes after it."""
+        (Policy.second_token); the cache goes after it. `yield_to` as for `step_ahead`: True before a layer gives
+        the step up (StepYielded)."""
         try:
-            return self._forecast_step(output, token)[0].queries
+            return self._forecast_step(output, token, yield_to)[0].queries
         finally:
             output.cache = None
 

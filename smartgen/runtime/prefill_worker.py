@@ -66,7 +66,9 @@ class PrefillWorker:
         self._raw: list[tuple[torch.Tensor, torch.Tensor]] = []  # this request's K/V before kv_transform
         self.errors: list[BaseException] = []  # what failed requests raised, for callers that re-raise
         self.head_tokens = 0  # tokens decoded by head starts (Policy.head_start)
-        self.head_steps_yielded = 0  # head-start steps abandoned for a prompt that arrived mid-step
+        # this node's own decode steps beyond the second token's (head-start steps, forecasts of the decode node's
+        # first step) given up for a prompt waiting for prefill
+        self.steps_yielded = 0
 
     def run(self, stop: threading.Event, poll: float = 0.05) -> None:
         """Serves requests until `stop` is set."""
@@ -156,7 +158,11 @@ class PrefillWorker:
         try:
             sent, yielded = self._head_start(request, output, second.token)
             if not sent and not yielded:  # a prompt that cut the head start short does not wait for this step either
-                queries = self.runner.forecast_next(output, second.token)
+                # nor does one already waiting, or arriving meanwhile: it helps the decode node's first step,
+                # while a burst's later prompts would each wait a step more for every request ahead of them
+                queries = self.runner.forecast_next(output, second.token, yield_to=self._prompt_waiting)
+        except StepYielded:
+            self.steps_yielded += 1
         except Exception:
             log.warning("forecast of %s's next step failed", request.request_id, exc_info=True)
         finally:
@@ -177,7 +183,7 @@ class PrefillWorker:
             try:
                 step = self.runner.step_ahead(output, token, yield_to=self._prompt_waiting)
             except StepYielded:
-                self.head_steps_yielded += 1
+                self.steps_yielded += 1
                 return sent, True
             if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
                 break
