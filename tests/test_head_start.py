@@ -42,12 +42,16 @@ def test_a_head_start_needs_the_second_token():
     assert get_policy("smartgen").head_start and not get_policy("smartgen-no-head-start").head_start
 
 
-def _generate(scheme: str, prompts: list[torch.Tensor], tokens: int, gbps: float = 0.02):
+def _pipeline(scheme: str, gbps: float) -> InprocPipeline:
     model = model_from_config(tiny_config("llama"))
     policy = get_policy(scheme, "sequential", 0.05)
-    with InprocPipeline(
+    return InprocPipeline(
         model, policy, "quest", {"budget": 0.25}, gbps=gbps, prefill_seconds_per_token=1e-5, num_blocks=16
-    ) as pipeline:
+    )
+
+
+def _generate(scheme: str, prompts: list[torch.Tensor], tokens: int, gbps: float = 0.02):
+    with _pipeline(scheme, gbps) as pipeline:
         calls: list[int] = []
         step = pipeline.decode_runner.step
         pipeline.decode_runner.step = lambda batch: calls.append(len(batch.request_ids)) or step(batch)
@@ -157,11 +161,7 @@ def test_a_prompt_arriving_mid_step_takes_the_prefill_node_from_the_head_start_a
     would hold the prompt up too). Both answers are full transfer's."""
     prompts = _prompts(200, 150)
     expected = [_lone(prompt, 10) for prompt in prompts]
-    model = model_from_config(tiny_config("llama"))
-    policy = get_policy("smartgen", "sequential", 0.05)
-    with InprocPipeline(
-        model, policy, "quest", {"budget": 0.25}, gbps=0.005, prefill_seconds_per_token=1e-5, num_blocks=16
-    ) as pipeline:
+    with _pipeline("smartgen", 0.005) as pipeline:
         runner, real = pipeline.prefill_runner, pipeline.prefill_runner.step_ahead
         held, steps = threading.Event(), []
 
@@ -213,11 +213,7 @@ def test_the_forecast_of_a_first_step_is_not_run_while_a_prompt_waits():
     The last request of the burst gets its forecast; answers stay full transfer's."""
     prompts = _prompts(200, 180, 150)
     full, _ = _generate("full", prompts, 6)
-    model = model_from_config(tiny_config("llama"))
-    policy = get_policy("smartgen-no-head-start", "sequential", 0.05)
-    with InprocPipeline(
-        model, policy, "quest", {"budget": 0.25}, gbps=0.02, prefill_seconds_per_token=1e-5, num_blocks=16
-    ) as pipeline:
+    with _pipeline("smartgen-no-head-start", 0.02) as pipeline:
         runner, real = pipeline.prefill_runner, pipeline.prefill_runner.forecast_next
         outcomes: list[str] = []
 
