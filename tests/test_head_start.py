@@ -230,3 +230,28 @@ def test_the_forecast_of_a_first_step_is_not_run_while_a_prompt_waits():
         ahead = pipeline.generate(prompts, 6)
     assert [r.tokens for r in ahead] == [r.tokens for r in full]
     assert outcomes == ["given up", "given up", "sent"]
+
+
+def test_a_joiner_whose_next_step_forecast_came_empty_fetches_by_the_second_tokens_step():
+    """A step-2 FORECAST comes empty when its prefill node gave that step up for a waiting prompt: the joiner then
+    fetches ahead by the queries of the second token's step (one step earlier, most of its picks recur), not
+    nothing; a full one is taken as it came. Either way the queries are taken once."""
+    from smartgen.engine.decode import DecodeEngine
+    from smartgen.engine.layout import KVLayout
+    from smartgen.lanes.link import inproc_link
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, num_blocks=4)
+    engine = DecodeEngine(layout, num_slots=2, max_tokens=32)
+    engine._links.append(inproc_link()[1])  # open() needs a prefill node to address
+    second = msg.SecondToken(7, torch.ones(3, 2, 8), torch.ones(3, 2, 8))
+    step_one, step_two = {2: torch.full((4, 8), 1.0)}, {2: torch.full((4, 8), 2.0)}
+    for after_step_two, expected in (({}, step_one), (step_two, step_two)):
+        rid = engine.open(10, get_policy("smartgen-no-head-start"))
+        engine._handle(msg.FirstToken(rid, 5, {}, forecast=True))
+        engine._handle(msg.Forecast(rid, step_one, second))
+        engine._handle(msg.Forecast(rid, after_step_two, step=2))
+        assert not engine.forecast_pending(rid, after_second=True)
+        taken = engine.take_forecast(rid, after_second=True)
+        assert taken is not None and torch.equal(taken[2], expected[2])
+        assert engine.take_forecast(rid, after_second=True) is None
+    engine.close()

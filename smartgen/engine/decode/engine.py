@@ -131,9 +131,11 @@ class DecodeEngine(DecodeControl):
 
     def take_forecast(self, request_id: str, *, after_second: bool = False) -> dict[int, torch.Tensor] | None:
         """The forecast's queries per layer, once (None when none came, or they were taken): the first decode step's,
-        or with `after_second` those of the step after the second token. Either way, none is taken after."""
+        or with `after_second` those of the step after the second token, or where that forecast came empty (its
+        prefill node gave the step up for a waiting prompt, or it failed) the second token's step's, whose picks
+        mostly recur one step on. Either way, none is taken after."""
         request = self._require_any(request_id)
-        queries = request.forecast_next if after_second else request.forecast
+        queries = (request.forecast_next or request.forecast) if after_second else request.forecast
         request.forecast = request.forecast_next = None
         if queries is not None:
             request.forecast_taken = True
