@@ -52,6 +52,17 @@ def _stream(decode, prompt, params):
     return events, received, node_times
 
 
+def _check_full_answer_and_sampling(decode, prompt, events, scheme: str) -> None:
+    """`events` (a greedy `scheme` stream) carry full transfer's tokens, which waits for the whole cache; the same
+    request sampling gets no token from the prefill node's steps (they are greedy): it decodes from its second."""
+    tokens = len(events) - 1
+    reference, _, _ = _stream(decode, prompt, GenerationParams(max_tokens=tokens, scheme="full"))
+    assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
+    sampled, _, _ = _stream(decode, prompt, GenerationParams(max_tokens=tokens, scheme=scheme, temperature=0.7, seed=3))
+    assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
+    assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == tokens + 1
+
+
 def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_node_steps():
     """smartgen on a 2 Mbit/s link: the prefill node's forecast step gives the second token, which leaves at once;
     the decode node's first step (the third token) waits for the link. A request that samples decodes its second
@@ -68,15 +79,7 @@ def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_no
         assert received[1] < node_times[2], (received, node_times)
         assert node_times[1] <= received[1]
 
-        # the same tokens as full transfer, which waits for the whole cache
-        reference, _, _ = _stream(decode, prompt, GenerationParams(max_tokens=4, scheme="full"))
-        assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
-
-        sampled, _, _ = _stream(
-            decode, prompt, GenerationParams(max_tokens=4, scheme="smartgen-no-head-start", temperature=0.7, seed=3)
-        )
-        assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
-        assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 5
+        _check_full_answer_and_sampling(decode, prompt, events, "smartgen-no-head-start")
 
 
 def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
@@ -92,13 +95,7 @@ def test_head_start_tokens_reach_the_client_as_the_prefill_node_sends_them():
         # each reached the client after the node counted it at its FORECAST's arrival, and in the order computed
         assert all(node_times[i] <= received[i] for i in range(6)), (received, node_times)
         assert [received[i] for i in range(6)] == sorted(received.values())
-        reference, _, _ = _stream(decode, PROMPT, GenerationParams(max_tokens=6, scheme="full"))
-        assert [e.token_id for e in events[:-1]] == [e.token_id for e in reference[:-1]]
-        sampled, _, _ = _stream(
-            decode, PROMPT, GenerationParams(max_tokens=6, scheme="smartgen", temperature=0.7, seed=3)
-        )
-        assert isinstance(sampled[-1], FinishEvent) and sampled[-1].error is None, sampled[-1]
-        assert sampled[-1].usage["prefill_tokens"] == 1 and len(sampled) == 7
+        _check_full_answer_and_sampling(decode, PROMPT, events, "smartgen")
         # the prefill node counts the head start's tokens (4 past the second) in /status and /metrics alike
         assert prefill.snapshot()["head_start"] == {"tokens": 4, "steps_yielded": 0}
         metrics = prefill.monitoring.exposition()[0].decode()

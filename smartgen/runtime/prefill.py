@@ -232,10 +232,14 @@ class PrefillRunner:
         sparse = (
             self.selector is not None and not self.selector.lookahead and not isinstance(self.selector, DenseSelector)
         )
-        handler = _ForecastHandler(self.kinds, self.selector if sparse else None, output.metadata, output.length)
-        handler.emulate_layer_s = self.emulate_layer_s
-        if yield_to is not None and _truncatable(output.cache):
-            handler.yield_to = yield_to
+        handler = _ForecastHandler(
+            self.kinds,
+            self.selector if sparse else None,
+            output.metadata,
+            output.length,
+            emulate_layer_s=self.emulate_layer_s,
+            yield_to=yield_to if _truncatable(output.cache) else None,
+        )
         position = output.cache.get_seq_length()  # the prompt, and any token a step before this one added
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.model.device)
         positions = torch.tensor([[position]], dtype=torch.int64, device=self.model.device)
@@ -276,8 +280,17 @@ class _ForecastHandler:
     needs_mask = True
 
     def __init__(
-        self, kinds: LayerKinds, selector: Selector | None, metadata: list[dict[str, torch.Tensor]], length: int
+        self,
+        kinds: LayerKinds,
+        selector: Selector | None,
+        metadata: list[dict[str, torch.Tensor]],
+        length: int,
+        *,
+        emulate_layer_s: float = 0.0,
+        yield_to: Callable[[], bool] | None = None,
     ) -> None:
+        """`emulate_layer_s` is slept in each layer, as the decode node's runner does; `yield_to` is asked before
+        each layer, and True gives the step up (StepYielded)."""
         self.kinds = kinds
         self.selector = selector
         self.metadata = metadata
@@ -285,8 +298,8 @@ class _ForecastHandler:
         self.queries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}  # per layer the stepped token's K [H, d] (the last entry of `key`)
         self.values: dict[int, torch.Tensor] = {}
-        self.emulate_layer_s = 0.0  # slept in each layer, as the decode node's runner does (PrefillRunner's)
-        self.yield_to: Callable[[], bool] | None = None
+        self.emulate_layer_s = emulate_layer_s
+        self.yield_to = yield_to
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         if self.yield_to is not None and self.yield_to():

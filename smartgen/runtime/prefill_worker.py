@@ -156,10 +156,10 @@ class PrefillWorker:
             return
         queries = {}
         try:
-            sent, yielded = self._head_start(request, output, second.token)
-            if not sent and not yielded:  # a prompt that cut the head start short does not wait for this step either
-                # nor does one already waiting, or arriving meanwhile: it helps the decode node's first step,
-                # while a burst's later prompts would each wait a step more for every request ahead of them
+            if not self._head_start(request, output, second.token):
+                # given up at once for a prompt already waiting (one that cut a head start short too), or at the
+                # next layer for one arriving: it helps the decode node's first step, while a burst's later prompts
+                # would each wait a step more for every request ahead of them
                 queries = self.runner.forecast_next(output, second.token, yield_to=self._prompt_waiting)
         except StepYielded:
             self.steps_yielded += 1
@@ -170,13 +170,12 @@ class PrefillWorker:
         # after a head start, this empty FORECAST ends its tokens: the decode node takes over from the last one
         self.engine.send_forecast(request.request_id, queries, step=2)
 
-    def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> tuple[int, bool]:
+    def _head_start(self, request: OpenedRequest, output: PrefillOutput, token: int) -> int:
         """Policy.head_start: decodes the request on from its second token (`token`) while `head_start_wanted` says
         so, each token sent at once with the K/V of the one its step ran on (FORECAST step 3). An end of sequence
         does not stop it: the decode node knows whether the request ignores it, and ends the request (RELEASE) when
         it does not. A prompt arriving mid-step abandons the step at the next layer: a head start only uses idle
-        time, so it must not hold up a prefill by a whole step. Returns the tokens sent, and whether a step was
-        abandoned so."""
+        time, so it must not hold up a prefill by a whole step. Returns the tokens sent."""
         rid, sent = request.request_id, 0
         while self.engine.head_start_wanted(rid, sent):
             self.engine.note_head_step(rid)  # its KV goes on crossing meanwhile
@@ -184,12 +183,12 @@ class PrefillWorker:
                 step = self.runner.step_ahead(output, token, yield_to=self._prompt_waiting)
             except StepYielded:
                 self.steps_yielded += 1
-                return sent, True
+                break
             if not self.engine.send_forecast(rid, {}, msg.SecondToken(step.token, step.keys, step.values), step=3):
                 break
             token, sent = step.token, sent + 1
             self.head_tokens += 1
-        return sent, False
+        return sent
 
     def _prompt_waiting(self) -> bool:
         return self.engine.num_queued > 0
