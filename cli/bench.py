@@ -208,8 +208,8 @@ def bench(
         int | None,
         option(
             PANEL_TRACE,
-            "Load and trace modes: the decode node's --max-batch (requests decoding at once; default: the largest "
-            "--batch in load mode, 8 in trace mode).",
+            "Load and trace modes: the decode node's --max-batch (requests decoding at once; default 8, serve's own; "
+            "rounds decode the largest --batch at once).",
             min=1,
         ),
     ] = None,

@@ -155,6 +155,7 @@ def test_bench_refuses_bad_input() -> None:
         (["--model", "random:1"], "between 3 and 256 layers"),
         (["--model", "no/such/folder"], "no model folder there"),
         (["--lane", "carrier-pigeon"], "--lane must be one of"),
+        (["--batch", "4", "--load-rate", "1", "--strategies", ""], "set how many decode at once with --max-batch"),
     ]:
         done = CliRunner().invoke(app, ["bench", *args])  # in-process: a process each took 5 s of imports
         assert done.exit_code == 2, (args, done.output)  # a usage error, like typer's own
@@ -296,6 +297,15 @@ def test_load_mode_counts_goodput_against_both_objectives():
         LoadSpec(rate=0)
     with pytest.raises(ValueError, match="--slo-ttft"):
         BenchConfig(load_rate=(1.0,), slo_ttft_s=0, strategies=())
+
+
+def test_the_decode_nodes_batch_follows_the_mode() -> None:
+    """Rounds decode their largest batch at once; load mode's arrivals get serve's own default (not one slot that
+    queues every arrival behind the one decoding), and --max-batch wins in both."""
+    assert BenchConfig(batch=(1, 4), strategies=()).node_batch == 4
+    assert BenchConfig(load_rate=(1.0,), strategies=()).node_batch == 8
+    assert BenchConfig(load_rate=(1.0,), strategies=(), max_batch=3).node_batch == 3
+    assert BenchConfig(batch=(1, 4), strategies=(), max_batch=2).node_batch == 2
 
 
 @pytest.mark.slow  # real nodes with prefix caches, about 50 s: `make test-slow`

@@ -36,6 +36,7 @@ DEFAULT_SCHEMES = (
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming", "optimal")
 DEFAULT_TASKS = ("passkey", "niah_single")
 PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
+SERVE_MAX_BATCH = 8  # `smartgen serve --max-batch`'s default: load and trace modes' decode node, unless given
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
 
 
@@ -175,7 +176,9 @@ class BenchConfig:
     slo_tbt_s: float | None = 0.2
     slo_ttst_s: float | None = None
     trace: TraceSpec | None = None  # trace mode: replay this trace (trace.py) instead of rounds or Poisson arrivals
-    max_batch: int | None = None  # the decode node's --max-batch; None: the largest batch (8 in trace mode)
+    # the decode node's --max-batch; None: serve's own default (8) in load and trace modes, whose arrivals decide how
+    # many decode at once, else the largest batch of the rounds
+    max_batch: int | None = None
     # one paced link into the decode node that every prefill node's bytes cross (`serve --ingress-gbps` at the
     # regime's rate), as the paper's DP 6 -> 1 shares the decode machine's NIC; each prefill node still sends at
     # that rate too (its own NIC), so with one prefill node the two pacings agree
@@ -236,6 +239,11 @@ class BenchConfig:
             raise ValueError("--lane inproc runs one prefill node beside the decode node: --prefill-nodes must be 1")
         if self.lane == "inproc" and self.prefix_hit and self.prefix_cache != "both":
             raise ValueError("--lane inproc sizes both nodes' prefix caches alike: use --prefix-cache both")
+        if self.loaded and self.batch != (1,):
+            raise ValueError(
+                "--batch sweeps requests sent together in rounds; load and trace modes send them on their own clock: "
+                "set how many decode at once with --max-batch instead"
+            )
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError("--max-batch must be at least 1")
         if self.shared_link and self.lane not in ("tcp",):
@@ -282,9 +290,10 @@ class BenchConfig:
 
     @property
     def node_batch(self) -> int:
-        """The decode node's --max-batch: as given, else the largest --batch (8 in trace mode, whose requests come
-        on the trace's clock)."""
-        return self.max_batch or (8 if self.trace is not None else max(self.batch))
+        """The decode node's --max-batch: as given, else serve's own default (8) in load and trace modes, whose
+        requests come on their own clock (a default of the largest --batch, 1, would queue every arrival for one
+        decode slot), else the largest --batch."""
+        return self.max_batch or (SERVE_MAX_BATCH if self.loaded else max(self.batch))
 
     @property
     def loaded(self) -> bool:
