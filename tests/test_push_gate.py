@@ -254,3 +254,52 @@ def test_the_link_s_backlog_shortens_the_proactive_window():
     assert planner.budget(200, "budget", backlog=50) < full_window
     assert planner.budget(200, "budget", backlog=10_000) == planner.budget(200, "floor")  # the clip's floor
     assert planner.budget(200, "floor", backlog=10_000) == planner.budget(200, "floor")
+
+
+def test_a_head_started_request_speculates_behind_one_decoding_on_its_decode_node(importance, monkeypatch):
+    """While this prefill node decodes B itself (a head start: its tokens wait for no link), B's speculation goes
+    behind A's, whose decode node is decoding and waits for the link; B's resumes once A has nothing left to push,
+    and B is no longer behind anyone once its head start ends (step-2 FORECAST)."""
+    with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
+        policy = get_policy("smartgen")
+        rid_a, request_a = _prefilled(prefill, decode, policy)
+        rid_b, request_b = _prefilled(prefill, decode, policy)
+        held.release()
+        prefill_end.push.flush(5)
+        block_bytes = 2 * LAYOUT.token_bytes * 13
+        for request in (request_a, request_b):
+            request.link_rate = 1.25 * block_bytes / prefill_module.CHAIN_WINDOW_S
+
+        def head_step() -> None:  # the prefill worker's call before each head-start step of B's
+            request_b.last_idle = time.monotonic() - 0.05  # a step ago: a slice's worth of link since
+            prefill.note_head_step(rid_b)
+
+        def pushed_everything(request) -> None:  # its next chained slice finds nothing left
+            request.spec_cursor = request.speculative_order().numel()
+
+        head_step()  # no request decodes on its decode node yet: B's KV crosses
+        _wait(lambda: len(held.speculative(rid_b)) == 1)
+        assert request_b.heading
+        pushed_everything(request_b)
+        held.release(rid_b)
+        time.sleep(0.1)
+        request_b.spec_cursor = 1  # the rest of B's order is left to push
+        sent_b = len(held.speculative(rid_b))
+
+        decode.end_step([rid_a])
+        decode.begin_layer(2, [rid_a])  # A decodes on its decode node: its notice's slice goes
+        _wait(lambda: len(held.speculative(rid_a)) == 1)
+        head_step()
+        time.sleep(0.2)
+        assert len(held.speculative(rid_b)) == sent_b, "a head-started request's speculation waits behind A's"
+
+        pushed_everything(request_a)
+        held.release(rid_a)
+        head_step()  # A has nothing left to push: B's turn
+        _wait(lambda: len(held.speculative(rid_b)) == sent_b + 1)
+
+        request_a.spec_cursor = 0  # A has KV left again, but B's head start ends: its chain goes on regardless
+        prefill.send_forecast(rid_b, {}, step=2)
+        assert not request_b.heading
+        held.release(rid_b)
+        _wait(lambda: len(held.speculative(rid_b)) == sent_b + 2)

@@ -149,6 +149,8 @@ class PrefillPath:
         request = self._get(request_id)
         if request is None:
             return 0
+        if step == 2:  # the end of any head start: the decode node's own steps (and notices) take over
+            request.heading = False
         if second is not None:
             dtype = self.layout.dtype  # the pool's: what the decode node would have computed and kept
             second = msg.SecondToken(second.token, second.keys.to(dtype), second.values.to(dtype))
@@ -171,8 +173,10 @@ class PrefillPath:
         """A head-start step is about to run (Policy.head_start): its decode node runs no steps meanwhile and so sends
         no idle notices, so each such step stands for one and speculation goes on, chained or not."""
         request = self._get(request_id)
-        if request is not None and request.flags.speculative:
-            self._submit_speculation(self._speculate_on_notice, request)
+        if request is not None:
+            request.heading = True
+            if request.flags.speculative:
+                self._submit_speculation(self._speculate_on_notice, request)
 
     def _chain(self, request: OpenedRequest) -> None:
         """A speculative slice landed: push the next one now, sized to CHAIN_WINDOW_S of link, rather than wait
@@ -197,6 +201,8 @@ class PrefillPath:
             return 0  # speculation starts once prefill is over
         if not request.flags.schedule:
             return self._post_slice(request, window, fetched)
+        if request.heading and self._decoding_behind(request):
+            return 0  # its tokens wait for no link; theirs do (the next head-start step asks again)
         key = id(request.link)
         if not self.gate.try_speculate(key, request.request_id, request.link_rate):
             return 0  # pushes fill the link's room ahead: its turn comes as one lands (`_hand_on`)
@@ -350,6 +356,23 @@ class PrefillPath:
                 if head in self.gate.waiting(key):
                     return  # the room filled meanwhile (a proactive set posted): it keeps its turn
                 self.gate.drop(key, head)
+
+    def _decoding_behind(self, request: OpenedRequest) -> bool:
+        """Whether another request on the same link is decoding on its decode node with KV left to push: while this
+        node decodes `request` itself (a head start), that request's steps wait for the link and this one's do not,
+        so its speculation goes first, and this one's cache crosses once theirs is sent (or when its head start
+        ends: a prompt to prefill, or its tokens run out). In a burst of two on random:32 at 2K, the first request
+        decoded its whole answer fetching while the head-started second's speculation took half the link."""
+        with self._lock:
+            return any(
+                other is not request
+                and other.link is request.link
+                and other.flags.speculative
+                and other.last_idle is not None  # decoding: its decode node has sent idle notices
+                and not other.heading
+                and not other.speculation_done
+                for other in self._requests.values()
+            )
 
     def _link_rate(self, link: LinkEnd) -> float:
         """The link's rate as its requests' proactive pushes measured it (the fastest measure; 0: none yet)."""

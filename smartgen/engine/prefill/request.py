@@ -62,6 +62,7 @@ class OpenedRequest:
     held: torch.Tensor | None = None  # [L, n] bool: tokens the decode node already holds (never pushed)
     resumed: bool = False  # the decode node had decoded it already: no metadata, FIRST_TOKEN only says "ready"
     head_tokens: int = 0  # output tokens past the second this node may decode ahead (OPEN's, Policy.head_start)
+    heading: bool = False  # this node is decoding it ahead of its decode node now (a head start)
     flags: PrefillFlags = field(init=False)  # the policy, read once
 
     def __post_init__(self) -> None:
