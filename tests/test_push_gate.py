@@ -171,17 +171,22 @@ def test_a_proactive_set_goes_before_speculation_and_a_fetch_trims_what_waits(im
         assert not prefill.gate.waiting(key)
 
 
+def _two_speculating(prefill, decode, prefill_end, held) -> list:
+    """Two `smartgen` requests prefilled on one link, their proactive sets landed, each speculative slice a block:
+    [(id, request)] x 2."""
+    pair = [_prefilled(prefill, decode, get_policy("smartgen")) for _ in range(2)]
+    held.release()
+    prefill_end.push.flush(5)
+    for _, request in pair:
+        request.link_rate = 1.25 * 2 * LAYOUT.token_bytes * 13 / prefill_module.CHAIN_WINDOW_S
+    return pair
+
+
 def test_a_released_request_leaves_the_queue_and_hands_on(importance, monkeypatch):
     """A request waiting for room that is released (or has nothing left) never blocks the requests behind it."""
     with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
-        policy = get_policy("smartgen")
-        rid_a, request_a = _prefilled(prefill, decode, policy)
-        rid_b, request_b = _prefilled(prefill, decode, policy)
-        held.release()
-        prefill_end.push.flush(5)
+        (rid_a, request_a), (rid_b, request_b) = _two_speculating(prefill, decode, prefill_end, held)
         block_bytes = 2 * LAYOUT.token_bytes * 13
-        for request in (request_a, request_b):
-            request.link_rate = 1.25 * block_bytes / prefill_module.CHAIN_WINDOW_S
         key = id(request_a.link)
         prefill.gate.posted(key, 10 * block_bytes)  # the room is full
         decode.end_step([rid_a, rid_b])
@@ -261,14 +266,7 @@ def test_a_head_started_request_speculates_behind_one_decoding_on_its_decode_nod
     behind A's, whose decode node is decoding and waits for the link; B's resumes once A has nothing left to push,
     and B is no longer behind anyone once its head start ends (step-2 FORECAST)."""
     with _held_engines(monkeypatch, importance) as (prefill, decode, prefill_end, held):
-        policy = get_policy("smartgen")
-        rid_a, request_a = _prefilled(prefill, decode, policy)
-        rid_b, request_b = _prefilled(prefill, decode, policy)
-        held.release()
-        prefill_end.push.flush(5)
-        block_bytes = 2 * LAYOUT.token_bytes * 13
-        for request in (request_a, request_b):
-            request.link_rate = 1.25 * block_bytes / prefill_module.CHAIN_WINDOW_S
+        (rid_a, request_a), (rid_b, request_b) = _two_speculating(prefill, decode, prefill_end, held)
 
         def head_step() -> None:  # the prefill worker's call before each head-start step of B's
             request_b.last_idle = time.monotonic() - 0.05  # a step ago: a slice's worth of link since
