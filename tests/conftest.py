@@ -48,6 +48,19 @@ def pytest_unconfigure(config: Any) -> None:
     shutil.rmtree(_DATA_ROOT, ignore_errors=True)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
+    """A failed test that started nodes gets their output in its report: a flaky fault is diagnosed from one run."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for index, nodes in enumerate(_STARTED_NODES):
+            for name, lines in nodes.logs.items():
+                report.sections.append((f"node output: pair {index} {name}", "".join(lines[-400:])))
+    if call.when == "teardown":
+        _STARTED_NODES.clear()
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Polls `condition` until it returns something truthy (returned); OSError counts as not yet."""
     deadline = time.monotonic() + timeout
@@ -114,6 +127,7 @@ def _drain(process: subprocess.Popen, lines: list[str]) -> None:
 
 
 _DRAINED: set[int] = set()
+_STARTED_NODES: list[Nodes] = []  # this test's, for its report if it fails
 
 
 def _eof(process: subprocess.Popen) -> bool:
@@ -137,6 +151,8 @@ class Nodes:
         lane: str = "tcp",
     ) -> None:
         self.run_dir = run_dir
+        self.logs = {}
+        _STARTED_NODES.append(self)
         extra = (*extra, "--lane", lane)  # both nodes: the handshake refuses a mismatch
         run_dir.mkdir(parents=True, exist_ok=True)
         self._launch = [sys.executable, "-m", "smartgen", "serve"]
@@ -176,8 +192,6 @@ class Nodes:
             text=True,
             env=self._env,
         )
-        if not hasattr(self, "logs"):
-            self.logs = {}
         lines = self.logs.setdefault(name, [])
         threading.Thread(target=_drain, args=(process, lines), daemon=True).start()
         try:

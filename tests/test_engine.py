@@ -742,3 +742,29 @@ def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_prefill_node_lost_after_a_steps_failure_check_leaves_the_step_whole(importance):
+    """The link's thread may fail a request at any moment: after the driver asked `failed` and before it ended the
+    step, the step's token still counts and the request finishes or leaves at the next check. `end_step` raised
+    here once, which crashed the decode node's scheduler for good (every later request hung)."""
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-4, 1e-3)  # slow: layers 2+ speculate
+    prefill, decode, prefill_end = _engines(planner)
+    try:
+        # speculation starts after the first step: layers past 0-1 are still remote when the link goes
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen-paper", speculative_ratio=0.1))
+        index = torch.arange(0, 4).expand(LAYOUT.num_kv_heads, 4).contiguous()
+        for layer in range(2, LAYOUT.num_layers):
+            decode.assemble(layer, [rid], index)
+        assert decode.failed([rid]) == []  # the driver's check: all well
+        prefill_end.close()  # then the prefill node dies before the step ends
+        _wait(lambda: decode.failed([rid]) == [0])
+        tokens = len(decode.metrics(rid).token_times)
+        decode.end_step([rid])
+        assert len(decode.metrics(rid).token_times) == tokens + 1
+        assert decode.release_fully_local([rid]) == []  # nothing is released on a lost link
+        decode.finish(rid)
+        assert decode.pool.num_free == 2 and not decode.has_request(rid)
+    finally:
+        decode.close()
+        prefill.close()

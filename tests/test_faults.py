@@ -38,7 +38,8 @@ def _health(pair: Nodes) -> dict:
 
 def _complete(pair: Nodes, seed: int, max_tokens: int = 4) -> dict:
     body = {"prompt": _prompt(seed), "max_tokens": max_tokens, "ignore_eos": True}
-    return httpx.post(pair.url + "/v1/completions", json=body, timeout=120).json()
+    # past the node's own first-token bound (120 s): a stalled request comes back with the node's reason
+    return httpx.post(pair.url + "/v1/completions", json=body, timeout=150).json()
 
 
 def _stream_until(pair: Nodes, seed: int, fault, max_tokens: int = 400) -> tuple[list[str], float]:

@@ -163,3 +163,28 @@ def test_the_optimal_set_replays_a_recorded_run(cluster):
         with pytest.raises(ServiceError, match=message) as refused:
             decode.scheduler.submit(prompt, params)
         assert refused.value.status == 400
+
+
+def test_a_crashed_scheduler_refuses_every_request_and_says_so_on_health(monkeypatch):
+    """A bug that escapes the decode loop fails what was in flight; then the node must not look ready and take
+    requests nothing will ever serve (they waited for the client's timeout): 503 with the reason, until restarted."""
+    parts = tiny_parts()
+    prefill = prefill_node(parts)
+    decode = decode_node(parts, [prefill])
+    try:
+
+        def broken() -> list:
+            raise RuntimeError("a bug in the step")
+
+        monkeypatch.setattr(decode.scheduler.driver, "step", broken)
+        handle = decode.scheduler.submit(_prompt(3, 40), GenerationParams(max_tokens=4))
+        events = list(handle.events(timeout=60))
+        assert isinstance(events[-1], FinishEvent) and "a bug in the step" in events[-1].error
+        health = decode.scheduler.health()
+        assert health["ready"] is False and "decode scheduler failed: a bug in the step" in health["error"]
+        with pytest.raises(ServiceError) as refused:
+            decode.scheduler.submit(_prompt(4, 40), GenerationParams(max_tokens=4))
+        assert refused.value.status == 503 and "restart it" in str(refused.value)
+    finally:
+        decode.stop()
+        prefill.stop()

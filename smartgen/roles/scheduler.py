@@ -101,6 +101,7 @@ class DecodeScheduler:
         self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
         self.ready = False
         self.stop_reason = "decode node is shutting down"
+        self.failure: str | None = None  # the loop crashed: every request is refused with this until a restart
         self._recent: deque[dict[str, Any]] = deque(maxlen=100)  # the last finished requests' usage, for /status
         # monitoring hangs here (roles.monitoring): called with (reason, metrics) / with the status snapshot
         self.finish_listeners: list[Callable[[str, RequestMetrics | None], None]] = []
@@ -113,6 +114,8 @@ class DecodeScheduler:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> RequestHandle:
+        if self.failure is not None:
+            raise ServiceError(f"the decode node cannot serve ({self.failure}); restart it", 503)
         if self._stop.is_set():
             raise ServiceError("the decode node is shutting down", 503)
         check_request(prompt_ids, params, self.limits)
@@ -184,6 +187,8 @@ class DecodeScheduler:
             "free_slots": self.engine.pool.num_free,
             "active_tokens": self._active_tokens(),  # the load the SGLang router's power-of-two policy compares
         }
+        if self.failure is not None:
+            report["error"] = self.failure  # not ready for good: a supervisor restarts the node
         if self.peers is not None:
             report["peers"] = self.peers()
         return report
@@ -251,9 +256,10 @@ class DecodeScheduler:
                 if not self.driver.running:
                     self._wake.wait(0.002)
                     self._wake.clear()
-        except Exception as exc:  # the loop must never die silently: fail everyone, say why
+        except Exception as exc:  # the loop must never die silently: fail everyone, say why, refuse what comes
             log.exception("decode scheduler crashed")
-            self.stop_reason = f"decode scheduler failed: {exc}"
+            self.stop_reason = self.failure = f"decode scheduler failed: {exc}"
+            self.ready = False
         finally:
             self._deliver(self.driver.cancel_all(self.stop_reason, "unavailable"))
             self._fail_waiting(self.stop_reason)

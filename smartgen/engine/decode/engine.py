@@ -116,7 +116,9 @@ class DecodeEngine(DecodeControl):
         return self._require_any(request_id).first_token.done()
 
     def request_metadata(self, request_id: str) -> list[dict[str, torch.Tensor]]:
-        return self._require(request_id).metadata
+        """Its selection metadata per layer, failed or not: the driver joins a request to the batch after checking
+        it, and a request failed since then leaves at the step's `failed` check."""
+        return self._require_any(request_id).metadata
 
     # -- the first step's forecast (Policy.forecast) ------------------------------------------
     def forecast_pending(self, request_id: str, *, after_second: bool = False) -> bool:
@@ -286,10 +288,13 @@ class DecodeEngine(DecodeControl):
             self.prefix_cache.insert(prompt[:local], k, v)
 
     def end_step(self, request_ids: list[str]) -> None:
-        """After a step: record the token, and RELEASE requests whose blocks are now all local."""
+        """After a step: record the token, and RELEASE requests whose blocks are now all local.
+
+        A request whose prefill node was lost after the driver's `failed` check still had its step computed: its
+        token counts, and it leaves at the next check (its link's thread may fail it at any moment)."""
         now = time.monotonic()
         for request_id in request_ids:
-            request = self._require(request_id)
+            request = self._require_any(request_id)
             self.count_step_selections(request)  # before the token: its union bytes are the step's
             request.metrics.record_token(now)
             request.deferred_since = None
@@ -301,8 +306,8 @@ class DecodeEngine(DecodeControl):
         """Sends RELEASE for speculative requests whose blocks are all local; returns their ids."""
         released = []
         for request_id in request_ids:
-            request = self._require(request_id)
-            if request.released or not request.flags.speculative:
+            request = self._require_any(request_id)  # failed since the step's check: nothing to release on its link
+            if request.released or not request.flags.speculative or request.metrics.error:
                 continue
             self.pool.sync_staged(None, [request.slot])
             if self.pool.masks.all_local(request.slot, request.length):
@@ -322,8 +327,9 @@ class DecodeEngine(DecodeControl):
         request.link.control.send(message.pack())
 
     def finish(self, request_id: str) -> RequestMetrics:
-        """The request is done: stop its writes, free its slot, release it on the prefill node."""
-        request = self._require(request_id)
+        """The request is done: stop its writes, free its slot, release it on the prefill node. Its last token was
+        computed, so it finishes even where its prefill node was lost meanwhile (the RELEASE then goes nowhere)."""
+        request = self._require_any(request_id)
         request.link.push.revoke(request_id)
         request.link.control.drop_landings(request_id)
         self._release(request, msg.Release(request_id))
