@@ -439,3 +439,30 @@ def test_disconnect_without_stream_cancels(live: tuple[FakeService, str]) -> Non
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=0.3)
     assert wait_for(lambda: service.handles[0].cancelled), "the service never saw the cancel"
+
+
+def test_an_asyncio_consumer_is_woken_by_each_event_not_by_polling() -> None:
+    """Events put from the scheduler's thread reach an asyncio reader at once: with the fallback wake an hour away,
+    every event and the finish still arrive (a lost wake-up would hang here until the 10 s guard)."""
+    import asyncio
+
+    handle = RequestHandle("r", 3)
+
+    def produce() -> None:
+        for i in range(5):
+            time.sleep(0.01)
+            handle.put(TokenEvent(i, str(i), i, time.monotonic()))
+        handle.put(FinishEvent("length", None, {}))
+
+    async def consume() -> list[Any]:
+        got = []
+        threading.Thread(target=produce, daemon=True).start()
+        async for event in handle.aevents(fallback_s=3600):
+            got.append(event)
+        return got
+
+    events = asyncio.run(asyncio.wait_for(consume(), 10))
+    assert [e.index for e in events[:-1]] == [0, 1, 2, 3, 4]
+    assert isinstance(events[-1], FinishEvent)
+    assert handle._wake is None  # the consumer unhooked itself: a later put wakes no closed loop
+    handle.put(FinishEvent("length", None, {}))  # ignored (finished), and no error from a dead loop

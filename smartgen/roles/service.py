@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,6 +70,7 @@ class RequestHandle:
         self.cancelled = False
         self.cancel_reason = ""
         self.finished = False
+        self._wake: Callable[[], None] | None = None  # an asyncio consumer's: wakes its loop when an event arrives
 
     # -- producer side (the scheduler) --
     def put(self, event: Event) -> None:
@@ -78,6 +79,9 @@ class RequestHandle:
         if isinstance(event, FinishEvent):
             self.finished = True
         self._events.put(event)
+        wake = self._wake
+        if wake is not None:
+            wake()
 
     # -- consumer side (front ends) --
     def events(self, timeout: float | None = None) -> Iterator[Event]:
@@ -88,17 +92,37 @@ class RequestHandle:
             if isinstance(event, FinishEvent):
                 return
 
-    async def aevents(self, poll: float = 0.005) -> AsyncIterator[Event]:
-        """The same for asyncio front ends (never blocks the event loop)."""
-        while True:
+    async def aevents(self, fallback_s: float = 0.25) -> AsyncIterator[Event]:
+        """The same for asyncio front ends (never blocks the event loop). The producer wakes the loop when it puts an
+        event: polling the queue every few ms cost the decode node's one core a wake-up per stream each time (four
+        streams: 800 a second, taken from the decode steps) and each token up to a poll's delay. `fallback_s` bounds
+        the wait should a wake-up ever be lost."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
             try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                await asyncio.sleep(poll)
-                continue
-            yield event
-            if isinstance(event, FinishEvent):
-                return
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+
+        self._wake = wake
+        try:
+            while True:
+                ready.clear()  # before the check: an event put after it sets `ready` again
+                try:
+                    event = self._events.get_nowait()
+                except queue.Empty:
+                    try:
+                        await asyncio.wait_for(ready.wait(), fallback_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            self._wake = None
 
     def cancel(self, reason: str = "client went away") -> None:
         """Asks the scheduler to abort the request (it frees everything and emits FinishEvent 'aborted')."""
