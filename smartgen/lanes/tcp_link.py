@@ -223,7 +223,8 @@ def tcp_connect(
             if ingress is not None and ingress.gbps is not None:
                 sock = IngressSocket(sock, ingress)  # type: ignore[assignment]  # a socket in all but its reads
             try:
-                lanes[channel] = lane_factory(sock, f"decode.{channel}.{session[:8]}", pacer, False)
+                # the push lane is bulk at this end too: its receive thread lands pushes, throughput work
+                lanes[channel] = lane_factory(sock, f"decode.{channel}.{session[:8]}", pacer, channel == "push")
             except BaseException:
                 sock.close()
                 raise

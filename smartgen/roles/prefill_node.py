@@ -36,6 +36,7 @@ from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import TcpListener
+from smartgen.lanes.thread_priority import lower_this_thread
 from smartgen.lanes.tls import TlsFiles
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import PrefillLimits
@@ -195,4 +196,6 @@ class PrefillNode:
         return self.worker.head_tokens, self.worker.steps_yielded
 
     def _work_loop(self) -> None:
+        # prompts, the head start and the forecast are throughput work: the threads that answer fetches go first
+        lower_this_thread()
         self.worker.run(self._stop, poll=0.2)

@@ -22,6 +22,7 @@ from smartgen.engine.prefill.gate import PushGate
 from smartgen.engine.prefill.request import OpenedRequest, RequestGone
 from smartgen.lanes.base import Completion, WriteOp
 from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.thread_priority import lower_this_thread
 
 __all__ = ["PrefillPath"]
 
@@ -48,7 +49,9 @@ class PrefillPath:
         # plans and posts every speculative slice (an idle notice's, `push_speculative`, and a chained one's,
         # `_chain`), off the thread that serves fetches: planning a slice of scattered tokens takes milliseconds
         # that a fetch must not queue behind. The lock keeps direct calls (tests, tools) and this thread apart.
-        self._speculation = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculation")
+        self._speculation = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="speculation", initializer=lower_this_thread
+        )
         self._spec_lock = threading.RLock()
         self._hint_lock = threading.Lock()  # hint queues: filled by the serving thread, taken by speculation
 
