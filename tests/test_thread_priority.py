@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from smartgen.lanes.link import inproc_link
 from smartgen.lanes.tcp_link import loopback_tcp_link
 from smartgen.lanes.thread_priority import BACKGROUND_NICE, background_nice, lower_this_thread
 
@@ -57,11 +58,12 @@ def test_zero_leaves_every_thread_as_it_is(monkeypatch) -> None:
     assert done is False and after == before
 
 
-def test_a_tcp_links_push_lanes_run_lowered_at_both_ends_and_its_control_lanes_do_not(monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["tcp", "inproc"])
+def test_a_links_push_lanes_run_lowered_at_both_ends_and_its_control_lanes_do_not(monkeypatch, kind) -> None:
     """The pushes' send and receive threads are throughput; the control lanes carry fetches and their replies."""
     monkeypatch.delenv("SMARTGEN_BACKGROUND_NICE", raising=False)
     base = nice_of(threading.get_native_id())
-    prefill, decode = loopback_tcp_link()
+    prefill, decode = loopback_tcp_link() if kind == "tcp" else inproc_link()
     try:
         for end in (prefill, decode):
             for lane, lowered in ((end.push, True), (end.control, False)):

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 BACKGROUND_NICE = 10
 ENV = "SMARTGEN_BACKGROUND_NICE"
+_warned: set[str] = set()
 
 
 def background_nice() -> int:
@@ -35,7 +36,9 @@ def background_nice() -> int:
     try:
         value = int(raw)
     except ValueError:
-        log.warning("%s=%r is not an integer: using %d", ENV, raw, BACKGROUND_NICE)
+        if raw not in _warned:  # every lowered thread asks: say it once
+            _warned.add(raw)
+            log.warning("%s=%r is not an integer: using %d", ENV, raw, BACKGROUND_NICE)
         return BACKGROUND_NICE
     return min(max(value, 0), 19)
 
