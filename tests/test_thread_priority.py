@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from smartgen.lanes.link import inproc_link
 from smartgen.lanes.tcp_link import loopback_tcp_link
@@ -70,12 +71,12 @@ def test_a_links_push_lanes_run_lowered_at_both_ends_and_its_control_lanes_do_no
                 for thread in lane._threads[:2]:  # transmit and receive
                     assert thread.native_id is not None
                     expected = min(base + BACKGROUND_NICE, 19) if lowered else base
+                    tid = thread.native_id
                     # the thread lowers itself as it starts: wait until it has run that far
-                    for _ in range(200):
-                        if nice_of(thread.native_id) == expected:
-                            break
-                        threading.Event().wait(0.01)
-                    assert nice_of(thread.native_id) == expected, (lane.name, thread.name)
+                    wait_until(
+                        lambda t=tid, n=expected: nice_of(t) == n, 2.0, f"{lane.name} {thread.name} at nice {expected}"
+                    )
+                    assert nice_of(tid) == expected, (lane.name, thread.name)
     finally:
         prefill.close()
         decode.close()

@@ -19,7 +19,6 @@ import torch
 from smartgen.lanes.base import Completion, Message, WriteOp
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
-from smartgen.lanes.thread_priority import lower_this_thread
 
 __all__ = ["InprocLane"]
 
@@ -102,8 +101,7 @@ class InprocLane(QueuedLane):
 
     # -- threads ----------------------------------------------------------------------
     def _transmit_loop(self) -> None:
-        if self.bulk:  # pushes are throughput: fetch replies and the decode step go first on a shared CPU
-            lower_this_thread()
+        self._lower_if_bulk()
         while True:
             item = self._outbox.get()
             if item is STOP:
@@ -136,8 +134,7 @@ class InprocLane(QueuedLane):
             self._in_flight.put((sent_at + self._pacer.delay_s, item))
 
     def _deliver_loop(self) -> None:
-        if self.bulk:
-            lower_this_thread()
+        self._lower_if_bulk()
         peer = self._peer
         while True:
             arrival, item = self._in_flight.get()

@@ -17,6 +17,7 @@ import torch
 from smartgen.lanes.base import Completion, Landing, Lane, LaneCounters, Message, WriteOp, coalesce
 from smartgen.lanes.extents import ExtentMap, SlotExtents
 from smartgen.lanes.pacer import Pacer
+from smartgen.lanes.thread_priority import lower_this_thread
 
 __all__ = ["QueuedLane", "PriorityOutbox", "STOP"]
 
@@ -55,6 +56,12 @@ class QueuedLane(Lane):
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = PriorityOutbox()
         self._closed = threading.Event()
+
+    def _lower_if_bulk(self) -> None:
+        """Called by a bulk lane's own threads as they start: pushes are throughput, so fetch replies and the decode
+        step go first on a shared CPU (`thread_priority`)."""
+        if self.bulk:
+            lower_this_thread()
 
     # -- receiving side -------------------------------------------------------------
     def register_region(self, name: str, buffer: torch.Tensor) -> None:

@@ -29,7 +29,6 @@ from smartgen.lanes.liveness import arm_in_kernel, heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.reader import FrameReader
-from smartgen.lanes.thread_priority import lower_this_thread
 from smartgen.lanes.vectored import send_views
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, header_bytes, send_frame
 
@@ -149,8 +148,7 @@ class TcpLane(QueuedLane):
         return sending
 
     def _transmit_loop(self) -> None:
-        if self.bulk:  # pushes are throughput: a fetch's reply and a decode step go first on a shared CPU
-            lower_this_thread()
+        self._lower_if_bulk()
         held: object = None  # an item taken off the outbox while gathering WRITEs, sent next
         try:
             while True:
@@ -214,8 +212,7 @@ class TcpLane(QueuedLane):
                 self._pacer.urgent_booked()
 
     def _receive_loop(self) -> None:
-        if self.bulk:
-            lower_this_thread()
+        self._lower_if_bulk()
         try:
             while not self._closed.is_set():
                 frame = self._reader.read_frame()
