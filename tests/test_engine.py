@@ -768,3 +768,33 @@ def test_a_prefill_node_lost_after_a_steps_failure_check_leaves_the_step_whole(i
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_batch_appends_its_tokens_as_one_request_at_a_time_would():
+    """`append_batch` (one write per tensor for the whole batch) leaves the pool, masks and lengths exactly as
+    `append` per request does, and a full slot refuses the batch before any length moves."""
+    from smartgen.engine.pool import PoolFull
+
+    pools = [DecodePool(LAYOUT, num_slots=3, max_tokens=6) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(2)
+        pool.allocate(4)
+        pool.allocate(3)
+    slots = [2, 0]  # not in slot order: row b is slots[b]'s
+    for _ in range(2):  # two tokens
+        for layer in range(LAYOUT.num_layers):
+            k = torch.randn(len(slots), LAYOUT.num_kv_heads, LAYOUT.head_dim)
+            v = torch.randn_like(k)
+            for b, slot in enumerate(slots):
+                pools[0].append(layer, slot, k[b], v[b])
+            pools[1].append_batch(layer, slots, k, v)
+    one, batch = pools
+    assert one.lengths == batch.lengths == [4, 4, 5]
+    assert torch.equal(one.k, batch.k) and torch.equal(one.v, batch.v)
+    assert torch.equal(one.masks.values, batch.masks.values)
+    assert (batch.masks.values[:, 2, 3:5] == LOCAL).all()
+    batch.append_batch(0, [0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    batch.append_batch(0, [0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(PoolFull):
+        batch.append_batch(0, [1, 0], torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))
+    assert batch.lengths == [6, 4, 5]

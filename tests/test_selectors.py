@@ -521,3 +521,30 @@ def test_quest_ranks_a_batch_in_one_pass_as_each_request_alone(lengths, bits, gq
         for batched, single in ((picked[rows], own), (widened[rows], own_wide)):
             assert torch.equal(batched[:, : single.shape[1]], single)
             assert (batched[:, single.shape[1] :] == -1).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 90), page_size=st.integers(1, 20), scale=st.floats(0.01, 100), seed=st.integers(0, 2**16))
+def test_quest_bounds_from_codes_match_the_elementwise_rule_on_the_dequantized_bounds(n, page_size, scale, seed):
+    """`upper_bounds` scores 8-bit codes by two batched products; it must give the elementwise max(q·max, q·min)
+    of the dequantized bounds (Quest's rule) up to float32 rounding, and stay an upper bound of each page's q·k."""
+    from smartgen.selectors.quest import dequantize_bounds, upper_bounds
+
+    g = torch.Generator().manual_seed(seed)
+    keys = scale * torch.randn(H, n, D_HEAD, generator=g)
+    query = torch.randn(HQ, D_HEAD, generator=g)
+    prefill = PrefillLayer(2, torch.randn(HQ, n, D_HEAD), keys, None)
+    coded = QuestSelector(INFO, page_size=page_size, bound_bits=8).build_metadata(prefill)
+    page_max, page_min = dequantize_bounds(coded)
+    q = query.view(H, -1, 1, D_HEAD)
+    rule = torch.maximum(q * page_max[:, None], q * page_min[:, None]).sum(-1).reshape(HQ, -1)  # [Hq, P]
+    bounds = upper_bounds(query, coded)
+    magnitude = query.abs().sum(-1, keepdim=True) * torch.maximum(page_max.abs(), page_min.abs()).amax()
+    assert bounds.shape == rule.shape
+    assert ((bounds - rule).abs() <= 1e-5 * magnitude).all()
+    true = torch.einsum("hgd,hnd->hgn", query.view(H, -1, D_HEAD).double(), keys.double()).reshape(HQ, n)
+    for p, start in enumerate(range(0, n, page_size)):
+        page_true = true[:, start : start + page_size].amax(dim=1)
+        assert (bounds[:, p].double() >= page_true - 1e-5 * magnitude[:, 0].double()).all()
+    exact = QuestSelector(INFO, page_size=page_size, bound_bits=16).build_metadata(prefill)
+    assert torch.equal(upper_bounds(query, exact), page_upper_bounds(query, exact["page_max"], exact["page_min"]))

@@ -223,6 +223,28 @@ class DecodePool:
         self.masks.values[layer, slot, position] = LOCAL
         return position
 
+    def append_batch(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """`append` for a batch: each slot's generated token's K/V ([B, H, d]) in one write per tensor (a write per
+        request and layer was most of a batch's appends)."""
+        if layer == 0:
+            for slot in slots:  # every check first: a full slot leaves the others' lengths as they were
+                if self.lengths[slot] >= self.max_tokens:
+                    raise PoolFull(f"slot {slot} is full ({self.max_tokens} tokens)")
+            for slot in slots:
+                self.lengths[slot] += 1
+        if len(slots) == 1:  # one request: plain indexing is cheaper than building an index
+            slot, position = slots[0], self.lengths[slots[0]] - 1
+            self.k[layer, slot, position], self.v[layer, slot, position] = k[0], v[0]
+            self.masks.values[layer, slot, position] = LOCAL
+            return
+        # (slot, token) as one flat row of [S·N, H, d]: index_copy_ is one pass, a two-tensor index a slow one
+        flat = torch.tensor([slot * self.max_tokens + self.lengths[slot] - 1 for slot in slots], dtype=torch.int64)
+        rows = self.k.shape[1] * self.k.shape[2]
+        on_device = flat.to(self.k.device)
+        self.k[layer].view(rows, *self.k.shape[3:]).index_copy_(0, on_device, k.to(self.k))
+        self.v[layer].view(rows, *self.v.shape[3:]).index_copy_(0, on_device, v.to(self.v))
+        self.masks.values[layer].view(rows, -1).index_fill_(0, flat, LOCAL)
+
     def drop_last(self, slot: int) -> None:
         """Forgets the slot's last appended token (a decode step taken back); its cells are simply rewritten."""
         if self.lengths[slot] <= 0:

@@ -87,8 +87,7 @@ class EngineCache(Cache):
         self.request_ids = request_ids
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        for b, request_id in enumerate(self.request_ids):
-            self.engine.append(layer_idx, request_id, key_states[b, :, -1], value_states[b, :, -1])
+        self.engine.append_batch(layer_idx, self.request_ids, key_states[:, :, -1], value_states[:, :, -1])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are passed explicitly

@@ -52,7 +52,14 @@ from smartgen.selectors.base import (
 )
 from smartgen.selectors.budget_split import BudgetSplit, adaptive_order, rows_from_flat
 
-__all__ = ["QuestSelector", "page_bounds", "page_upper_bounds", "quantize_bounds", "dequantize_bounds"]
+__all__ = [
+    "QuestSelector",
+    "page_bounds",
+    "page_upper_bounds",
+    "upper_bounds",
+    "quantize_bounds",
+    "dequantize_bounds",
+]
 
 BOUND_BITS = (8, 16)  # 16: the keys' own dtype
 BOUND_MARGIN = 4e-6  # relative outward margin of 8-bit bounds: about 32 float32 ulps, under 0.1% of a grid step
@@ -77,10 +84,28 @@ def page_upper_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: tor
     Query head j belongs to KV head j // G (the grouping of HF's repeat_kv).
     """
     heads, pages, dim = page_max.shape
-    q = query.float().reshape(heads, -1, 1, dim)  # [H, G, 1, d]
-    # picking max where q_d > 0 and min elsewhere is max(q_d·max_d, q_d·min_d) with one product
-    bound_keys = torch.where(q > 0, page_max.float()[:, None], page_min.float()[:, None])  # [H, G, P, d]
-    return (q * bound_keys).sum(dim=-1).view(-1, pages)
+    q = query.float().reshape(heads, -1, dim)  # [H, G, d]
+    # sum_d max(q_d·max_d, q_d·min_d) is q⁺·max + q⁻·min (max >= min): two batched products; picking max or min
+    # per element first built a [H, G, P, d] tensor, most of a small model's selection time
+    bounds = torch.bmm(q.clamp_min(0), page_max.float().transpose(1, 2))
+    return bounds.baddbmm_(q.clamp_max(0), page_min.float().transpose(1, 2)).view(-1, pages)
+
+
+def upper_bounds(query: torch.Tensor, metadata: LayerMetadata) -> torch.Tensor:
+    """`page_upper_bounds` from one layer's metadata in either form: query [Hq, d] -> [Hq, P] float32. From 8-bit
+    codes without making the bounds: q⁺·(low + code·step + margin) is q⁺·(low + margin) + (q⁺·step)·code, and
+    likewise for q⁻ and the minima, so only the codes are read per page."""
+    if "max_code" not in metadata:
+        return page_upper_bounds(query, metadata["page_max"], metadata["page_min"])
+    max_code, min_code = metadata["max_code"], metadata["min_code"]
+    heads, pages, dim = max_code.shape
+    low, step = metadata["low"][:, None], metadata["step"][:, None]  # [H, 1, d]
+    margin = _margin(low, step)
+    q = query.float().reshape(heads, -1, dim)  # [H, G, d]
+    positive, negative = q.clamp_min(0), q.clamp_max(0)
+    base = (positive * (low + margin)).sum(-1, keepdim=True) + (negative * (low - margin)).sum(-1, keepdim=True)
+    bounds = torch.baddbmm(base, positive * step, max_code.float().transpose(1, 2))  # [H, G, P]
+    return bounds.baddbmm_(negative * step, min_code.float().transpose(1, 2)).view(-1, pages)
 
 
 def quantize_bounds(page_max: torch.Tensor, page_min: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -103,12 +128,17 @@ def dequantize_bounds(metadata: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     if "max_code" not in metadata:
         return metadata["page_max"], metadata["page_min"]
     low, step = metadata["low"][:, None], metadata["step"][:, None]
-    # float32 rounding (here and in quantize_bounds) may land a code's value a few ulps inside the original bound:
-    # a margin far below one grid step, relative to the channel's magnitude, keeps it outside
-    margin = BOUND_MARGIN * (low.abs() + (low + 255 * step).abs()) + torch.finfo(torch.float32).tiny
+    margin = _margin(low, step)
     page_max = low + metadata["max_code"].float() * step + margin
     page_min = low + metadata["min_code"].float() * step - margin
     return page_max, page_min
+
+
+def _margin(low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The outward margin of dequantized 8-bit bounds: float32 rounding (here and in quantize_bounds) may land a
+    code's value a few ulps inside the original bound; a margin far below one grid step, relative to the channel's
+    magnitude, keeps it outside."""
+    return BOUND_MARGIN * (low.abs() + (low + 255 * step).abs()) + torch.finfo(torch.float32).tiny
 
 
 class QuestSelector(Selector):
@@ -244,8 +274,7 @@ class QuestSelector(Selector):
         selector's pick whether or not a wider pick is cut from the same ranking."""
         heads, count = self.info.num_kv_heads, len(pages)
         most = max(pages)
-        page_max, page_min = dequantize_bounds(_stacked(metadata, most))  # [B·H, P, d]
-        bounds = page_upper_bounds(query.reshape(count * query.shape[1], -1), page_max, page_min)  # [B·Hq, P]
+        bounds = upper_bounds(query.reshape(count * query.shape[1], -1), _stacked(metadata, most))  # [B·Hq, P]
         bounds = bounds.view(count, heads, -1, most)[..., :-1]  # [B, H, G, P-1]
         if min(pages) < most:  # a shorter prompt's padding and last page never rank
             columns = torch.arange(most - 1, device=bounds.device)
@@ -266,10 +295,9 @@ class QuestSelector(Selector):
         heads = self.info.num_kv_heads
         rows, wide_rows = [], []
         for b, n in enumerate(step.prompt_lengths):
-            page_max, page_min = dequantize_bounds(metadata[b])  # either form: the prefill node's selector chose
-            num_pages, budget = page_max.shape[1], self.page_budget(n, step.layer)
+            num_pages, budget = page_count(metadata[b]), self.page_budget(n, step.layer)
             wide_budget = budget if wide is None else max(budget, wide.page_budget(n, step.layer))
-            device = page_max.device
+            device = step.query.device
             if num_pages <= wide_budget:
                 every = torch.arange(n, device=device).expand(heads, n)
                 wide_rows.append(every)
@@ -277,7 +305,7 @@ class QuestSelector(Selector):
                     rows.append(every)
                     continue
             # score every page but the last, which is taken anyway
-            bounds = page_upper_bounds(step.query[b], page_max[:, :-1], page_min[:, :-1])  # [Hq, P-1]
+            bounds = upper_bounds(step.query[b], metadata[b])[:, :-1]  # either form: [Hq, P-1]
             grouped = bounds.view(heads, -1, num_pages - 1)  # [H, G, P-1]
             if self.gqa == "max":
                 bounds = group_max_probability(grouped * self.info.head_dim**-0.5)  # [H, P-1]

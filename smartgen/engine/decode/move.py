@@ -486,3 +486,7 @@ class DecodePath:
     def append(self, layer: int, request_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
         """Adds a generated token's K/V ([H, d]) for one layer; it is local at once."""
         return self.pool.append(layer, self._require_any(request_id).slot, k, v)
+
+    def append_batch(self, layer: int, request_ids: list[str], k: torch.Tensor, v: torch.Tensor) -> None:
+        """`append` for each request of a batch at once: K/V [B, H, d], row b request_ids[b]'s."""
+        self.pool.append_batch(layer, [self._require_any(rid).slot for rid in request_ids], k, v)
