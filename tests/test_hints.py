@@ -181,3 +181,38 @@ def test_hints_go_newest_first_as_much_as_a_window_moves():
     for _ in range(prefill_module.MAX_HINT_NOTICES + 5):
         engine.note_hints(request, torch.tensor([7]))
     assert len(request.hint_queue) == prefill_module.MAX_HINT_NOTICES  # the oldest are dropped
+
+
+def test_prefetch_speculates_a_selection_only_for_the_requests_that_prefetch():
+    """In a batch, layer l+1's speculated selection is made for the requests that prefetch that layer (remote KV
+    left there, met by their last pick), not the whole batch: a selector pass over the others fetches nothing."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from smartgen.runtime.decode import DecodeBatch, _DecodeHandler
+
+    captured = torch.randn(3, 1, 8)  # [B, T, D]: layer 1's attention input
+    wanted: list[int] = [0, 2]
+    submitted: list = []
+    runner = SimpleNamespace(
+        num_layers=4,
+        ranges=lambda layer, batch: None,
+        selector=SimpleNamespace(lookahead=False),
+        engine=SimpleNamespace(prefetchers=lambda ids, layer: list(wanted)),
+        capture=SimpleNamespace(get=lambda layer: captured),
+        worker=SimpleNamespace(submit=lambda fn, *args: submitted.append(args) or Future()),
+        prefetch=lambda *args: None,
+    )
+    batch = DecodeBatch(["a", "b", "c"], [10, 12, 14], [[{}], [{}], [{}]], torch.tensor([1, 2, 3]))
+    _DecodeHandler(runner, batch)._look_ahead(1)  # type: ignore[arg-type]
+    ((layer, sub, hidden),) = submitted
+    assert layer == 2 and sub.request_ids == ["a", "c"] and sub.prompt_lengths == [10, 14]
+    assert sub.positions.tolist() == [10, 14] and sub.last_tokens.tolist() == [1, 3]
+    assert torch.equal(hidden, captured[[0, 2], -1])
+    assert batch.request_ids == ["a", "b", "c"]  # the step's own batch is left whole
+    wanted[:] = [0, 1, 2]
+    _DecodeHandler(runner, batch)._look_ahead(1)  # type: ignore[arg-type]
+    assert submitted[-1][1] is batch  # everyone prefetches: no copy
+    wanted[:] = []
+    _DecodeHandler(runner, batch)._look_ahead(1)  # type: ignore[arg-type]
+    assert len(submitted) == 2  # nobody does: no pass at all

@@ -69,6 +69,16 @@ class DecodeBatch:
         self.last_tokens = tokens
         self.positions = self.positions + 1
 
+    def subset(self, rows: list[int]) -> DecodeBatch:
+        """The requests at `rows` as a batch of their own (this one unchanged)."""
+        return DecodeBatch(
+            [self.request_ids[i] for i in rows],
+            [self.prompt_lengths[i] for i in rows],
+            [self.metadata[i] for i in rows],
+            self.last_tokens[rows],
+            self.positions[rows],
+        )
+
     def drop(self, keep: list[int]) -> None:
         """Keeps only the requests at `keep` (finished ones leave the batch)."""
         self.request_ids = [self.request_ids[i] for i in keep]
@@ -147,7 +157,8 @@ class _DecodeHandler:
         if next_layer >= runner.num_layers or runner.ranges(next_layer, self.batch) is not None:
             return
         lookahead = runner.selector.lookahead
-        if not lookahead and not runner.engine.prefetch_wanted(self.batch.request_ids, next_layer):
+        rows = None if lookahead else runner.engine.prefetchers(self.batch.request_ids, next_layer)
+        if rows == []:
             return
         capture = runner.capture
         assert capture is not None  # DecodeRunner makes one for every sparse selector
@@ -157,7 +168,11 @@ class _DecodeHandler:
         if lookahead:
             self.pending[next_layer] = runner.worker.submit(runner.assemble_ahead, next_layer, self.batch, hidden)
         else:
-            self.prefetching[next_layer] = runner.worker.submit(runner.prefetch, next_layer, self.batch, hidden)
+            assert rows is not None
+            batch = self.batch
+            if len(rows) < len(batch.request_ids):  # the speculated selection only for the requests that prefetch
+                batch, hidden = batch.subset(rows), hidden[rows]
+            self.prefetching[next_layer] = runner.worker.submit(runner.prefetch, next_layer, batch, hidden)
 
 
 class DecodeRunner:
