@@ -226,17 +226,15 @@ class DecodePool:
     def append_batch(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """`append` for a batch: each slot's generated token's K/V ([B, H, d]) in one write per tensor (a write per
         request and layer was most of a batch's appends)."""
+        if len(slots) == 1:  # one request: plain indexing is cheaper than building an index
+            self.append(layer, slots[0], k[0], v[0])
+            return
         if layer == 0:
             for slot in slots:  # every check first: a full slot leaves the others' lengths as they were
                 if self.lengths[slot] >= self.max_tokens:
                     raise PoolFull(f"slot {slot} is full ({self.max_tokens} tokens)")
             for slot in slots:
                 self.lengths[slot] += 1
-        if len(slots) == 1:  # one request: plain indexing is cheaper than building an index
-            slot, position = slots[0], self.lengths[slots[0]] - 1
-            self.k[layer, slot, position], self.v[layer, slot, position] = k[0], v[0]
-            self.masks.values[layer, slot, position] = LOCAL
-            return
         # (slot, token) as one flat row of [S·N, H, d]: index_copy_ is one pass, a two-tensor index a slow one
         flat = torch.tensor([slot * self.max_tokens + self.lengths[slot] - 1 for slot in slots], dtype=torch.int64)
         rows = self.k.shape[1] * self.k.shape[2]
