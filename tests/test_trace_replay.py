@@ -208,11 +208,22 @@ def test_bench_refuses_bad_trace_options_in_one_line(tmp_path: Path, args: list[
     assert says in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+def _cached_by_ended(requests: list[TraceRequest], records: list[dict[str, float]]) -> list[int]:
+    """Per request, the tokens a prefix cache holds for it from the requests whose streams ended before it was sent
+    (both nodes cache a request's blocks before its stream ends)."""
+    least = []
+    for i, record in enumerate(records):
+        ended = [requests[j] for j in range(i) if records[j]["sent"] + records[j]["e2e"] < record["sent"]]
+        least.append(expected_cached([*ended, requests[i]], 64)[-1])
+    return least
+
+
 @pytest.mark.slow  # fresh nodes per scheme and a pilot: about a minute here
 def test_a_tiny_trace_replays_end_to_end_with_the_hits_its_ids_say(tmp_path: Path) -> None:
-    """Each request arrives after the one before it ended, so the caches hold exactly the whole blocks seen before:
-    the prefill node's hit is that run of blocks (less the one token it computes), and full transfer's decode node
-    holds the same run; every request is served, and goodput is what its records say."""
+    """The caches hold the whole blocks of the requests before: the prefill node's hit is that run of blocks (less the
+    one token it computes), and full transfer's decode node holds the same run; every request is served, and goodput
+    is what its records say. Arrivals are 1.5 s apart, which a busy machine may not keep up with, so a request is held
+    to at least what the requests that ended before it was sent had cached and at most what all before it had."""
     trace = _write(tmp_path / "t.jsonl", TINY)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "smartgen", "bench", "--trace", str(trace), "--length-scale", str(SCALE)]
@@ -224,16 +235,21 @@ def test_a_tiny_trace_replays_end_to_end_with_the_hits_its_ids_say(tmp_path: Pat
     assert "trace t.jsonl: 6 requests (0 clipped, 0 refused over --max-input), 64 tokens per hash id" in flat
     data = json.loads((out / "results.json").read_text())
     requests = read_trace(trace, length_scale=SCALE).requests
-    expected = expected_cached(requests, 64)
+    most = expected_cached(requests, 64)
     assert [run["scheme"] for run in data["loads"]] == ["full", "smartgen"]
     for run in data["loads"]:
         records = run["requests"]
         assert [r["outcome"] for r in records] == ["served"] * 6, [r.get("error") for r in records]
         assert [r["prompt_tokens"] for r in records] == [r.input_tokens for r in requests]
         assert [r["output_tokens"] for r in records] == [r.output_tokens for r in requests]
-        assert [r["cached_tokens"] for r in records] == [min(e, r.input_tokens - 1) for e, r in zip(expected, requests)]
+        least = _cached_by_ended(requests, records)
+        cached = [r["cached_tokens"] for r in records]
+        assert all(min(lo, r.input_tokens - 1) <= c <= min(hi, r.input_tokens - 1)
+                   for lo, c, hi, r in zip(least, cached, most, requests)), (least, cached, most)  # fmt: skip
         if run["scheme"] == "full":  # whole prompt local at its end: the decode node caches every whole block
-            assert [r["held_tokens"] for r in records] == expected
+            held = [r["held_tokens"] for r in records]
+            assert all(lo <= h <= hi for lo, h, hi in zip(least, held, most)), (least, held, most)
+        assert sum(cached) > 0 and (run["scheme"] != "full" or sum(held) > 0)
         metrics = run["metrics"]
         met = sum(r["ttft"] <= 5 and r["ttst"] <= 5 and r["tbt"] <= 1 for r in records)
         assert metrics["met_slo"] == met and metrics["goodput"] == pytest.approx(met / run["wall_s"])
