@@ -798,3 +798,28 @@ def test_a_batch_appends_its_tokens_as_one_request_at_a_time_would():
     with pytest.raises(PoolFull):
         batch.append_batch(0, [1, 0], torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))
     assert batch.lengths == [6, 4, 5]
+
+
+def test_a_layer_that_fetches_nothing_is_gathered_in_one_call(importance, monkeypatch):
+    """Full transfer's layers (all local) and a sequential policy's layers with nothing remote are read in one
+    gather, as a parallel request's are; the gather before the fetches and the one after them are only for a layer
+    that fetches. The entries attended are the true ones either way (`test_every_policy_assembles_the_true_kv`)."""
+    import smartgen.engine.decode.move as move_module
+
+    calls = {"valid": 0, "split": 0}
+
+    def counting(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(move_module, "gather_valid", counting("valid", move_module.gather_valid))
+    monkeypatch.setattr(move_module, "gather_kv", counting("split", move_module.gather_kv))
+    result = simulate(config(), POLICIES["full"], importance)
+    assert result.mismatches == 0 and all(r["error"] is None for r in result.requests)
+    assert calls["valid"] > 0 and calls["split"] == 0
+    calls.update(valid=0, split=0)
+    result = simulate(config(), POLICIES["partial"], importance)  # sequential, and its first steps fetch
+    assert result.mismatches == 0 and calls["split"] > 0

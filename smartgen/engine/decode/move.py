@@ -200,7 +200,10 @@ class DecodePath:
         # local entries of parallel requests now, while their fetches are in flight; the others' after landing
         started = time.monotonic()
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        if plan.all_parallel:
+        # one gather when every request gathers early, or when nothing is remote (a sequential policy's layer that
+        # fetches nothing, full transfer's every layer): two calls into zeroed outputs cost about twice as much
+        one_gather = plan.all_parallel or not any(remote_of)
+        if one_gather:
             # every valid entry in one gather, the remote ones too: whatever they read is overwritten once their
             # fetch lands (below), and the padding is zeroed
             k_out = torch.empty(shape, dtype=self.layout.dtype, device=self.pool.k.device)
@@ -215,7 +218,7 @@ class DecodePath:
         self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
         self.link_wait_s += time.monotonic() - waited
         late_s = 0.0
-        if not plan.all_parallel:
+        if not one_gather:
             local_started = time.monotonic()
             gather_kv(k_pool, v_pool, slots, split.index, early_stop, local_stop, k_out, v_out)
             late_s = time.monotonic() - local_started
@@ -226,8 +229,10 @@ class DecodePath:
         counts = torch.stack([local_stop, plan.dropped, early_stop - num_remote, local_stop - early_stop])
         selected_of, dropped_of, early_of, late_of = counts.view(4, len(requests), num_heads).sum(2).tolist()
         entry_bytes = 2 * k_out.shape[-1] * k_out.element_size()  # K and V of one token in one head
-        self.counters.add("local", sum(early_of) * entry_bytes, early_s)
-        if not plan.all_parallel:
+        if one_gather:
+            self.counters.add("local", (sum(early_of) + sum(late_of)) * entry_bytes, early_s)
+        else:
+            self.counters.add("local", sum(early_of) * entry_bytes, early_s)
             self.counters.add("local", sum(late_of) * entry_bytes, late_s)
         selected = remote = 0
         for b, request in enumerate(requests):
