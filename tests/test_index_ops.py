@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartgen.engine.index_ops import gather_kv_reference, split_reorder_reference
+from smartgen.engine.index_ops import gather_kv_reference, split_all_local, split_reorder_reference
 from smartgen.engine.mask import LOCAL, PAD, REMOTE
 
 
@@ -90,3 +90,24 @@ def test_split_rejects_a_badly_shaped_index():
         split_reorder_reference(
             torch.zeros(5, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int8), torch.tensor([0, 1]), 2
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(index_and_mask(), st.booleans())
+def test_an_all_local_split_read_without_the_mask_is_the_general_one(case, trailing_padding):
+    """Where each request holds [0, length) local and nothing past it, `split_all_local` (lengths only) equals the
+    general split field for field: index order, status, counts; with padding only at row ends (a selector's rows)
+    and with padding anywhere (the stable partition)."""
+    index, mask, slots, heads = case
+    lengths = (mask != PAD).sum(1)  # the drawn masks are a run of non-padding from 0
+    mask = torch.where(mask != PAD, torch.full_like(mask, LOCAL), mask)
+    if trailing_padding:  # in-range entries first in each row, then padding, as pad_rows leaves them
+        row_length = lengths[slots].repeat_interleave(heads).unsqueeze(1)
+        valid = (index >= 0) & (index < row_length)
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+        index = torch.gather(index, 1, order)
+    want = split_reorder_reference(index, mask, slots, heads)
+    got = split_all_local(index, lengths[slots].repeat_interleave(heads))
+    for field in ("index", "status", "num_remote", "num_local"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert getattr(got, field).dtype == getattr(want, field).dtype, field

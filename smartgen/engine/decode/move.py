@@ -15,6 +15,7 @@ import smartgen.engine.decode.decide as decide
 from smartgen.engine import messages as msg
 from smartgen.engine.decode.request import Assembled, DecodeRequest, LateFetch, LinkLost, RequestFailed
 from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, gather_valid, split_reorder
+from smartgen.engine.kernels import use_triton
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout
 from smartgen.engine.mask import REMOTE
 from smartgen.engine.metrics import PathCounters
@@ -182,7 +183,14 @@ class DecodePath:
             self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
-        split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads)
+        # a layer whose prompt KV has all landed for every request (full transfer's, and SmartGen's once whole) is
+        # split without reading the mask; `_has_remote` scans each request once a step and is never wrongly False.
+        # Off CUDA only: there the split kernel's one pass is cheaper than the scan's read of the masks
+        lengths = None
+        if not use_triton(index) and not any(self._has_remote(r, layer) for r in requests):
+            lengths = torch.tensor([self.pool.lengths[r.slot] for r in requests], device=index.device)
+            lengths = lengths.repeat_interleave(num_heads)
+        split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads, lengths)
         # a request this step already gave up on fetches nothing more: its step is redone anyway
         plan = decide.plan_assembly(
             split,
