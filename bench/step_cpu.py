@@ -64,9 +64,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)  # as a served node on its one CPU
-    folder, _ = resolve_model(args.model)
+    try:
+        sizes = [int(b) for b in args.batch.split(",")]
+        if min(sizes) < 1 or args.length < 2 or args.steps < 1 or args.reps < 1 or not 0 < args.budget <= 1:
+            raise ValueError("--batch, --length, --steps and --reps must be positive, --budget in (0, 1]")
+        folder, _ = resolve_model(args.model)
+    except ValueError as exc:  # a typo in an option is the user's to fix, not a traceback
+        parser.error(str(exc))
     model = load_model(Path(folder))
-    sizes = [int(b) for b in args.batch.split(",")]
     print(f"{args.model}: {args.length} tokens, Quest {args.budget:g}, all local; ms of the step thread's CPU per step")
     print(f"{'batch':>6} " + " ".join(f"{'rep ' + str(r + 1):>8}" for r in range(args.reps)))
     results = {b: [] for b in sizes}
