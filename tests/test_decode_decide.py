@@ -119,25 +119,51 @@ def test_remote_entries_are_flat_token_head_ids_less_what_was_asked():
     assert message.heads.tolist() == [[True, False], [True, True]]
 
 
+def _masks(layers: int, slots: int, tokens: int, heads: int, value: int = LOCAL) -> torch.Tensor:
+    return torch.full((layers, slots, tokens, heads), value, dtype=torch.int8)
+
+
 def test_hints_name_the_remote_tokens_of_a_wider_selection():
-    wide = torch.tensor([[4, 1], [4, 2]])
-    status = torch.tensor([[REMOTE, LOCAL], [REMOTE, REMOTE]], dtype=torch.int8)
-    marks = decide.hint_marks(wide, status, torch.tensor([20, 20]))  # layer 2 of a 10-token request
-    assert marks.tolist() == [[24, -1], [24, 22]]
-    assert decide.hinted([marks]).tolist() == [22, 24]
-    assert decide.hinted([decide.hint_marks(wide, torch.full_like(status, LOCAL), torch.tensor([20, 20]))]) is None
-    assert decide.hinted([]) is None
+    masks = _masks(4, 2, 12, 2)  # slot 1 holds a 10-token request
+    masks[2, 1, 4, 0] = masks[2, 1, 2, 1] = REMOTE
+    masks[2, 0, 1, 0] = REMOTE  # another slot's entry: not this request's
+    wide = torch.tensor([[4, 1], [4, 2]])  # layer 2, heads 0 and 1
+    assert decide.hinted([(2, wide)], masks, 1, 10, None).tolist() == [22, 24]  # 2 * 10 + 2 and + 4, sorted
+    assert decide.hinted([(3, wide)], masks, 1, 10, None) is None  # all local in layer 3
+    assert decide.hinted([], masks, 1, 10, None) is None
+    kept = torch.tensor([7])
+    assert decide.hinted([], masks, 1, 10, kept).tolist() == [7]
+    assert decide.hinted([(2, wide)], masks, 1, 10, kept).tolist() == [7, 22, 24]
 
 
-def test_hints_of_a_batch_carry_each_requests_own_layer_offset():
-    """Rows of a batch mark with their own request's length; a notice's hints are the union of every layer's."""
-    wide = torch.tensor([[3, 0], [1, 2]])  # request 0 (length 5) then request 1 (length 8), one head each
-    status = torch.full_like(wide, REMOTE, dtype=torch.int8)
-    status[1, 1] = 0  # padding is never hinted
-    marks = decide.hint_marks(wide, status, torch.tensor([1 * 5, 1 * 8]))
-    assert marks.tolist() == [[8, 5], [9, -1]]
-    later = decide.hint_marks(torch.tensor([[3]]), torch.tensor([[REMOTE]], dtype=torch.int8), torch.tensor([10]))
-    assert decide.hinted([marks[0:1], later]).tolist() == [5, 8, 13]
+def test_hints_read_every_noted_layer_and_width_and_never_padding_or_positions_past_the_prompt():
+    """A notice's hints are the union of every noted layer's, each layer at its own offset (layer * length), rows of
+    different widths included; padding (-1) and positions past the prompt are never named."""
+    masks = _masks(4, 1, 12, 1, REMOTE)
+    noted = [(1, torch.tensor([[3, -1]])), (2, torch.tensor([[0, 9, 11]])), (1, torch.tensor([[3, 5]]))]
+    assert decide.hinted(noted, masks, 0, 10, None).tolist() == [13, 15, 20, 29]
+
+
+@given(
+    st.integers(1, 3),
+    st.integers(2, 12),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=6),
+    st.integers(0, 2**16),
+)
+def test_hints_read_at_once_are_what_each_layer_read_alone_names(heads, length, notes, seed):
+    """Reading every noted layer's status in one pass names exactly the tokens each note, read alone against its own
+    layer's mask, names as remote in some head."""
+    generator = torch.Generator().manual_seed(seed)
+    masks = torch.randint(0, 3, (4, 2, length + 2, heads), generator=generator, dtype=torch.int8)
+    noted = [(layer, torch.randint(-1, length + 1, (heads, width), generator=generator)) for layer, width in notes]
+    expected = set()
+    for layer, rows in noted:
+        for h in range(heads):
+            for t in rows[h].tolist():
+                if 0 <= t < length and masks[layer, 1, t, h] == REMOTE:
+                    expected.add(layer * length + t)
+    got = decide.hinted(noted, masks, 1, length, None)
+    assert (set() if got is None else set(got.tolist())) == expected
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,7 +14,7 @@ from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
 from smartgen.engine.decode import DecodeEngine, RequestFailed
 from smartgen.engine.layout import KVLayout
-from smartgen.engine.mask import LOCAL
+from smartgen.engine.mask import LOCAL, REMOTE
 from smartgen.engine.messages import Idle, Release
 from smartgen.engine.planning import Planner, speculative_slice_size
 from smartgen.engine.policy import POLICIES, get_policy
@@ -572,8 +572,9 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
         request.link.control.send = spy  # type: ignore[method-assign]
         layers = [2 + i % 2 for i in range(8)]  # eight layer starts over the sparse layers 2 and 3
         hints = [layer * 120 + i for i, layer in enumerate(layers)]  # one hinted token (layer * n + token) each
-        for layer, hint in zip(layers, hints):
-            request.hints.append(torch.tensor([hint]))
+        decode.pool.masks.values[:, request.slot, :120] = REMOTE  # every hinted token is still remote
+        for i, layer in enumerate(layers):
+            request.hints.append((layer, torch.full((LAYOUT.num_kv_heads, 1), i)))  # a wider pick of token i
             decode.begin_layer(layer, [rid])
         assert not request.metrics.error
         assert [m.meta["layer"] for m in sent] == [layers[i] for i in expected]
@@ -721,9 +722,8 @@ def test_selection_counts_are_per_step_and_a_redone_step_counts_once():
 
 
 def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
-    """Hints are kept as marks until a notice reduces them; a request that gets no notice for long (a fetch always
-    in flight) has its marks reduced in place past 2L layers' worth, keeping every hinted token."""
-    from smartgen.engine.decode import decide
+    """Hints are kept as noted picks until a notice reduces them; a request that gets no notice for long (a fetch
+    always in flight) has its notes reduced in place past 2L layers' worth, keeping every hinted token."""
     from smartgen.engine.mask import REMOTE
 
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
@@ -736,7 +736,7 @@ def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
         for i in range(notes):
             decode.hint(2 + i % 2, [rid], torch.tensor([[i % 100, 100 + i % 3]]).expand(heads, 2).contiguous())
             assert len(request.hints) <= 2 * LAYOUT.num_layers + 1
-        hinted = decide.hinted(request.hints)
+        hinted = decode._hinted(request)
         expected = {(2 + i % 2) * 120 + t for i in range(notes) for t in (i % 100, 100 + i % 3)}
         assert hinted is not None and set(hinted.tolist()) == expected
     finally:

@@ -20,7 +20,6 @@ __all__ = [
     "plan_assembly",
     "drop_remote_rows",
     "remote_entries",
-    "hint_marks",
     "hinted",
     "hint_ratio",
     "prefetches",
@@ -127,20 +126,34 @@ def remote_entries(index: torch.Tensor, status: torch.Tensor, asked: Sequence[to
     return entries
 
 
-def hint_marks(wide: torch.Tensor, status: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """A wider selection's picks (`wide`, `status` [R, k']) marked for the next IDLE: flat id layer * length +
-    token where the pick is still remote in its head, -1 elsewhere; `offsets` [R] is layer * length of each row's
-    request. A whole batch in one pass: which tokens they name is left to `hinted`, at the notice."""
-    return torch.where(status == REMOTE, wide + offsets.to(wide.dtype).unsqueeze(1), -1)
-
-
-def hinted(marks: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The distinct tokens a request's `hint_marks` since its last notice name, sorted, on the CPU; None when
-    they name none."""
-    if not marks:
+def hinted(
+    noted: Sequence[tuple[int, torch.Tensor]], masks: torch.Tensor, slot: int, length: int, kept: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The distinct prompt tokens, as flat ids layer * length + token, that a request's noted picks name and that are
+    still REMOTE in their head, with `kept` (ids reduced earlier, every one named) added; sorted, on the CPU; None
+    when none. `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
+    `masks` [L, S, N, H]: every layer's mask, the request in `slot`, `length` prompt tokens. The status of every
+    noted layer is read in one pass per row width, at the notice rather than at each layer: the hints of four layers
+    cost about what one layer's did (a few tensor operations whatever their size), and a pick that landed since it
+    was noted is no longer named."""
+    num_slots, num_tokens, num_heads = masks.shape[1:]
+    by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for layer, rows in noted:
+        by_width.setdefault(rows.shape[1], []).append((layer, rows))
+    named = [] if kept is None else [kept]
+    flat_masks = masks.view(-1)
+    for group in by_width.values():
+        rows = torch.stack([r for _, r in group]).to(masks.device)  # [P, H, k]
+        layers = torch.tensor([layer for layer, _ in group], dtype=torch.int64, device=masks.device).view(-1, 1, 1)
+        valid = (rows >= 0) & (rows < length)
+        safe = rows.clamp(0, length - 1)
+        heads = torch.arange(num_heads, device=masks.device).view(1, -1, 1)
+        flat = ((layers * num_slots + slot) * num_tokens + safe) * num_heads + heads  # into [L, S, N, H]
+        remote = valid & (flat_masks.index_select(0, flat.view(-1)).view(rows.shape) == REMOTE)
+        named.append((layers * length + rows)[remote])
+    if not named:
         return None
-    noted = torch.cat([rows.reshape(-1) for rows in marks])
-    tokens = noted[noted >= 0].unique().cpu()
+    tokens = torch.cat(named).unique().cpu()
     return tokens if tokens.numel() else None
 
 

@@ -59,7 +59,10 @@ class DecodeRequest:
     # fetches a step gave up waiting for (stall_timeout), or prefetched: landed when they arrive
     late: list[LateFetch] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
-    hints: list[torch.Tensor] = field(default_factory=list)  # `decide.hint_marks` rows for the next IDLE
+    # (layer, rows [H, k']) a wider selection's picks noted for the next IDLE (`decide.hinted` reads their status
+    # then), and the tokens reduced from earlier notes while no notice went (`DecodePath.hint` keeps them bounded)
+    hints: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    hints_kept: torch.Tensor | None = None
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled
     resume: Future | None = None
