@@ -612,7 +612,6 @@ def test_prefetch_follows_the_layers_whose_last_selection_met_remote_entries():
 
 
 def test_dense_layers_local_says_when_layers_0_and_1_have_landed():
-    from smartgen.engine.mask import REMOTE
 
     prefill, decode, prefill_end = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
@@ -632,7 +631,6 @@ def test_dense_layers_local_says_when_layers_0_and_1_have_landed():
 def test_hints_and_prefetch_skip_a_layer_that_is_all_local():
     """A layer whose KV has all landed has nothing to push ahead or fetch early: asked about that layer, the engine
     wants neither the wider ranking nor the speculated selection, while another layer still remote wants both."""
-    from smartgen.engine.mask import REMOTE
 
     # a link far slower than prefill: K_r is the floor, so layers 2+ stay remote (no notice is sent: no speculation)
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
@@ -656,7 +654,6 @@ def test_remote_layers_are_scanned_once_a_step():
     scans every layer in one pass and the answers hold for the step (a layer that lands meanwhile is answered
     again after `end_step`). Nothing turns LOCAL back to REMOTE in use, so a kept answer is stale only the safe
     way: a remote layer answered remote."""
-    from smartgen.engine.mask import REMOTE
 
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
@@ -724,7 +721,6 @@ def test_selection_counts_are_per_step_and_a_redone_step_counts_once():
 def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
     """Hints are kept as noted picks until a notice reduces them; a request that gets no notice for long (a fetch
     always in flight) has its notes reduced in place past 2L layers' worth, keeping every hinted token."""
-    from smartgen.engine.mask import REMOTE
 
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
