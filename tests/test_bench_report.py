@@ -408,3 +408,22 @@ def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> No
     for group in result.groups:
         group.steps = {}
     assert steps_table(summarize(result), 0) is None  # nothing recorded (an older results file): no table
+
+
+def test_late_hints_reach_the_summary_and_the_files(tmp_path: Path) -> None:
+    """late_hint_share: of the entries decode steps fetched for themselves, over the measured rounds' requests, the
+    share an earlier idle notice had hinted; none where no step fetched (full transfer)."""
+    result = _rounds_result()
+    for group in result.groups:
+        for request in group.requests:
+            if group.scheme == "smartgen" and "error" in request and request["error"] is None:
+                request["step_fetched"], request["step_fetched_hinted"] = 40, 30 if group.rep == 1 else 10
+    summaries = {s.scheme: s for s in summarize(result)}
+    # rounds 1-3 (the warm-up left out): three requests of 30 of 40, five of 10 of 40 (one of round 3 failed)
+    assert summaries["smartgen"].late_hint_share == pytest.approx((3 * 30 + 5 * 10) / (8 * 40))
+    assert summaries["full"].late_hint_share is None
+    write_outputs(result, list(summaries.values()), tmp_path)
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = {r["scheme"]: r for r in csv.DictReader(handle)}
+    assert float(rows["smartgen"]["late_hint_share"]) == pytest.approx(140 / 320)
+    assert rows["full"]["late_hint_share"] == ""

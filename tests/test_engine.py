@@ -585,6 +585,38 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
         prefill.close()
 
 
+def test_a_step_counts_the_entries_it_fetched_that_a_notice_had_hinted():
+    """`step_fetched_hinted`: of the entries a step fetched for itself, those whose token an earlier idle notice had
+    hinted (hints the speculative push had not brought in time); a step's own fetches only."""
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
+        decode.end_step([rid])  # notices go from the second step on
+        request = decode._require(rid)
+        send = request.link.control.send
+
+        def hold_notices(message, *args, **kwargs):  # the prefill node never sees them: nothing hinted is pushed
+            return None if message.kind == Idle.KIND else send(message, *args, **kwargs)
+
+        request.link.control.send = hold_notices  # type: ignore[method-assign]
+        values = decode.pool.masks.values
+        values[2, request.slot, :120] = REMOTE
+        request.hints.append((2, torch.full((LAYOUT.num_kv_heads, 1), 5)))  # a wider pick of token 5 in layer 2
+        decode.begin_layer(2, [rid])
+        assert request.hinted_sent is not None and bool(request.hinted_sent[2 * 120 + 5])
+        index = torch.tensor([[4, 5]]).expand(LAYOUT.num_kv_heads, 2).contiguous()  # tokens 4 and 5, every head
+        decode.assemble(2, [rid], index)
+        assert not request.metrics.error
+        heads = LAYOUT.num_kv_heads
+        assert (request.metrics.step_fetched, request.metrics.step_fetched_hinted) == (2 * heads, heads)
+        decode.assemble(3, [rid], index)  # layer 3: token 5 was hinted in layer 2 only
+        assert request.metrics.step_fetched_hinted == heads
+        assert request.metrics.snapshot()["step_fetched_hinted"] == heads
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_prefetch_follows_the_layers_whose_last_selection_met_remote_entries():
     """A layer is prefetched in a step only when it still has remote KV and its selection (or prefetch) in the step
     before met remote entries: where hints and speculation keep a layer's picks local, a speculated selection

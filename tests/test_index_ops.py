@@ -4,7 +4,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartgen.engine.index_ops import gather_kv_reference, split_all_local, split_reorder_reference
+from smartgen.engine.index_ops import (
+    gather_kv_reference,
+    split_all_local,
+    split_reorder_cpu,
+    split_reorder_reference,
+)
 from smartgen.engine.mask import LOCAL, PAD, REMOTE
 
 
@@ -108,6 +113,31 @@ def test_an_all_local_split_read_without_the_mask_is_the_general_one(case, trail
         index = torch.gather(index, 1, order)
     want = split_reorder_reference(index, mask, slots, heads)
     got = split_all_local(index, lengths[slots].repeat_interleave(heads))
+    for field in ("index", "status", "num_remote", "num_local"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert getattr(got, field).dtype == getattr(want, field).dtype, field
+
+
+@settings(max_examples=200, deadline=None)
+@given(index_and_mask(), st.booleans(), st.booleans())
+def test_the_cpu_split_is_the_reference_whether_or_not_a_pick_is_remote(case, picks_local, trailing_padding):
+    """`split_reorder_cpu` equals the reference field for field: with remote picks (the partition), and where the
+    layer holds remote tokens but no pick is one (its fast path: order kept, or partitioned where padding comes
+    first)."""
+    index, mask, slots, heads = case
+    if picks_local:  # every in-range pick local, other tokens of the slots left as drawn (some remote)
+        num_tokens = mask.shape[1]
+        row_slot = slots.repeat_interleave(heads)
+        for r in range(index.shape[0]):
+            for position in index[r].tolist():
+                if 0 <= position < num_tokens and mask[row_slot[r], position] == REMOTE:
+                    mask[row_slot[r], position] = LOCAL
+    if trailing_padding:  # non-padding first in each row, as pad_rows leaves a selector's rows
+        in_range = (index >= 0) & (index < mask.shape[1])
+        order = torch.sort((~in_range).to(torch.uint8), dim=1, stable=True).indices
+        index = torch.gather(index, 1, order)
+    want = split_reorder_reference(index, mask, slots, heads)
+    got = split_reorder_cpu(index, mask, slots, heads)
     for field in ("index", "status", "num_remote", "num_local"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
         assert getattr(got, field).dtype == getattr(want, field).dtype, field

@@ -22,6 +22,7 @@ __all__ = [
     "IndexSplit",
     "entry_status",
     "split_reorder_reference",
+    "split_reorder_cpu",
     "split_all_local",
     "gather_kv_reference",
     "gather_valid_reference",
@@ -62,7 +63,11 @@ def split_reorder_reference(index: torch.Tensor, mask: torch.Tensor, slots: torc
     """
     if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
         raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
-    status = entry_status(index, mask, slots, num_heads)
+    return _split_by_status(index, entry_status(index, mask, slots, num_heads))
+
+
+def _split_by_status(index: torch.Tensor, status: torch.Tensor) -> IndexSplit:
+    """The partition of `split_reorder_reference`, from each entry's status."""
     if index.shape[1] == 0:
         empty = torch.zeros(index.shape[0], dtype=torch.int32, device=index.device)
         return IndexSplit(index.clone(), status, empty, empty.clone())
@@ -83,6 +88,24 @@ def split_reorder_reference(index: torch.Tensor, mask: torch.Tensor, slots: torc
         num_remote=num_remote.squeeze(1).to(torch.int32),
         num_local=num_local.squeeze(1).to(torch.int32),
     )
+
+
+def split_reorder_cpu(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, num_heads: int) -> IndexSplit:
+    """`split_reorder_reference`, cheaper where nothing selected is remote: once the prefetch, hints and speculation
+    have brought a layer's picks, a step reads their status and finds every one local, though the layer still holds
+    remote tokens elsewhere. Then the entries keep their order (local first, padding after) and the partition's
+    prefix sums and scatters are skipped, as in `split_all_local`."""
+    if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
+        raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
+    status = entry_status(index, mask, slots, num_heads)
+    if index.shape[1] == 0 or bool((status == REMOTE).any()):
+        return _split_by_status(index, status)
+    local = status == LOCAL
+    num_local = local.sum(1, dtype=torch.int32)
+    if index.shape[1] > 1 and bool((local[:, 1:] & ~local[:, :-1]).any()):  # padding before an entry: partition
+        order = torch.sort((~local).to(torch.uint8), dim=1, stable=True).indices
+        index, status = torch.gather(index, 1, order), torch.gather(status, 1, order)
+    return IndexSplit(index, status, torch.zeros_like(num_local), num_local)
 
 
 def split_all_local(index: torch.Tensor, row_length: torch.Tensor) -> IndexSplit:
@@ -190,7 +213,7 @@ def split_reorder(
         return split_reorder_triton(index, mask, slots, num_heads)
     if all_local_lengths is not None:
         return split_all_local(index, all_local_lengths)
-    return split_reorder_reference(index, mask, slots, num_heads)
+    return split_reorder_cpu(index, mask, slots, num_heads)
 
 
 def gather_kv(

@@ -67,6 +67,10 @@ class RequestMetrics:
     # of those, entries the step had to ask for itself: neither local nor asked ahead (a forecast's fetches)
     first_step_unforeseen: int = 0
     forecast_entries: int = 0  # entries a forecast asked for before the first step (Policy.forecast)
+    # entries decode steps fetched for themselves (not forecasts, not prefetches), and how many of those an earlier
+    # idle notice had hinted: hints the speculative push had not brought in time
+    step_fetched: int = 0
+    step_fetched_hinted: int = 0
     fetch_wait_s: float = 0.0
     # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token
     # arrived: what the link had to have carried by then (the benchmark's CTL bound)
@@ -171,6 +175,8 @@ class RequestMetrics:
             "first_step_wait_s": self.first_step_wait_s,
             "first_step_foreseen": self.first_step_foreseen,
             "forecast_entries": self.forecast_entries,
+            "step_fetched": self.step_fetched,
+            "step_fetched_hinted": self.step_fetched_hinted,
             "prefill_tokens": self.prefill_tokens,
             "fetch_wait_s": self.fetch_wait_s,
             "selected_union_bytes": self.selected_union_bytes,

@@ -363,6 +363,9 @@ class DecodeScheduler:
             # output tokens the prefill node computed: 2 when the forecast step's token was the second
             "prefill_tokens": metrics.prefill_tokens if metrics else None,
             "fetch_wait": metrics.fetch_wait_s if metrics else None,
+            # entries decode steps fetched themselves, and of those the ones an earlier idle notice had hinted
+            "step_fetched": metrics.step_fetched if metrics else None,
+            "step_fetched_hinted": metrics.step_fetched_hinted if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had
             "prompt_tokens_details": {"cached_tokens": metrics.prefill_cached_tokens} if metrics else None,
             "held_tokens": metrics.held_tokens if metrics else None,

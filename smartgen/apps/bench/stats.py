@@ -91,6 +91,9 @@ class Summary:
     # the decode node's step by batch size over the measured rounds (`step_parts`): steps, and the mean seconds of
     # its wall, its thread's CPU, the emulated compute, the link waits and the rest (the thread runnable, not running)
     step_by_batch: dict[str, dict[str, float]] = field(default_factory=dict)
+    # of the entries decode steps fetched for themselves, the share an earlier idle notice had hinted: hints the
+    # speculative push had not brought in time (None: no step fetched)
+    late_hint_share: float | None = None
 
 
 def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
@@ -212,6 +215,10 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
         ),
         joins=len(joins),
         join_p99=_stats([float(j["p99"]) for j in joins]),
+        late_hint_share=_ratio(
+            sum(float(r.get("step_fetched_hinted") or 0) for r in ok),
+            sum(float(r.get("step_fetched") or 0) for r in ok),
+        ),
         fetch_round_trip=_ratio(sum(g.fetch_s for g in groups), sum(g.fetches for g in groups)),
         fetch_round_trip_by_kind={
             kind: _ratio(

@@ -116,7 +116,12 @@ class DecodePath:
             )
             request.layers_since_notice = notice.layers_since_notice
             if notice.send:
-                request.link.control.send(msg.Idle(request_id, layer, self._hinted(request)).pack())
+                hinted = self._hinted(request)
+                if hinted is not None:
+                    if request.hinted_sent is None:
+                        request.hinted_sent = torch.zeros(self.layout.num_layers * request.length, dtype=torch.bool)
+                    request.hinted_sent[hinted] = True
+                request.link.control.send(msg.Idle(request_id, layer, hinted).pack())
 
     def hint_factor(self, request_ids: list[str], layer: int | None = None) -> float:
         """The widest hint ratio among these requests' policies (0: none hints). A request whose KV is all local
@@ -356,6 +361,10 @@ class DecodePath:
                 request.metrics.first_step_unforeseen += int(entries.numel())
             if entries.numel():
                 fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
+                request.metrics.step_fetched += int(entries.numel())
+                if request.hinted_sent is not None:  # one read: which of these tokens a notice named earlier
+                    ids = entries // num_heads + layer * request.length
+                    request.metrics.step_fetched_hinted += int(request.hinted_sent[ids].sum())
         return fetches
 
     def _send_fetch(self, request: DecodeRequest, layer: int, entries: torch.Tensor, kind: str = "step") -> Future:
