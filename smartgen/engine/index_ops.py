@@ -61,9 +61,13 @@ def split_reorder_reference(index: torch.Tensor, mask: torch.Tensor, slots: torc
     descending sort by status would give for mask values 0-2; counted with prefix sums rather than sorted, so it
     costs a few passes over the index (a sort of a 32K-token step's 26K entries per layer took 0.4 ms on the CPU).
     """
+    _check_index(index, slots, num_heads)
+    return _split_by_status(index, entry_status(index, mask, slots, num_heads))
+
+
+def _check_index(index: torch.Tensor, slots: torch.Tensor, num_heads: int) -> None:
     if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
         raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
-    return _split_by_status(index, entry_status(index, mask, slots, num_heads))
 
 
 def _split_by_status(index: torch.Tensor, status: torch.Tensor) -> IndexSplit:
@@ -95,12 +99,16 @@ def split_reorder_cpu(index: torch.Tensor, mask: torch.Tensor, slots: torch.Tens
     have brought a layer's picks, a step reads their status and finds every one local, though the layer still holds
     remote tokens elsewhere. Then the entries keep their order (local first, padding after) and the partition's
     prefix sums and scatters are skipped, as in `split_all_local`."""
-    if index.dim() != 2 or index.shape[0] != slots.shape[0] * num_heads:
-        raise ValueError(f"index must be [B*H, k] = [{slots.shape[0] * num_heads}, k], got {tuple(index.shape)}")
+    _check_index(index, slots, num_heads)
     status = entry_status(index, mask, slots, num_heads)
     if index.shape[1] == 0 or bool((status == REMOTE).any()):
         return _split_by_status(index, status)
-    local = status == LOCAL
+    return _local_first(index, status, status == LOCAL)
+
+
+def _local_first(index: torch.Tensor, status: torch.Tensor, local: torch.Tensor) -> IndexSplit:
+    """The split of rows with no remote entry: the `local` entries first, in order, then the rest (padding). A
+    selector pads each row at its end only, so the stable partition runs only where padding comes before an entry."""
     num_local = local.sum(1, dtype=torch.int32)
     if index.shape[1] > 1 and bool((local[:, 1:] & ~local[:, :-1]).any()):  # padding before an entry: partition
         order = torch.sort((~local).to(torch.uint8), dim=1, stable=True).indices
@@ -115,12 +123,7 @@ def split_all_local(index: torch.Tensor, row_length: torch.Tensor) -> IndexSplit
     skipped unless padding comes before an entry. On this CPU (2K tokens, 10%) it took 16-27 us a layer where the
     general split took 115-191 (batch 1-4): full transfer's every layer, and SmartGen's once its KV is whole."""
     valid = (index >= 0) & (index < row_length.unsqueeze(1))
-    num_local = valid.sum(1, dtype=torch.int32)
-    status = valid.to(torch.int8) * LOCAL
-    if index.shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):  # padding before an entry: partition
-        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
-        index, status = torch.gather(index, 1, order), torch.gather(status, 1, order)
-    return IndexSplit(index, status, torch.zeros_like(num_local), num_local)
+    return _local_first(index, valid.to(torch.int8) * LOCAL, valid)
 
 
 def gather_kv_reference(
