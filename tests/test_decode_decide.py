@@ -123,17 +123,19 @@ def _masks(layers: int, slots: int, tokens: int, heads: int, value: int = LOCAL)
     return torch.full((layers, slots, tokens, heads), value, dtype=torch.int8)
 
 
-def test_hints_name_the_remote_tokens_of_a_wider_selection():
+def test_hints_name_the_remote_entries_of_a_wider_selection():
     masks = _masks(4, 2, 12, 2)  # slot 1 holds a 10-token request
     masks[2, 1, 4, 0] = masks[2, 1, 2, 1] = REMOTE
+    masks[2, 1, 1, 1] = REMOTE  # remote, but only head 0 picked token 1, where it is local: not named
     masks[2, 0, 1, 0] = REMOTE  # another slot's entry: not this request's
     wide = torch.tensor([[4, 1], [4, 2]])  # layer 2, heads 0 and 1
-    assert decide.hinted([(2, wide)], masks, 1, 10, None).tolist() == [22, 24]  # 2 * 10 + 2 and + 4, sorted
+    # (2 * 10 + 2) * 2 + 1 and (2 * 10 + 4) * 2 + 0, sorted: each (token, head) named alone
+    assert decide.hinted([(2, wide)], masks, 1, 10, None).tolist() == [45, 48]
     assert decide.hinted([(3, wide)], masks, 1, 10, None) is None  # all local in layer 3
     assert decide.hinted([], masks, 1, 10, None) is None
     kept = torch.tensor([7])
     assert decide.hinted([], masks, 1, 10, kept).tolist() == [7]
-    assert decide.hinted([(2, wide)], masks, 1, 10, kept).tolist() == [7, 22, 24]
+    assert decide.hinted([(2, wide)], masks, 1, 10, kept).tolist() == [7, 45, 48]
 
 
 def test_hints_read_every_noted_layer_and_width_and_never_padding_or_positions_past_the_prompt():
@@ -151,8 +153,8 @@ def test_hints_read_every_noted_layer_and_width_and_never_padding_or_positions_p
     st.integers(0, 2**16),
 )
 def test_hints_read_at_once_are_what_each_layer_read_alone_names(heads, length, notes, seed):
-    """Reading every noted layer's status in one pass names exactly the tokens each note, read alone against its own
-    layer's mask, names as remote in some head."""
+    """Reading every noted layer's status in one pass names exactly the entries each note, read alone against its
+    own layer's mask, names as remote in their head."""
     generator = torch.Generator().manual_seed(seed)
     masks = torch.randint(0, 3, (4, 2, length + 2, heads), generator=generator, dtype=torch.int8)
     noted = [(layer, torch.randint(-1, length + 1, (heads, width), generator=generator)) for layer, width in notes]
@@ -161,7 +163,7 @@ def test_hints_read_at_once_are_what_each_layer_read_alone_names(heads, length, 
         for h in range(heads):
             for t in rows[h].tolist():
                 if 0 <= t < length and masks[layer, 1, t, h] == REMOTE:
-                    expected.add(layer * length + t)
+                    expected.add((layer * length + t) * heads + h)
     got = decide.hinted(noted, masks, 1, length, None)
     assert (set() if got is None else set(got.tolist())) == expected
 

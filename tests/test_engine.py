@@ -571,7 +571,8 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
 
         request.link.control.send = spy  # type: ignore[method-assign]
         layers = [2 + i % 2 for i in range(8)]  # eight layer starts over the sparse layers 2 and 3
-        hints = [layer * 120 + i for i, layer in enumerate(layers)]  # one hinted token (layer * n + token) each
+        heads = LAYOUT.num_kv_heads  # one hinted token each, every head: entries (layer * n + token) * H + head
+        hints = [(layer * 120 + i) * heads + h for i, layer in enumerate(layers) for h in range(heads)]
         decode.pool.masks.values[:, request.slot, :120] = REMOTE  # every hinted token is still remote
         for i, layer in enumerate(layers):
             request.hints.append((layer, torch.full((LAYOUT.num_kv_heads, 1), i)))  # a wider pick of token i
@@ -579,15 +580,15 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
         assert not request.metrics.error
         assert [m.meta["layer"] for m in sent] == [layers[i] for i in expected]
         hinted = torch.cat([Idle.unpack(m).hints for m in sent])
-        assert sorted(hinted.tolist()) == sorted(hints[: expected[-1] + 1])
+        assert sorted(hinted.tolist()) == sorted(hints[: (expected[-1] + 1) * heads])
     finally:
         decode.close()
         prefill.close()
 
 
 def test_a_step_counts_the_entries_it_fetched_that_a_notice_had_hinted():
-    """`step_fetched_hinted`: of the entries a step fetched for itself, those whose token an earlier idle notice had
-    hinted (hints the speculative push had not brought in time); a step's own fetches only."""
+    """`step_fetched_hinted`: of the entries a step fetched for itself, those an earlier idle notice had hinted (hints
+    the speculative push had not brought in time), entry by entry; a step's own fetches only."""
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
         rid, _ = _prefilled(prefill, decode, get_policy("smartgen", "streaming"), length=120)
@@ -601,17 +602,19 @@ def test_a_step_counts_the_entries_it_fetched_that_a_notice_had_hinted():
         request.link.control.send = hold_notices  # type: ignore[method-assign]
         values = decode.pool.masks.values
         values[2, request.slot, :120] = REMOTE
-        request.hints.append((2, torch.full((LAYOUT.num_kv_heads, 1), 5)))  # a wider pick of token 5 in layer 2
+        heads = LAYOUT.num_kv_heads
+        wide = torch.tensor([[5]] + [[-1]] * (heads - 1))  # a wider pick of token 5 in layer 2, by head 0 alone
+        request.hints.append((2, wide))
         decode.begin_layer(2, [rid])
-        assert request.hinted_sent is not None and bool(request.hinted_sent[2 * 120 + 5])
-        index = torch.tensor([[4, 5]]).expand(LAYOUT.num_kv_heads, 2).contiguous()  # tokens 4 and 5, every head
+        assert request.hinted_sent is not None and int(request.hinted_sent.sum()) == 1
+        assert bool(request.hinted_sent[(2 * 120 + 5) * heads])
+        index = torch.tensor([[4, 5]]).expand(heads, 2).contiguous()  # tokens 4 and 5, every head
         decode.assemble(2, [rid], index)
         assert not request.metrics.error
-        heads = LAYOUT.num_kv_heads
-        assert (request.metrics.step_fetched, request.metrics.step_fetched_hinted) == (2 * heads, heads)
+        assert (request.metrics.step_fetched, request.metrics.step_fetched_hinted) == (2 * heads, 1)
         decode.assemble(3, [rid], index)  # layer 3: token 5 was hinted in layer 2 only
-        assert request.metrics.step_fetched_hinted == heads
-        assert request.metrics.snapshot()["step_fetched_hinted"] == heads
+        assert request.metrics.step_fetched_hinted == 1
+        assert request.metrics.snapshot()["step_fetched_hinted"] == 1
     finally:
         decode.close()
         prefill.close()
@@ -752,7 +755,7 @@ def test_selection_counts_are_per_step_and_a_redone_step_counts_once():
 
 def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
     """Hints are kept as noted picks until a notice reduces them; a request that gets no notice for long (a fetch
-    always in flight) has its notes reduced in place past 2L layers' worth, keeping every hinted token."""
+    always in flight) has its notes reduced in place past 2L layers' worth, keeping every hinted entry."""
 
     prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
     try:
@@ -765,7 +768,12 @@ def test_hints_noted_without_a_notice_stay_bounded_and_lose_nothing():
             decode.hint(2 + i % 2, [rid], torch.tensor([[i % 100, 100 + i % 3]]).expand(heads, 2).contiguous())
             assert len(request.hints) <= 2 * LAYOUT.num_layers + 1
         hinted = decode._hinted(request)
-        expected = {(2 + i % 2) * 120 + t for i in range(notes) for t in (i % 100, 100 + i % 3)}
+        expected = {
+            ((2 + i % 2) * 120 + t) * heads + h
+            for i in range(notes)
+            for t in (i % 100, 100 + i % 3)
+            for h in range(heads)
+        }
         assert hinted is not None and set(hinted.tolist()) == expected
     finally:
         decode.close()

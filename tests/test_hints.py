@@ -1,4 +1,4 @@
-"""Selection-led transfer: hints (a wider selection's remote tokens pushed next) and prefetch (layer l+1's selection
+"""Selection-led transfer: hints (a wider selection's remote entries pushed next) and prefetch (layer l+1's selection
 speculated during layer l and fetched ahead); both move bytes earlier and leave every answer unchanged."""
 
 import pytest
@@ -76,9 +76,10 @@ def test_hints_are_pushed_and_change_no_token():
     plain, _ = _run("smartgen-paper")
     assert tokens == plain  # hints move bytes earlier; what a step attends to is the selector's alone
     assert hinted, "the wider selection should name remote tokens on a slow link"
-    num_layers = tiny_config("llama").num_hidden_layers
+    config = tiny_config("llama")
+    num_layers, num_heads = config.num_hidden_layers, config.num_key_value_heads
     for length, hints in hinted:
-        layer = hints // length
+        layer = hints // (length * num_heads)
         assert bool((layer >= 2).all()) and bool((layer < num_layers).all())  # sparse layers only
     assert moved["speculative"] > 0
 
@@ -116,7 +117,7 @@ def test_bad_hints_are_refused():
     entry.layers_ready = layout.num_layers
     request = OpenedRequest("r", 0, 64, get_policy("smartgen-paper+hints"), None, None, None, entry, torch.ones(1))  # type: ignore[arg-type]
     with pytest.raises(MessageError, match="outside"):
-        engine.note_hints(request, torch.tensor([4 * 64]))
+        engine.note_hints(request, torch.tensor([4 * 64 * 2]))  # 4 layers of 64 tokens, 2 KV heads
 
 
 def test_prefetch_fetches_ahead_and_changes_no_token():
@@ -146,8 +147,9 @@ def test_policy_prefetch_cannot_drop_remote():
 
 
 def test_hints_go_newest_first_as_much_as_a_window_moves():
-    """Queued hints are pushed newest notice first, only tokens still unsent, as many as the link moves in the
-    window since the last notice; the rest waits for the next window; a window the fetches used pushes none."""
+    """Queued hints are pushed newest notice first, only (token, head) entries still unsent, as many as the link
+    moves in the window since the last notice; the rest waits for the next window; a window the fetches used pushes
+    none."""
     layout = KVLayout(4, 2, 8, num_blocks=16)
     engine = PrefillEngine(layout, Planner(4, 16))
     entry = PrefillStore(layout).open("r", 64)
@@ -158,26 +160,30 @@ def test_hints_go_newest_first_as_much_as_a_window_moves():
 
     def push(req, wants, tag):
         assert tag == "speculative"
-        pushed.append([(layer, want.nonzero().flatten().tolist()) for layer, want in wants])
+        pushed.append([(layer, [tuple(e) for e in want.nonzero().tolist()]) for layer, want in wants])
         return 1
 
+    def ids(layer: int, *entries: tuple[int, int]) -> torch.Tensor:
+        return torch.tensor([(layer * 64 + token) * 2 + head for token, head in entries])
+
     engine._push_tokens = push  # type: ignore[method-assign]
-    engine.note_hints(request, torch.tensor([2 * 64 + 1, 2 * 64 + 2, 2 * 64 + 3]))  # an older notice
-    engine.note_hints(request, torch.tensor([3 * 64 + 10, 3 * 64 + 11]))  # the newest
-    unsent[3, 11] = False  # a fetch sent token 11 of layer 3
-    request.link_rate = 2 * (2 * layout.token_bytes) / 0.01  # a 10 ms window moves two tokens
+    engine.note_hints(request, ids(2, (1, 0), (2, 1), (3, 0)))  # an older notice
+    engine.note_hints(request, ids(3, (10, 1), (11, 0)))  # the newest
+    unsent[3, 11, 0] = False  # a fetch sent head 0 of token 11 in layer 3
+    entry_cost = 2 * layout.token_bytes // 2
+    request.link_rate = 2 * entry_cost / 0.01  # a 10 ms window moves two entries
     assert engine._take_hinted(request, 0.01, 0) == 1
-    assert pushed[-1] == [(2, [1]), (3, [10])]  # the newest notice's unsent token, then the older one's first
+    assert pushed[-1] == [(2, [(1, 0)]), (3, [(10, 1)])]  # the newest notice's unsent entry, then the older one's
     assert engine._take_hinted(request, 0.01, 10**6) == 0 and len(pushed) == 1  # fetches took the window
-    assert engine._take_hinted(request, 0.01, 0) == 1 and pushed[-1] == [(2, [2, 3])]
+    assert engine._take_hinted(request, 0.01, 0) == 1 and pushed[-1] == [(2, [(2, 1), (3, 0)])]
     assert engine._take_hinted(request, 0.01, 0) is None  # nothing hinted is left: the plan's order goes next
-    engine.note_hints(request, torch.tensor([64 + 5, 64 + 6, 64 + 7]))
-    # the first notice (no window yet): what the link moves in one chained slice (the rate's 10 ms: two tokens)
-    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [5, 6])]
+    engine.note_hints(request, ids(1, (5, 0), (6, 0), (7, 1)))
+    # the first notice (no window yet): what the link moves in one chained slice (the rate's 10 ms: two entries)
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [(5, 0), (6, 0)])]
     request.link_rate = 0.0
-    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [7])]  # no rate measured: all of it
-    engine.note_hints(request, torch.tensor([64 + 8, 64 + 9, 64 + 10]))
-    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [8, 9, 10])]
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [(7, 1)])]  # no rate: all of it
+    engine.note_hints(request, ids(1, (8, 0), (9, 1), (10, 0)))
+    assert engine._take_hinted(request, 0.0, 0) == 1 and pushed[-1] == [(1, [(8, 0), (9, 1), (10, 0)])]
     for _ in range(prefill_module.MAX_HINT_NOTICES + 5):
         engine.note_hints(request, torch.tensor([7]))
     assert len(request.hint_queue) == prefill_module.MAX_HINT_NOTICES  # the oldest are dropped

@@ -122,13 +122,13 @@ def test_a_slice_checks_itself():
         SpeculativeSlice(torch.tensor([[1]]), 1, 4)
 
 
-def test_hinted_tokens_fill_the_idle_window_newest_notice_first():
-    token = 2 * 16
+def test_hinted_entries_fill_the_idle_window_newest_notice_first():
+    entry = 2 * 16
     assert decide.hint_room(16, 0.0, 0.01, 0) is None  # no rate yet: the newest notice, whole
-    assert decide.hint_room(16, 10 * token / decide.CHAIN_WINDOW_S, 0.0, 0) == 10  # no window yet: a chained slice
-    assert decide.hint_room(16, 3 * token / 0.01, 0.01, 0) == 3
-    assert decide.hint_room(16, 3 * token / 0.01, 0.01, 2 * token) == 1  # fetches took two tokens' worth
-    assert decide.hint_room(16, 3 * token / 0.01, 0.01, 3 * token) == 0  # and here all of it
+    assert decide.hint_room(16, 10 * entry / decide.CHAIN_WINDOW_S, 0.0, 0) == 10  # no window yet: a chained slice
+    assert decide.hint_room(16, 3 * entry / 0.01, 0.01, 0) == 3
+    assert decide.hint_room(16, 3 * entry / 0.01, 0.01, 2 * entry) == 1  # fetches took two entries' worth
+    assert decide.hint_room(16, 3 * entry / 0.01, 0.01, 3 * entry) == 0  # and here all of it
     unsent = torch.ones(20, dtype=torch.bool)
     unsent[11] = False
     queue = [torch.tensor([1, 2, 3]), torch.tensor([10, 11, 12])]  # oldest first
@@ -141,8 +141,8 @@ def test_hinted_tokens_fill_the_idle_window_newest_notice_first():
     assert ids.tolist() == [10, 12] and len(rest) == 1  # the newest notice only
     ids, rest = decide.take_hints([], unsent, 5)
     assert ids.numel() == 0 and rest == []
-    wants = decide.token_wants(torch.tensor([3, 12, 13]), 2, 10)
-    assert [(layer, want.nonzero().flatten().tolist()) for layer, want in wants] == [(0, [3]), (1, [2, 3])]
+    wants = decide.entry_wants(torch.tensor([7, 24, 27]), 2, 10, 2)  # (0, 3, 1), (1, 2, 0), (1, 3, 1)
+    assert [(layer, want.nonzero().tolist()) for layer, want in wants] == [(0, [[3, 1]]), (1, [[2, 0], [3, 1]])]
 
 
 def test_a_push_bridges_only_gaps_this_node_sent_and_only_on_a_fast_link():

@@ -122,7 +122,8 @@ def token_write_ops(
     bridge_tokens: int = 0,
     resendable: torch.Tensor | None = None,
 ) -> tuple[list[WriteOp], int]:
-    """`block_write_ops` for any tokens: [(layer, [n] bool wanted)], each maximal run one K, V and mask write.
+    """`block_write_ops` for any tokens: [(layer, [n] bool wanted)], each maximal run one K, V and mask write; a
+    want of [n, H] names (token, head) entries (hints) and needs a per-head `unsent`.
 
     With a per-head `unsent` ([L, n, H]) the runs are of (token, head) entries: a token's heads are adjacent in
     K, V and the mask, so entry t * H + h sits at that many head widths from the layer's start, and a push sends
@@ -139,7 +140,11 @@ def token_write_ops(
         if unsent is None:
             spans = token_runs(want)
         else:
-            wanted = (want[:, None] & unsent[layer]).flatten() if per_head else want & unsent[layer]
+            wanted = (
+                ((want if want.dim() == 2 else want[:, None]) & unsent[layer]).flatten()
+                if per_head
+                else want & unsent[layer]
+            )
             spans = token_runs(wanted)
             if bridge_tokens > 0 and resendable is not None:
                 spans = bridge_runs(spans, bridge_tokens * units, resendable[layer].flatten())

@@ -293,8 +293,8 @@ class FetchReply:
 @dataclass(frozen=True, slots=True)
 class Idle:
     """Decode -> prefill: the link is idle while this layer computes (a chance to push speculatively); `hints`
-    names the remote tokens the selector ranked just past its budget in the layers since the last notice, to
-    push before the speculative order (flat ids layer * prompt length + token)."""
+    names the remote entries the selector ranked just past its budget in the layers since the last notice, to
+    push before the speculative order (flat ids (layer * prompt length + token) * KV heads + head)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.IDLE
     request_id: str

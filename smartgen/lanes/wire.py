@@ -39,7 +39,9 @@ __all__ = [
     "MAX_REQUEST_ID",
 ]
 
-PROTOCOL_VERSION = 3  # 2: mutual authentication, heartbeats; 3: an ACK acknowledges every WRITE up to its seq
+# 2: mutual authentication, heartbeats; 3: an ACK acknowledges every WRITE up to its seq; 4: IDLE hints name
+# (token, head) entries, not tokens
+PROTOCOL_VERSION = 4
 MAGIC = b"SG"
 HEADER = struct.Struct("<2sBBHIQ")
 # Caps checked on the header, before a byte of the frame is allocated: above them is a protocol error.

@@ -129,9 +129,10 @@ def remote_entries(index: torch.Tensor, status: torch.Tensor, asked: Sequence[to
 def hinted(
     noted: Sequence[tuple[int, torch.Tensor]], masks: torch.Tensor, slot: int, length: int, kept: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """The distinct prompt tokens, as flat ids layer * length + token, that a request's noted picks name and that are
-    still REMOTE in their head, with `kept` (ids reduced earlier, every one named) added; sorted, on the CPU; None
-    when none. `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
+    """The distinct prompt entries, as flat ids (layer * length + token) * H + head, that a request's noted picks name
+    and that are still REMOTE, with `kept` (ids reduced earlier, every one named) added; sorted, on the CPU; None
+    when none. Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on
+    random:32's 2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for). `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
     `masks` [L, S, N, H]: every layer's mask, the request in `slot`, `length` prompt tokens. The status of every
     noted layer is read in one pass per row width, at the notice rather than at each layer: the hints of four layers
     cost about what one layer's did (a few tensor operations whatever their size), and a pick that landed since it
@@ -150,11 +151,11 @@ def hinted(
         heads = torch.arange(num_heads, device=masks.device).view(1, -1, 1)
         flat = ((layers * num_slots + slot) * num_tokens + safe) * num_heads + heads  # into [L, S, N, H]
         remote = valid & (flat_masks.index_select(0, flat.view(-1)).view(rows.shape) == REMOTE)
-        named.append((layers * length + rows)[remote])
+        named.append(((layers * length + rows) * num_heads + heads)[remote])
     if not named:
         return None
-    tokens = torch.cat(named).unique().cpu()
-    return tokens if tokens.numel() else None
+    entries = torch.cat(named).unique().cpu()
+    return entries if entries.numel() else None
 
 
 def drop_remote_rows(split: IndexSplit, rows: torch.Tensor) -> IndexSplit:

@@ -119,7 +119,8 @@ class DecodePath:
                 hinted = self._hinted(request)
                 if hinted is not None:
                     if request.hinted_sent is None:
-                        request.hinted_sent = torch.zeros(self.layout.num_layers * request.length, dtype=torch.bool)
+                        size = self.layout.num_layers * request.length * self.layout.num_kv_heads
+                        request.hinted_sent = torch.zeros(size, dtype=torch.bool)
                     request.hinted_sent[hinted] = True
                 request.link.control.send(msg.Idle(request_id, layer, hinted).pack())
 
@@ -152,7 +153,7 @@ class DecodePath:
         return request.remote_layers[layer]
 
     def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
-        """Notes, for the next IDLE, the prompt tokens of one layer that a wider selection (`wide` [B·H, k'], the
+        """Notes, for the next IDLE, the prompt entries of one layer that a wider selection (`wide` [B·H, k'], the
         selector at (1 + hints) x its budget) picks: what the selector is likely to pick next. Only requests whose
         policy hints. Each request keeps a view of its rows; the next notice reads which are still remote in some
         head, every noted layer at once (`_hinted`): a status read per layer cost the step thread about 7 ms a step
@@ -166,7 +167,7 @@ class DecodePath:
                     request.hints_kept = self._hinted(request)
 
     def _hinted(self, request: DecodeRequest) -> torch.Tensor | None:
-        """The request's noted hints still remote, reduced to their distinct tokens; the notes are cleared."""
+        """The request's noted hints still remote, as distinct (layer, token, head) entries; the notes are cleared."""
         noted, kept = request.hints, request.hints_kept
         request.hints, request.hints_kept = [], None
         if not noted:
@@ -362,8 +363,8 @@ class DecodePath:
             if entries.numel():
                 fetches.append((request, entries, self._send_fetch(request, layer, entries), time.monotonic()))
                 request.metrics.step_fetched += int(entries.numel())
-                if request.hinted_sent is not None:  # one read: which of these tokens a notice named earlier
-                    ids = entries // num_heads + layer * request.length
+                if request.hinted_sent is not None:  # one read: which of these entries a notice named earlier
+                    ids = entries + layer * request.length * num_heads
                     request.metrics.step_fetched_hinted += int(request.hinted_sent[ids].sum())
         return fetches
 

@@ -63,7 +63,8 @@ class DecodeRequest:
     # then), and the tokens reduced from earlier notes while no notice went (`DecodePath.hint` keeps them bounded)
     hints: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     hints_kept: torch.Tensor | None = None
-    # [L * n] bool: prompt tokens (layer * n + token) some idle notice has hinted, to count the fetches they missed
+    # [L * n * H] bool: prompt entries ((layer * n + token) * H + head) some idle notice has hinted, to count the
+    # fetches they missed
     hinted_sent: torch.Tensor | None = None
     deferred_since: float | None = None  # when the fetch it is waiting for was sent (fetch_timeout counts from it)
     # opened again after decoding began (recompute): the new node's FIRST_TOKEN says it has prefilled

@@ -28,7 +28,7 @@ __all__ = [
     "pending_tokens",
     "hint_room",
     "take_hints",
-    "token_wants",
+    "entry_wants",
     "bridge",
 ]
 
@@ -218,28 +218,28 @@ def pending_tokens(unsent: torch.Tensor, length: int, num_blocks: int, plan_bloc
     return pending.flatten()
 
 
-def hint_room(token_bytes: int, link_rate: float, window: float, fetched: int) -> int | None:
-    """How many hinted tokens one speculative push takes: what the link moves in the idle `window` less the
-    `fetched` reply bytes (0: fetches took it all, push nothing); with no window yet (the first notice, which
-    brings the hints the first step gathered: on 32 layers 1.5 MiB, half a second of link) one chained slice's
-    worth; with no rate measured yet, None: the newest notice's hints, whole."""
-    token_cost = 2 * token_bytes
+def hint_room(entry_bytes: int, link_rate: float, window: float, fetched: int) -> int | None:
+    """How many hinted entries (`entry_bytes` of K, as many of V) one speculative push takes: what the link moves
+    in the idle `window` less the `fetched` reply bytes (0: fetches took it all, push nothing); with no window yet
+    (the first notice, which brings the hints the first step gathered: on 32 layers 1.5 MiB, half a second of
+    link) one chained slice's worth; with no rate measured yet, None: the newest notice's hints, whole."""
+    entry_cost = 2 * entry_bytes
     if window > 0 and link_rate > 0:
         budget = link_rate * window - fetched
         if fetched and budget <= 0:
             return 0
-        return max(1, int(budget // token_cost))
-    return None if link_rate <= 0 else max(1, int(link_rate * CHAIN_WINDOW_S // token_cost))
+        return max(1, int(budget // entry_cost))
+    return None if link_rate <= 0 else max(1, int(link_rate * CHAIN_WINDOW_S // entry_cost))
 
 
 def take_hints(
     queue: list[torch.Tensor], unsent: torch.Tensor, room: int | None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Takes up to `room` hinted tokens still unsent (`unsent` [L * n] bool) from the hint queue, newest notice
-    first (None: the newest notice's, whole); returns them (flat ids layer * n + token) and what stays queued (a
-    notice's rest stays newest, for the next window). A step's hints are what the next steps are likeliest to
-    select, and a notice's hints grow stale as decoding moves on: pushing every notice's hints at once queued
-    more bytes than the link moved between two steps, so the freshest waited behind the stale."""
+    """Takes up to `room` hinted entries still unsent (`unsent`, flat like the ids, bool) from the hint queue, newest
+    notice first (None: the newest notice's, whole); returns them and what stays queued (a notice's rest stays
+    newest, for the next window). A step's hints are what the next steps are likeliest to select, and a notice's
+    hints grow stale as decoding moves on: pushing every notice's hints at once queued more bytes than the link
+    moved between two steps, so the freshest waited behind the stale."""
     queue = list(queue)
     taken: list[torch.Tensor] = []
     while queue and (room is None or room > 0):
@@ -255,12 +255,13 @@ def take_hints(
     return (torch.cat(taken) if taken else torch.empty(0, dtype=torch.int64)), queue
 
 
-def token_wants(ids: torch.Tensor, num_layers: int, length: int) -> list[tuple[int, torch.Tensor]]:
-    """Flat token ids (layer * length + token) as the [n] bool tokens wanted in each layer that has any."""
-    want = torch.zeros(num_layers * length, dtype=torch.bool)
+def entry_wants(ids: torch.Tensor, num_layers: int, length: int, num_heads: int) -> list[tuple[int, torch.Tensor]]:
+    """Flat entry ids ((layer * length + token) * H + head) as the [n, H] bool entries wanted in each layer that
+    has any."""
+    want = torch.zeros(num_layers * length * num_heads, dtype=torch.bool)
     want[ids] = True
-    want = want.view(num_layers, length)
-    return [(int(layer), want[layer]) for layer in want.any(dim=1).nonzero().flatten()]
+    want = want.view(num_layers, length, num_heads)
+    return [(int(layer), want[layer]) for layer in want.flatten(1).any(dim=1).nonzero().flatten()]
 
 
 class Bridge(NamedTuple):

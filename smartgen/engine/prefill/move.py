@@ -243,31 +243,33 @@ class PrefillPath:
         return self._push(request, next_slice.layer_blocks(), tag="speculative")
 
     def note_hints(self, request: OpenedRequest, hints: torch.Tensor) -> None:
-        """Queues the tokens an IDLE notice hinted at (flat ids layer * length + token: what the decode node's
-        selector ranked just past its budget); speculation pushes them, newest notice first, ahead of the
+        """Queues the entries an IDLE notice hinted at (flat ids (layer * length + token) * H + head: what the decode
+        node's selector ranked just past its budget); speculation pushes them, newest notice first, ahead of the
         plan's order (`push_speculative`)."""
         if not request.flags.speculative or not hints.numel():
             return
-        length, num_layers = request.length, self.layout.num_layers
-        if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length:
-            raise msg.MessageError(f"IDLE: hints outside the {num_layers} x {length} prompt of {request.request_id!r}")
+        length, num_layers, num_heads = request.length, self.layout.num_layers, self.layout.num_kv_heads
+        if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length * num_heads:
+            raise msg.MessageError(
+                f"IDLE: hints outside the {num_layers} x {length} x {num_heads} prompt entries of {request.request_id!r}"
+            )
         with self._hint_lock:  # the speculation thread takes from the queue meanwhile
             request.hint_queue.append(hints)
             del request.hint_queue[: -decide.MAX_HINT_NOTICES]
 
     def _take_hinted(self, request: OpenedRequest, window: float, fetched: int) -> int | None:
-        """Pushes hinted tokens still unsent, newest notice first, as many as one idle window of the link moves
-        (`decide.hint_room`, `decide.take_hints`); None when no hinted token is left to send."""
+        """Pushes hinted entries still unsent, newest notice first, as many as one idle window of the link moves
+        (`decide.hint_room`, `decide.take_hints`), each (token, head) alone; None when no hinted entry is left."""
         assert request.unsent is not None
-        unsent = request.unsent.any(dim=-1).flatten()
-        room = decide.hint_room(self.layout.token_bytes, request.link_rate, window, fetched)
+        num_heads = self.layout.num_kv_heads
+        room = decide.hint_room(self.layout.token_bytes // num_heads, request.link_rate, window, fetched)
         if room == 0:
             return 0  # the window went to fetches: nothing is idle to speculate with
         with self._hint_lock:
-            ids, request.hint_queue[:] = decide.take_hints(request.hint_queue, unsent, room)
+            ids, request.hint_queue[:] = decide.take_hints(request.hint_queue, request.unsent.view(-1), room)
         if not ids.numel():
             return None
-        layer_wants = decide.token_wants(ids, self.layout.num_layers, request.length)
+        layer_wants = decide.entry_wants(ids, self.layout.num_layers, request.length, num_heads)
         return self._push_tokens(request, layer_wants, tag="speculative")
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
@@ -279,13 +281,13 @@ class PrefillPath:
             request.geometry, request.kv, request.slot, layer_wants, request.unsent, bridge, resendable
         )
         path = decide.push_path(request.flags, tag)
-        held_tokens = 0
-        for layer, want in layer_wants:
-            held_tokens += int(want[: request.held_prefix].sum())
+        held_entries, num_heads = 0, self.layout.num_kv_heads
+        for layer, want in layer_wants:  # want: [n] tokens, or [n, H] (token, head) entries
+            held_entries += int(want[: request.held_prefix].sum()) * (1 if want.dim() == 2 else num_heads)
             if request.unsent is not None:
                 request.unsent[layer, want] = False
-        if held_tokens:
-            self.held_saved.add(path, self.layout.kv_bytes(held_tokens, num_layers=1))
+        if held_entries:
+            self.held_saved.add(path, self.layout.kv_bytes(held_entries, num_layers=1) // num_heads)
         if not ops:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
