@@ -9,6 +9,7 @@ from conftest import LANE_KINDS, SOFT_RDMA, lane_available, lane_params, make_li
 
 import smartgen.apps.simulate as simulate_module
 import smartgen.engine.decode as decode_module
+import smartgen.engine.decode.decide as decode_decide
 import smartgen.engine.prefill as prefill_module
 from smartgen.apps.simulate import SimulationConfig, calibrate, simulate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
@@ -584,6 +585,62 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_forecast_is_fetched_in_pieces_of_a_few_ms_of_link_each():
+    """A joiner's forecast picks go out as several low-priority FETCHes, each of what the link moves in
+    FORECAST_CHUNK_S (a running request's reply waits behind one piece, not a whole layer's picks); together they
+    ask for every remote pick once, and the step that selects them asks for nothing more."""
+    from smartgen.engine import messages as msg
+    from smartgen.lanes.rate import bytes_per_second
+
+    gbps = 0.001
+    entry_bytes = 2 * LAYOUT.token_bytes // LAYOUT.num_kv_heads
+    piece = decode_decide.forecast_chunk(entry_bytes, bytes_per_second(gbps))
+    assert 1 < piece < 40
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2), gbps=gbps)
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen-no-second-token", "streaming"), length=120)
+        request = decode._require(rid)
+        decode.pool.masks.values[2, request.slot, :120] = REMOTE  # layer 2 all remote: every pick is fetched
+        sent = []
+        send = request.link.control.send
+
+        def spy(message, *args, **kwargs):
+            sent.append(message)
+            return send(message, *args, **kwargs)
+
+        request.link.control.send = spy  # type: ignore[method-assign]
+        index = torch.arange(0, 80, 2).expand(LAYOUT.num_kv_heads, 40).contiguous()  # 40 tokens, every head
+        assert decode.fetch_forecast(2, rid, index) == 80
+        fetches = [msg.unpack(m) for m in sent if m.kind == msg.Fetch.KIND]
+        assert len(fetches) == -(-80 // piece) and all(f.low for f in fetches)
+        asked = [
+            (int(p), h)
+            for f in fetches
+            for p, row in zip(f.positions, f.heads)
+            for h in row.nonzero().flatten().tolist()
+        ]
+        assert len(asked) == 80 and set(asked) == {(t, h) for t in range(0, 80, 2) for h in range(LAYOUT.num_kv_heads)}
+        assert all(int(f.heads.sum()) <= piece for f in fetches)
+        deadline = time.monotonic() + 10
+        while not decode.forecast_landed(rid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decode.forecast_landed(rid) and not request.metrics.error
+        before = len(sent)
+        decode.assemble(2, [rid], index)  # the step that selects them finds them in and asks for nothing more
+        assert not request.metrics.error and request.metrics.step_fetched == 0
+        assert not [m for m in sent[before:] if m.kind == msg.Fetch.KIND]
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_forecast_pieces_follow_the_link_rate():
+    chunk = decode_decide.forecast_chunk
+    assert chunk(256, 3.2e6) == int(3.2e6 * decode_decide.FORECAST_CHUNK_S // 256)  # 62 entries, 5 ms
+    assert chunk(256, None) == decode_decide.FORECAST_CHUNK_BYTES // 256  # unpaced: 1 MiB
+    assert chunk(4096, 1.0) == 1  # at least one entry
 
 
 def test_a_step_counts_the_entries_it_fetched_that_a_notice_had_hinted():

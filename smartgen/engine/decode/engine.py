@@ -145,8 +145,9 @@ class DecodeEngine(DecodeControl):
 
     def fetch_forecast(self, layer: int, request_id: str, index: torch.Tensor) -> int:
         """Fetches the remote entries of a forecast selection ([H, k], one request's rows) at low priority (their
-        replies go after running requests' fetch replies); they are in flight like a prefetch's, so the step that
-        selects them waits for them instead of asking again. Returns the entries asked for."""
+        replies go after running requests' fetch replies), in FETCHes of a few ms of link each (`decide.forecast_chunk`);
+        they are in flight like a prefetch's, so the step that selects them waits for them instead of asking again.
+        Returns the entries asked for."""
         request = self._require_any(request_id)
         if not request.live or request.flags.drop_remote:
             return 0
@@ -156,7 +157,9 @@ class DecodeEngine(DecodeControl):
         entries = decide.remote_entries(index, status)
         if not entries.numel():
             return 0
-        request.late.append((layer, entries, self._send_fetch(request, layer, entries, "forecast"), time.monotonic()))
+        entry_bytes = 2 * self.layout.token_bytes // self.layout.num_kv_heads
+        for chunk in entries.split(decide.forecast_chunk(entry_bytes, request.link.pacer.bytes_per_second)):
+            request.late.append((layer, chunk, self._send_fetch(request, layer, chunk, "forecast"), time.monotonic()))
         request.metrics.forecast_entries += int(entries.numel())
         return int(entries.numel())
 
