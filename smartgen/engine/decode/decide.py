@@ -148,7 +148,8 @@ def hinted(
     """The distinct prompt entries, as flat ids (layer * length + token) * H + head, that a request's noted picks name
     and that are still REMOTE, with `kept` (ids reduced earlier, every one named) added; sorted, on the CPU; None
     when none. Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on
-    random:32's 2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for). `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
+    random:32's 2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for).
+    `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
     `masks` [L, S, N, H]: every layer's mask, the request in `slot`, `length` prompt tokens. The status of every
     noted layer is read in one pass per row width, at the notice rather than at each layer: the hints of four layers
     cost about what one layer's did (a few tensor operations whatever their size), and a pick that landed since it

@@ -145,9 +145,9 @@ class DecodeEngine(DecodeControl):
 
     def fetch_forecast(self, layer: int, request_id: str, index: torch.Tensor) -> int:
         """Fetches the remote entries of a forecast selection ([H, k], one request's rows) at low priority (their
-        replies go after running requests' fetch replies), in FETCHes of a few ms of link each (`decide.forecast_chunk`);
-        they are in flight like a prefetch's, so the step that selects them waits for them instead of asking again.
-        Returns the entries asked for."""
+        replies go after running requests' fetch replies), in FETCHes of a few ms of link each
+        (`decide.forecast_chunk`); they are in flight like a prefetch's, so the step that selects them waits for them
+        instead of asking again. Returns the entries asked for."""
         request = self._require_any(request_id)
         if not request.live or request.flags.drop_remote:
             return 0

@@ -250,9 +250,8 @@ class PrefillPath:
             return
         length, num_layers, num_heads = request.length, self.layout.num_layers, self.layout.num_kv_heads
         if int(hints.min()) < 0 or int(hints.max()) >= num_layers * length * num_heads:
-            raise msg.MessageError(
-                f"IDLE: hints outside the {num_layers} x {length} x {num_heads} prompt entries of {request.request_id!r}"
-            )
+            shape = f"{num_layers} x {length} x {num_heads}"
+            raise msg.MessageError(f"IDLE: hints outside the {shape} prompt entries of {request.request_id!r}")
         with self._hint_lock:  # the speculation thread takes from the queue meanwhile
             request.hint_queue.append(hints)
             del request.hint_queue[: -decide.MAX_HINT_NOTICES]
