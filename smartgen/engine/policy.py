@@ -66,7 +66,7 @@ class Policy:
     quantize_bits: with "all", each layer crosses the link quantized to this many bits (KIVI/HACK-like,
     `engine.kv_quant.SERVING_QUANT`) and is dequantized on the decode node: lossy; 0 = exact.
     hints: with speculation, each decode step also ranks (1 + hints) x the selection budget, and the remote
-    tokens past the budget are pushed next, ahead of the speculative order: what the selector is about to
+    (token, KV head) entries past the budget are pushed next, ahead of the speculative order: what the selector is about to
     pick, on its way before it is picked. 0 = off. Never changes what a step attends to.
     prefetch: while layer l computes, layer l+1's selection is speculated from layer l's attention input
     (InfiniGen's query speculation, any query-based selector) and its remote entries are fetched; layer l+1

@@ -46,7 +46,7 @@ class DecodeFlags:
     chain: bool = False  # the prefill node chains its slices: a notice every CHAINED_NOTICE_LAYERS layers is enough
     drop_remote: bool = False  # remote entries are padding: never fetched, never attended (proactive-only)
     prefetch: bool = False  # a speculated selection's remote entries are fetched a layer ahead
-    hints: float = 0.0  # (1 + hints) x the budget is ranked; its remote tokens are hinted on the next notice
+    hints: float = 0.0  # (1 + hints) x the budget is ranked; its remote entries are hinted on the next notice
     quantized: bool = False  # full transfer in quantized layers, dequantized into the pool as they arrive
 
     def __post_init__(self) -> None:

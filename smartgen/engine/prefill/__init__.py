@@ -13,7 +13,7 @@ A request on a prefill node:
 
 Split by concern, as vLLM's KV connector splits a scheduler side from a worker side:
 - decide.py: pure decisions from the policy flags (read once): which blocks a prefilled layer pushes, the next
-  speculative slice (hinted tokens first, sized to the link's idle window), how pushes bridge sent gaps;
+  speculative slice (hinted entries first, sized to the link's idle window), how pushes bridge sent gaps;
 - move.py: the data path (`PrefillPath`): the request's store, pushes posted, fetches served;
 - gate.py: one link's schedule across requests: speculation waits while pushes (proactive sets first) fill the
   link's room ahead, and requests speculate in turn;
