@@ -163,6 +163,20 @@ def _prefilled(prefill: PrefillEngine, decode: DecodeEngine, policy, length: int
     return rid, request
 
 
+def _record_control(request) -> list:
+    """Records every message the decode node sends on the request's control lane (still sending each); returns the
+    list they go into."""
+    sent: list = []
+    send = request.link.control.send
+
+    def spy(message, *args, **kwargs):
+        sent.append(message)
+        return send(message, *args, **kwargs)
+
+    request.link.control.send = spy
+    return sent
+
+
 def _first_step(decode: DecodeEngine, rid: str) -> None:
     """A first decode step whose selection meets remote entries in every sparse layer (tokens 100-103, fetched),
     so the next step prefetches wherever KV is still remote."""
@@ -563,14 +577,7 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
         rid, _ = _prefilled(prefill, decode, get_policy(scheme, "streaming"), length=120)
         decode.end_step([rid])  # speculation starts with the second step
         request = decode._require(rid)
-        sent = []
-        send = request.link.control.send
-
-        def spy(message, *args, **kwargs):
-            sent.append(message)
-            return send(message, *args, **kwargs)
-
-        request.link.control.send = spy  # type: ignore[method-assign]
+        sent = _record_control(request)
         layers = [2 + i % 2 for i in range(8)]  # eight layer starts over the sparse layers 2 and 3
         heads = LAYOUT.num_kv_heads  # one hinted token each, every head: entries (layer * n + token) * H + head
         hints = [(layer * 120 + i) * heads + h for i, layer in enumerate(layers) for h in range(heads)]
@@ -603,14 +610,7 @@ def test_a_forecast_is_fetched_in_pieces_of_a_few_ms_of_link_each():
         rid, _ = _prefilled(prefill, decode, get_policy("smartgen-no-second-token", "streaming"), length=120)
         request = decode._require(rid)
         decode.pool.masks.values[2, request.slot, :120] = REMOTE  # layer 2 all remote: every pick is fetched
-        sent = []
-        send = request.link.control.send
-
-        def spy(message, *args, **kwargs):
-            sent.append(message)
-            return send(message, *args, **kwargs)
-
-        request.link.control.send = spy  # type: ignore[method-assign]
+        sent = _record_control(request)
         index = torch.arange(0, 80, 2).expand(LAYOUT.num_kv_heads, 40).contiguous()  # 40 tokens, every head
         assert decode.fetch_forecast(2, rid, index) == 80
         fetches = [msg.unpack(m) for m in sent if m.kind == msg.Fetch.KIND]
