@@ -90,6 +90,13 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             if request["prefill_tokens"] < len(ctl):  # else the decode node ran no step: no first step to cover
                 assert 0.0 <= request["first_step_coverage"] <= 1.0
             assert 0.0 <= request["first_step_wait"] <= request["fetch_wait"] < request["ttst"] + 6 * request["tbt"]
+            # the node's timeline: each token's link wait sums to the request's, and a request its own steps decoded
+            # joined the batch before its first such token
+            waits, milestones = request["token_waits"], request["milestones"]
+            assert len(waits) == 6 and sum(waits) == pytest.approx(request["fetch_wait"])
+            assert all(0 <= at <= ctl[-1] for at in milestones.values()), milestones
+            if request["prefill_tokens"] < len(ctl):
+                assert milestones["joined"] <= ctl[request["prefill_tokens"]], milestones
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
             prompt = sum(r["prompt_tokens"] for r in group["requests"])
             assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt

@@ -106,6 +106,7 @@ def test_the_first_request_joins_at_once_and_a_later_one_when_its_dense_layers_a
     engine.dense_local.add("b")
     assert driver.collect_first_tokens() == []
     assert [r.request_id for r in driver.running] == ["a", "b"] and not driver.prefilling
+    assert "joined" in engine.metrics("b").milestones  # the bench's timeline says when it joined
 
 
 def _stalled(engine: _Engine, request_id: str) -> None:

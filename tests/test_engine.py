@@ -627,6 +627,9 @@ def test_a_forecast_is_fetched_in_pieces_of_a_few_ms_of_link_each():
         while not decode.forecast_landed(rid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert decode.forecast_landed(rid) and not request.metrics.error
+        timeline = request.metrics.timeline()  # the bench's per-request timeline: asked, then landed
+        assert list(timeline)[-2:] == ["forecast_asked", "forecast_landed"]
+        assert 0 <= timeline["forecast_asked"] <= timeline["forecast_landed"]
         before = len(sent)
         decode.assemble(2, [rid], index)  # the step that selects them finds them in and asks for nothing more
         assert not request.metrics.error and request.metrics.step_fetched == 0
@@ -916,3 +919,20 @@ def test_a_layer_that_fetches_nothing_is_gathered_in_one_call(importance, monkey
     calls.update(valid=0, split=0)
     result = simulate(config(), POLICIES["partial"], importance)  # sequential, and its first steps fetch
     assert result.mismatches == 0 and calls["split"] > 0
+
+
+def test_a_requests_timeline_keeps_each_milestones_first_time_and_each_tokens_link_wait():
+    from smartgen.engine.metrics import RequestMetrics
+
+    metrics = RequestMetrics("r", 10, created=100.0)
+    metrics.record_token(100.5)  # the prefill node's token: no wait
+    metrics.mark("dense_local", 100.7)
+    metrics.mark("joined", 100.9)
+    metrics.mark("dense_local", 101.5)  # seen again later: the first time stays
+    metrics.count_fetch_wait(0.25)
+    metrics.count_fetch_wait(0.05)  # two waits in one step
+    metrics.record_token(101.2)
+    metrics.record_token(101.4)
+    assert metrics.timeline() == pytest.approx({"dense_local": 0.7, "joined": 0.9})
+    assert list(metrics.timeline()) == ["dense_local", "joined"]
+    assert metrics.token_waits == pytest.approx([0.0, 0.3, 0.0])

@@ -79,6 +79,13 @@ class RequestMetrics:
     # [L, n, H] int32: how many steps selected each (layer >= 2, token, KV head) entry: after the fact, the
     # request's own "optimal" proactive set (the benchmark replays it with `proactive_counts`)
     selection_counts: torch.Tensor | None = None
+    # when the request passed each point of its life on the decode node (monotonic, the first time only):
+    # "dense_local" (layers 0-1 local), "forecast_asked", "forecast_landed", "joined" (the running batch): the
+    # benchmark's per-request timeline, which says what a joining request waited for
+    milestones: dict[str, float] = field(default_factory=dict)
+    # seconds each token's step waited for the link (0 for the prefill node's tokens), in token order
+    token_waits: list[float] = field(default_factory=list)
+    _step_wait: float = 0.0
 
     @property
     def in_first_step(self) -> bool:
@@ -104,9 +111,20 @@ class RequestMetrics:
         """A token arrived at monotonic time `at`."""
         self.token_times.append(at)
         self.union_bytes_at_token.append(self.selected_union_bytes)
+        self.token_waits.append(self._step_wait)
+        self._step_wait = 0.0
+
+    def mark(self, milestone: str, at: float | None = None) -> None:
+        """The request reached `milestone` (see `milestones`) now or at `at`; later calls keep the first time."""
+        self.milestones.setdefault(milestone, time.monotonic() if at is None else at)
+
+    def timeline(self) -> dict[str, float]:
+        """The milestones in seconds from the request's arrival, in the order they came."""
+        return {name: at - self.created for name, at in sorted(self.milestones.items(), key=lambda item: item[1])}
 
     def count_fetch_wait(self, seconds: float) -> None:
         self.fetch_wait_s += seconds
+        self._step_wait += seconds
         if self.in_first_step:
             self.first_step_wait_s += seconds
 

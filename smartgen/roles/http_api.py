@@ -353,6 +353,8 @@ class _Generation:
         if not self.return_token_times:
             usage.pop("ctl", None)
             usage.pop("selection_union_bytes", None)
+            usage.pop("milestones", None)
+            usage.pop("token_waits", None)
         if self.stopped:  # tokens generated after the stop string are not part of the answer
             usage["completion_tokens"] = len(times)
         counts = {"prompt_tokens": usage.pop("prompt_tokens"), "completion_tokens": usage.pop("completion_tokens")}

@@ -378,7 +378,17 @@ class DecodeScheduler:
                 log.exception("finish listener failed")
         # each token's arrival (CTL) goes to the client only when asked for (`return_token_times`)
         # per token: its arrival, and the bytes of distinct entries selected by then (the bench's CTL bound)
-        per_token = {"ctl": metrics.ctl, "selection_union_bytes": metrics.union_bytes_at_token} if metrics else {}
+        # and the request's timeline on the decode node: its milestones (seconds from arrival) and each token's wait
+        per_token = (
+            {
+                "ctl": metrics.ctl,
+                "selection_union_bytes": metrics.union_bytes_at_token,
+                "milestones": metrics.timeline(),
+                "token_waits": metrics.token_waits,
+            }
+            if metrics
+            else {}
+        )
         if active.selection_counts:
             per_token["selection_counts"] = _selection_counts(
                 metrics, self.engine.layout.num_layers, active.handle.prompt_tokens

@@ -281,6 +281,7 @@ class DecodeDriver:
             batch.last_tokens = torch.cat([batch.last_tokens, last])
             batch.positions = torch.cat([batch.positions, position])
         self.running.append(request)
+        self.engine.metrics(rid).mark("joined")
 
     def _decode_step(self) -> list[Event]:
         batch = self._batch

@@ -490,6 +490,9 @@ def _run_group(
                 "sent": answer.sent - started,
                 **answer.timings(),  # the client's ttft, ttst, tbt, e2e, itl, ctl; the node's node_ttft, ...
                 "selection_union_bytes": usage.get("selection_union_bytes") or [],
+                # the decode node's timeline of the request: what a joiner waited for, and each token's link wait
+                "milestones": usage.get("milestones") or {},
+                "token_waits": usage.get("token_waits") or [],
                 "on_demand_ratio": usage.get("on_demand_ratio"),
                 "fetched_tokens": usage.get("fetched_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),

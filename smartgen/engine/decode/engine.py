@@ -161,6 +161,7 @@ class DecodeEngine(DecodeControl):
         for chunk in entries.split(decide.forecast_chunk(entry_bytes, request.link.pacer.bytes_per_second)):
             request.late.append((layer, chunk, self._send_fetch(request, layer, chunk, "forecast"), time.monotonic()))
         request.metrics.forecast_entries += int(entries.numel())
+        request.metrics.mark("forecast_asked")
         return int(entries.numel())
 
     def take_second_token(self, request_id: str) -> int | None:
@@ -207,7 +208,12 @@ class DecodeEngine(DecodeControl):
     def forecast_landed(self, request_id: str) -> bool:
         """Every fetch in flight for the request has its reply (or it failed): its first step will not wait."""
         request = self._require_any(request_id)
-        return bool(request.metrics.error) or all(future.done() for _, _, future, _ in request.late)
+        if request.metrics.error:
+            return True
+        landed = all(future.done() for _, _, future, _ in request.late)
+        if landed:
+            request.metrics.mark("forecast_landed")
+        return landed
 
     def dense_layers_local(self, request_id: str) -> bool:
         """Layers 0-1 of the request (pushed whole during its prefill) are all in the pool, or it failed: a request
@@ -217,7 +223,10 @@ class DecodeEngine(DecodeControl):
             return True
         self.pool.sync_staged(None, [request.slot])
         # read from each layer's local prefix on (the mask table remembers it), not the whole of both layers
-        return self.pool.masks.spans_local(range(DENSE_LAYERS), request.slot, 0, request.length, all_of=True)[0]
+        local = self.pool.masks.spans_local(range(DENSE_LAYERS), request.slot, 0, request.length, all_of=True)[0]
+        if local:
+            request.metrics.mark("dense_local")
+        return local
 
     def is_all_local(self, request_id: str) -> bool:
         request = self._require(request_id)
@@ -317,6 +326,7 @@ class DecodeEngine(DecodeControl):
                 self._release(request, msg.Release(request_id))
                 request.metrics.state = RequestState.FULLY_LOCAL
                 request.metrics.fully_local_at = time.monotonic()
+                request.metrics.mark("fully_local", request.metrics.fully_local_at)
                 released.append(request_id)
         return released
 

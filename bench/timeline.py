@@ -1,0 +1,87 @@
+"""Prints each request's timeline on the decode node from a `smartgen bench` run: what every joiner waited for.
+
+    python bench/timeline.py runs/bench-.../results.json [--scheme smartgen] [--all-rounds]
+
+Per measured round of each scheme, one line per request in the order they were sent: when it was sent (client's
+clock, from the round's start), then on the node's clock from its arrival there: its first token, its layers 0-1
+local, its forecast asked and landed, its join into the running batch, its first decoded token (the one its own
+first step computed), its whole cache local; and the link wait of its first step, of the rest, and the worst one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+MILESTONES = ("dense_local", "forecast_asked", "forecast_landed", "joined", "fully_local")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def request_line(request: dict[str, Any]) -> list[str]:
+    """One request's cells: sent, ttft, each milestone, first decoded token, waits (ms)."""
+    if request.get("error"):
+        return [_ms(request.get("sent")), f"failed: {request['error']}"]
+    ctl = request.get("node_ctl") or []
+    first = int(request.get("prefill_tokens") or 1)  # the first token its own decode step computed
+    milestones = request.get("milestones") or {}
+    waits = (request.get("token_waits") or [])[first:]
+    return [
+        _ms(request.get("sent")),
+        _ms(ctl[0] if ctl else None),
+        *(_ms(milestones.get(name)) for name in MILESTONES),
+        _ms(ctl[first] if len(ctl) > first else None),
+        str(first),
+        _ms(waits[0] if waits else None),
+        _ms(sum(waits[1:]) if len(waits) > 1 else None),
+        _ms(max(waits[1:]) if len(waits) > 1 else None),
+    ]
+
+
+# "from": the token index its own first step computed; "wait rest" and "max": its later steps' link waits
+HEADER = [
+    "sent",
+    "ttft",
+    "dense",
+    "fc ask",
+    "fc land",
+    "joined",
+    "all local",
+    "first dec",
+    "from",
+    "wait1",
+    "wait rest",
+    "max",
+]
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row)) for row in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="a bench run's results.json (or its folder)")
+    parser.add_argument("--scheme", action="append", help="only these schemes (repeatable); default: all")
+    parser.add_argument("--all-rounds", action="store_true", help="warm-up rounds too")
+    args = parser.parse_args()
+    path = args.results / "results.json" if args.results.is_dir() else args.results
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {path}: {exc}")
+    for group in results.get("groups", []):
+        if (group.get("warmup") and not args.all_rounds) or (args.scheme and group["scheme"] not in args.scheme):
+            continue
+        requests = sorted(group["requests"], key=lambda r: r.get("sent") or 0.0)
+        print(f"\n{group['scheme']}, point {group['point']}, round {group['rep']} (ms; node clock from each arrival)")
+        print(table([HEADER, *(request_line(r) for r in requests)]))
+
+
+if __name__ == "__main__":
+    main()
