@@ -211,7 +211,7 @@ class DecodeEngine(DecodeControl):
         if request.metrics.error:
             return True
         landed = all(future.done() for _, _, future, _ in request.late)
-        if landed:
+        if landed and "forecast_asked" in request.metrics.milestones:
             request.metrics.mark("forecast_landed")
         return landed
 
