@@ -427,3 +427,40 @@ def test_late_hints_reach_the_summary_and_the_files(tmp_path: Path) -> None:
         rows = {r["scheme"]: r for r in csv.DictReader(handle)}
     assert float(rows["smartgen"]["late_hint_share"]) == pytest.approx(140 / 320)
     assert rows["full"]["late_hint_share"] == ""
+
+
+def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_sent(tmp_path: Path, capsys) -> None:
+    """bench/timeline.py: one line per measured request, sorted by when it was sent; a joiner's wait shows as the
+    span from its first token to its join; warm-up rounds and other schemes are left out unless asked."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("timeline", Path(__file__).parents[1] / "bench" / "timeline.py")
+    assert spec is not None and spec.loader is not None
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    joiner = {
+        "sent": 0.02, "node_ctl": [1.0, 1.1, 2.5, 2.7], "prefill_tokens": 2, "token_waits": [0, 0, 0.2, 0.05],
+        "milestones": {"dense_local": 1.5, "forecast_asked": 1.5, "forecast_landed": 2.3, "joined": 2.3},
+    }  # fmt: skip
+    first = {"sent": 0.01, "node_ctl": [0.5, 0.6, 0.9], "prefill_tokens": 2, "token_waits": [0, 0, 0.1],
+             "milestones": {"joined": 0.6}}  # fmt: skip
+    assert timeline.request_line(joiner) == ["20", "1000", "1500", "1500", "2300", "2300", "-", "2500", "2", "200",
+                                             "50", "50"]  # fmt: skip
+    assert timeline.request_line({"sent": 0.0, "error": "timeout"})[1] == "failed: timeout"
+    groups = [
+        {"scheme": "smartgen", "point": 0, "rep": 0, "warmup": True, "requests": [first]},
+        {"scheme": "smartgen", "point": 0, "rep": 1, "warmup": False, "requests": [joiner, first]},
+        {"scheme": "full", "point": 0, "rep": 1, "warmup": False, "requests": [first]},
+    ]
+    (tmp_path / "results.json").write_text(json.dumps({"groups": groups}))
+    argv = sys.argv
+    try:
+        sys.argv = ["timeline.py", str(tmp_path), "--scheme", "smartgen"]
+        timeline.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "round 0" not in out and "full," not in out and "smartgen, point 0, round 1" in out
+    lines = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [line[0] for line in lines] == ["10", "20"]  # in the order they were sent
