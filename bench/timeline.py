@@ -6,12 +6,16 @@ Per measured round of each scheme, one line per request in the order they were s
 clock, from the round's start), then on the node's clock from its arrival there: its first token, its layers 0-1
 local, its forecast asked and landed, its join into the running batch, its first decoded token (the one its own
 first step computed), its whole cache local; and the link wait of its first step, of the rest, and the worst one.
+Under it, where a round's TBT went: the mean gap between tokens (from the third on, as TBT counts) and their link
+wait while some request of the round still awaited its first token (the burst's prefills) and after, and apart each
+request's wait for the first token its decode node's own step computed after the prefill node's (ms).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,39 @@ HEADER = [
 ]
 
 
+def phases(requests: list[dict[str, Any]]) -> str:
+    """Where the round's TBT went: the gaps between decoded tokens (from the third token on, as TBT counts) split by
+    phase, while any request still awaited its first token (the burst's prefills) and after (mean gap and mean link
+    wait, ms, with their count); apart, each request's first token of its own decode node's steps where the prefill
+    node gave the tokens before it (its wait to join). Times on the round's clock: each request's sending plus the
+    node's offsets (the node's arrival lags the sending by a few ms)."""
+    done = [r for r in requests if not r.get("error") and r.get("node_ctl")]
+    if not done:
+        return "no request finished"
+    prefills_end = max(r["sent"] + r["node_ctl"][0] for r in done)
+    split: dict[str, tuple[list[float], list[float]]] = {"during prefills": ([], []), "after": ([], [])}
+    own_first = []
+    for r in done:
+        times = [r["sent"] + t for t in r["node_ctl"]]
+        waits = r.get("token_waits") or []
+        first = int(r.get("prefill_tokens") or 1)
+        for t in range(2, len(times)):
+            gap = times[t] - times[t - 1]
+            if t == first:
+                own_first.append(gap)
+                continue
+            gaps, link = split["during prefills" if times[t] <= prefills_end else "after"]
+            gaps.append(gap)
+            link.append(waits[t] if t < len(waits) else 0.0)
+    cells = [
+        f"{name}: {len(gaps)} gaps, mean {_ms(statistics.fmean(gaps))}, link wait {_ms(statistics.fmean(link))}"
+        for name, (gaps, link) in split.items()
+        if gaps
+    ]
+    cells.append("first own token: " + (", ".join(_ms(g) for g in own_first) if own_first else "none"))
+    return "; ".join(cells)
+
+
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row)) for row in rows)
@@ -81,6 +118,7 @@ def main() -> None:
         requests = sorted(group["requests"], key=lambda r: r.get("sent") or 0.0)
         print(f"\n{group['scheme']}, point {group['point']}, round {group['rep']} (ms; node clock from each arrival)")
         print(table([HEADER, *(request_line(r) for r in requests)]))
+        print(phases(requests))
 
 
 if __name__ == "__main__":

@@ -430,8 +430,9 @@ def test_late_hints_reach_the_summary_and_the_files(tmp_path: Path) -> None:
 
 
 def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_sent(tmp_path: Path, capsys) -> None:
-    """bench/timeline.py: one line per measured request, sorted by when it was sent; a joiner's wait shows as the
-    span from its first token to its join; warm-up rounds and other schemes are left out unless asked."""
+    """bench/timeline.py: one line per measured request, sorted by when it was sent, and where the round's TBT went;
+    a joiner's wait shows as the span from its first token to its join; warm-up rounds and other schemes are left
+    out unless asked."""
     import importlib.util
     import sys
 
@@ -464,3 +465,5 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     assert "round 0" not in out and "full," not in out and "smartgen, point 0, round 1" in out
     lines = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [line[0] for line in lines] == ["10", "20"]  # in the order they were sent
+    # where the TBT went: the joiner's one later gap (after every prefill), and each first own token apart
+    assert "after: 1 gaps, mean 200, link wait 50; first own token: 300, 1400" in out
