@@ -72,11 +72,12 @@ def phases(requests: list[dict[str, Any]]) -> str:
     done = [r for r in requests if not r.get("error") and r.get("node_ctl")]
     if not done:
         return "no request finished"
-    prefills_end = max(r["sent"] + r["node_ctl"][0] for r in done)
+    prefills_end = max((r.get("sent") or 0.0) + r["node_ctl"][0] for r in done)
+    # a run from before the timeline (no token_waits) shows its waits as "-", not as none
     split: dict[str, tuple[list[float], list[float]]] = {"during prefills": ([], []), "after": ([], [])}
     own_first = []
     for r in done:
-        times = [r["sent"] + t for t in r["node_ctl"]]
+        times = [(r.get("sent") or 0.0) + t for t in r["node_ctl"]]
         waits = r.get("token_waits") or []
         first = int(r.get("prefill_tokens") or 1)
         for t in range(2, len(times)):
@@ -86,9 +87,11 @@ def phases(requests: list[dict[str, Any]]) -> str:
                 continue
             gaps, link = split["during prefills" if times[t] <= prefills_end else "after"]
             gaps.append(gap)
-            link.append(waits[t] if t < len(waits) else 0.0)
+            if t < len(waits):
+                link.append(waits[t])
     cells = [
-        f"{name}: {len(gaps)} gaps, mean {_ms(statistics.fmean(gaps))}, link wait {_ms(statistics.fmean(link))}"
+        f"{name}: {len(gaps)} gaps, mean {_ms(statistics.fmean(gaps))}, "
+        f"link wait {_ms(statistics.fmean(link) if link else None)}"
         for name, (gaps, link) in split.items()
         if gaps
     ]
@@ -112,13 +115,19 @@ def main() -> None:
         results = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         parser.error(f"cannot read {path}: {exc}")
-    for group in results.get("groups", []):
+    if not isinstance(results, dict) or not isinstance(results.get("groups"), list):
+        parser.error(f"{path} is not a `smartgen bench` results.json (no groups)")
+    shown = 0
+    for group in results["groups"]:
         if (group.get("warmup") and not args.all_rounds) or (args.scheme and group["scheme"] not in args.scheme):
             continue
         requests = sorted(group["requests"], key=lambda r: r.get("sent") or 0.0)
         print(f"\n{group['scheme']}, point {group['point']}, round {group['rep']} (ms; node clock from each arrival)")
         print(table([HEADER, *(request_line(r) for r in requests)]))
         print(phases(requests))
+        shown += 1
+    if not shown:
+        print("no measured round of those schemes (--all-rounds shows the warm-ups)")
 
 
 if __name__ == "__main__":

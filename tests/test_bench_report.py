@@ -467,3 +467,13 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     assert [line[0] for line in lines] == ["10", "20"]  # in the order they were sent
     # where the TBT went: the joiner's one later gap (after every prefill), and each first own token apart
     assert "after: 1 gaps, mean 200, link wait 50; first own token: 300, 1400" in out
+    # a run from before the timeline has no waits: shown as unknown, not as none
+    assert "link wait -" in timeline.phases([{k: v for k, v in joiner.items() if k != "token_waits"}])
+    (tmp_path / "bad.json").write_text("[1]")  # not a bench run: the script says so, no traceback
+    try:
+        sys.argv = ["timeline.py", str(tmp_path / "bad.json")]
+        with pytest.raises(SystemExit) as exited:
+            timeline.main()
+    finally:
+        sys.argv = argv
+    assert exited.value.code == 2 and "not a `smartgen bench` results.json" in capsys.readouterr().err
