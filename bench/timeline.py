@@ -8,7 +8,8 @@ local, its forecast asked and landed, its join into the running batch, its first
 first step computed), its whole cache local; and the link wait of its first step, of the rest, and the worst one.
 Under it, where a round's TBT went: the mean gap between tokens (from the third on, as TBT counts) and their link
 wait while some request of the round still awaited its first token (the burst's prefills) and after, and apart each
-request's wait for the first token its decode node's own step computed after the prefill node's (ms).
+request's wait for the first token its decode node's own step computed after the prefill node's (ms); and the
+decode node's CPU seconds over the round by thread role (what shared its CPU with the decode step).
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def main() -> None:
         print(f"\n{group['scheme']}, point {group['point']}, round {group['rep']} (ms; node clock from each arrival)")
         print(table([HEADER, *(request_line(r) for r in requests)]))
         print(phases(requests))
+        if threads := group.get("decode_threads"):  # what shared the decode node's CPU with its steps
+            print("decode node CPU by thread (s): " + ", ".join(f"{role} {sec:.2f}" for role, sec in threads.items()))
         shown += 1
     if not shown:
         print("no measured round of those schemes (--all-rounds shows the warm-ups)")

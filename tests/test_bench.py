@@ -97,6 +97,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert all(0 <= at <= ctl[-1] for at in milestones.values()), milestones
             if request["prefill_tokens"] < len(ctl):
                 assert milestones["joined"] <= ctl[request["prefill_tokens"]], milestones
+        # the decode node's threads over the group: its step thread worked, and every role's seconds are real
+        threads = group["decode_threads"]
+        assert threads.get("decode-scheduler", 0) > 0 and all(v > 0 for v in threads.values()), threads
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
             prompt = sum(r["prompt_tokens"] for r in group["requests"])
             assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt

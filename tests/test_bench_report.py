@@ -20,7 +20,7 @@ from smartgen.apps.bench.joins import find_joins
 from smartgen.apps.bench.load import LoadRun
 from smartgen.apps.bench.output import write_outputs
 from smartgen.apps.bench.phases import Phases
-from smartgen.apps.bench.runner import BenchResult, Group, Regime, step_deltas
+from smartgen.apps.bench.runner import BenchResult, Group, Regime, step_deltas, thread_deltas
 from smartgen.apps.bench.stats import summarize
 from smartgen.apps.bench.tables import load_table, point_tables, steps_table
 from smartgen.cli.app import app
@@ -382,6 +382,10 @@ def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> No
     }
     deltas = step_deltas(before, after)
     assert list(deltas) == ["4"]  # batch 1 ran no step in between: left out
+    # the decode node's threads over a group: busiest first, idle ones left out, a replaced thread from zero
+    threads_before = {"threads.decode-scheduler": 5.0, "threads.http-api": 1.0, "threads.decode.push-rx": 3.0}
+    threads_after = {"threads.decode-scheduler": 7.5, "threads.http-api": 1.0, "threads.decode.push-rx": 0.4}
+    assert thread_deltas(threads_before, threads_after) == {"decode-scheduler": 2.5, "decode.push-rx": 0.4}
     assert deltas["4"] == pytest.approx([2, 1.0, 0.5, 0.2, 0.1])
     result = _rounds_result()
     for group in result.groups:
@@ -451,7 +455,14 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     assert timeline.request_line({"sent": 0.0, "error": "timeout"})[1] == "failed: timeout"
     groups = [
         {"scheme": "smartgen", "point": 0, "rep": 0, "warmup": True, "requests": [first]},
-        {"scheme": "smartgen", "point": 0, "rep": 1, "warmup": False, "requests": [joiner, first]},
+        {
+            "scheme": "smartgen",
+            "point": 0,
+            "rep": 1,
+            "warmup": False,
+            "requests": [joiner, first],
+            "decode_threads": {"decode-scheduler": 2.5, "decode.push-rx": 0.25},
+        },
         {"scheme": "full", "point": 0, "rep": 1, "warmup": False, "requests": [first]},
     ]
     (tmp_path / "results.json").write_text(json.dumps({"groups": groups}))
@@ -467,6 +478,7 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     assert [line[0] for line in lines] == ["10", "20"]  # in the order they were sent
     # where the TBT went: the joiner's one later gap (after every prefill), and each first own token apart
     assert "after: 1 gaps, mean 200, link wait 50; first own token: 300, 1400" in out
+    assert "decode node CPU by thread (s): decode-scheduler 2.50, decode.push-rx 0.25" in out
     # a run from before the timeline has no waits: shown as unknown, not as none
     assert "link wait -" in timeline.phases([{k: v for k, v in joiner.items() if k != "token_waits"}])
     (tmp_path / "bad.json").write_text("[1]")  # not a bench run: the script says so, no traceback

@@ -35,6 +35,7 @@ from smartgen.engine.policy import Policy, check_servable, get_policy, split_lab
 from smartgen.roles.admission import RequestLimits, check_request, oracle_counts
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.roles.text_pieces import text_piece
+from smartgen.roles.thread_cpu import thread_cpu_seconds
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
 from smartgen.runtime.sampling import Sampler
@@ -230,6 +231,8 @@ class DecodeScheduler:
             ],
             "requests": requests,
             "recent": list(self._recent),
+            # CPU seconds of this node's threads by role: what shares its CPUs with the decode step (`thread_cpu`)
+            "threads_cpu": thread_cpu_seconds(),
         }
         for hook in self.status_hooks:
             hook(snapshot)

@@ -53,6 +53,9 @@ class Group:
     # the decode node's steps by batch size: [steps, wall, its thread's CPU, emulated compute, link waits] (seconds)
     steps: dict[str, list[float]] = field(default_factory=dict)
     joins: list[dict[str, Any]] = field(default_factory=list)  # joins.Join of each request that joined others
+    # the decode node's CPU seconds over the group by thread role (roles/thread_cpu.py), busiest first: what shared
+    # its CPU with the decode step
+    decode_threads: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
