@@ -80,7 +80,8 @@ class RequestMetrics:
     # request's own "optimal" proactive set (the benchmark replays it with `proactive_counts`)
     selection_counts: torch.Tensor | None = None
     # when the request passed each point of its life on the decode node (monotonic, the first time only):
-    # "dense_local" (layers 0-1 local), "forecast_asked", "forecast_landed", "joined" (the running batch): the
+    # "dense_local" (layers 0-1 local), "forecast_asked", "forecast_landed", "joined" (the running batch),
+    # "fully_local" (as `fully_local_at`): the
     # benchmark's per-request timeline, which says what a joining request waited for
     milestones: dict[str, float] = field(default_factory=dict)
     # seconds each token's step waited for the link (0 for the prefill node's tokens), in token order
