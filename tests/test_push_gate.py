@@ -12,7 +12,7 @@ import smartgen.engine.prefill as prefill_module
 from smartgen.apps.simulate import calibrate
 from smartgen.apps.synthetic import SyntheticTrace, synthetic_kv
 from smartgen.engine.layout import block_bounds
-from smartgen.engine.planning import Planner
+from smartgen.engine.planning import Planner, defer_proactive
 from smartgen.engine.policy import get_policy
 from smartgen.engine.prefill.gate import PushGate
 from smartgen.lanes.base import Completion
@@ -219,13 +219,8 @@ def test_the_unscheduled_ablation_speculates_whatever_is_in_flight(importance, m
 def test_a_proactive_set_counts_only_the_window_earlier_pushes_leave(importance):
     """Under the link's schedule, a request's K_r is planned again as its prefill starts, less the link time the
     pushes still in flight on its link take (they go first); without the schedule the plan made at OPEN stands."""
-    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-3, 1e-3)  # K_r near every block
-    prefill, decode, prefill_end = _engines(planner)
-    held = _Held(prefill_end.push)
-    length = 200
-    try:
-        first = decode.open(length, get_policy("smartgen"))
-        opened = prefill.next_request(timeout=5)
+    with _first_of_two(importance) as (planner, prefill, decode, _, held, first, opened):
+        length = opened.length
         prefill.begin_prefill(opened, length)  # nothing in flight yet: the plan from OPEN stands
         alone = opened.plan.num_proactive
         assert alone == planner.plan(length, "budget", "profile").num_proactive
@@ -246,6 +241,19 @@ def test_a_proactive_set_counts_only_the_window_earlier_pushes_leave(importance)
         assert results["smartgen"] == planner.plan(length, "budget", "profile", backlog=backlog).num_proactive
         assert 2 * opened.plan.num_blocks <= results["smartgen"] < alone
         assert results["smartgen-unscheduled"] == alone
+
+
+@contextmanager
+def _first_of_two(importance):
+    """Engines whose planner's K_r nears every block, and a first request of 200 tokens opened on them (the pool
+    has two slots); yields (planner, prefill, decode, the prefill end of their link, held pushes, its id, its
+    OpenedRequest)."""
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, importance, 1e-3, 1e-3)
+    prefill, decode, prefill_end = _engines(planner)
+    held = _Held(prefill_end.push)
+    try:
+        first = decode.open(200, get_policy("smartgen"))
+        yield planner, prefill, decode, prefill_end, held, first, prefill.next_request(timeout=5)
     finally:
         held.release()
         decode.close()
@@ -301,3 +309,49 @@ def test_a_head_started_request_speculates_behind_one_decoding_on_its_decode_nod
         assert not request_b.heading
         held.release(rid_b)
         _wait(lambda: len(held.speculative(rid_b)) == sent_b + 2)
+
+
+def test_a_request_decoded_here_leaves_its_proactive_window_to_requests_handed_on(importance):
+    """A request its prefill node expects to decode itself (a head start) pushes only layers 0-1 while a request
+    handed on earlier still has KV to push on the same link; its K_r leads its speculative order instead. Alone on
+    the link, or under `smartgen-eager-proactive`, its plan is the one made at OPEN."""
+    with _first_of_two(importance) as (_, prefill, decode, prefill_end, held, first, opened):
+        length = opened.length
+        budget = opened.plan
+        prefill.begin_prefill(opened, length, head_start=True)  # no request handed on before it: the plan stands
+        assert torch.equal(opened.plan.proactive, budget.proactive)
+        k, v = synthetic_kv(LAYOUT, length, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(first, layer, k[layer], v[layer])  # prefilled, handed on, its speculation to come
+        held.release()
+        prefill_end.push.flush(5)
+        plans = {}
+        for scheme, head_start in (("smartgen", True), ("smartgen", False), ("smartgen-eager-proactive", True)):
+            rid = decode.open(length, get_policy(scheme))
+            behind = prefill.next_request(timeout=5)
+            at_open = behind.plan
+            prefill.begin_prefill(behind, length, head_start=head_start)
+            plans[scheme, head_start] = (at_open, behind.plan)
+            decode.abort(rid, "planned")  # the pool has two slots
+        at_open, deferred = plans["smartgen", True]
+        blocks = deferred.num_blocks
+        assert deferred.proactive[:2].all() and not deferred.proactive[2:].any()
+        moved = (at_open.proactive & ~deferred.proactive).flatten().nonzero().flatten()
+        assert moved.numel() > 0, "K_r held more than layers 0-1"
+        assert torch.equal(deferred.speculative_order[: moved.numel()], moved)
+        assert torch.equal(deferred.speculative_order[moved.numel() :], at_open.speculative_order)
+        assert deferred.num_layers * blocks == deferred.num_proactive + deferred.speculative_order.numel()
+        for key in (("smartgen", False), ("smartgen-eager-proactive", True)):
+            before, after = plans[key]
+            assert torch.equal(after.proactive, before.proactive), key
+
+
+def test_deferring_a_plan_keeps_a_held_prefix_proactive():
+    planner = Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-3, 1e-3)
+    plan = planner.plan(200, "budget", "sequential")
+    deferred = defer_proactive(plan, keep_blocks=3)
+    assert deferred.proactive[:2].all() and deferred.proactive[2:, :3].equal(plan.proactive[2:, :3])
+    assert not deferred.proactive[2:, 3:].any()
+    assert sorted(deferred.speculative_order.tolist()) == sorted(
+        (~deferred.proactive).flatten().nonzero().flatten().tolist()
+    )

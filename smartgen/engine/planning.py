@@ -19,6 +19,7 @@ __all__ = [
     "proactive_budget",
     "TransferPlan",
     "plan_transfer",
+    "defer_proactive",
     "STRATEGIES",
     "strategy_scores",
     "speculative_slice_size",
@@ -139,6 +140,15 @@ def plan_transfer(scores: torch.Tensor, budget: int) -> TransferPlan:
     proactive[chosen] = True
     speculative = rest[budget - DENSE_LAYERS * num_blocks :]
     return TransferPlan(num_layers, num_blocks, proactive.view(num_layers, num_blocks), speculative)
+
+
+def defer_proactive(plan: TransferPlan, keep_blocks: int = 0) -> TransferPlan:
+    """`plan` with only layers 0-1 (and each layer's first `keep_blocks` blocks: a prefix the decode node holds)
+    proactive; its other proactive blocks lead the speculative order, layer by layer, ahead of the rest."""
+    proactive = plan.proactive.clone()
+    proactive[DENSE_LAYERS:, keep_blocks:] = False
+    deferred = (plan.proactive & ~proactive).flatten().nonzero().flatten()
+    return TransferPlan(plan.num_layers, plan.num_blocks, proactive, torch.cat([deferred, plan.speculative_order]))
 
 
 STRATEGIES = ("profile", "query", "random", "sequential", "streaming", "optimal")

@@ -93,6 +93,11 @@ class Policy:
     prefill node stops (its step-2 FORECAST marks the end): when the KV has all left, another request waits for
     prefill, or the request's tokens run out. A lone request's tokens then come at an all-local step's pace while its
     cache crosses the link, instead of each step waiting for its picks. Same answers.
+    defer_proactive: with the head start and a scheduled link, a request its prefill node expects to decode itself
+    (no other prompt waiting as its prefill starts) pushes only layers 0-1 proactively while requests handed on
+    earlier still fetch over the same link: its decode node takes over only once its whole KV has landed, so its
+    proactive set buys it nothing, and their speculation gets the prefill window's link instead. The blocks its
+    K_r would have pushed lead its speculative order, which waits for theirs (`head_start`). Exact.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
@@ -117,6 +122,7 @@ class Policy:
     second_token: bool = False
     head_start: bool = False
     schedule: bool = False
+    defer_proactive: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -143,6 +149,8 @@ class Policy:
             raise ValueError("the second token comes from the forecast step: second_token needs forecast")
         if self.head_start and not self.second_token:
             raise ValueError("the prefill node decodes on from the second token: head_start needs second_token")
+        if self.defer_proactive and not (self.head_start and self.schedule):
+            raise ValueError("deferring a proactive set to a head start needs head_start and schedule")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -175,6 +183,7 @@ SMARTGEN = Policy(
     second_token=True,
     head_start=True,
     schedule=True,
+    defer_proactive=True,
 )
 
 POLICIES: dict[str, Policy] = {
@@ -191,10 +200,18 @@ POLICIES: dict[str, Policy] = {
         # TBT, same TTST), the first step's forecast and speculation scheduled on the link (docs/engine.md)
         SMARTGEN,
         # the ablations, one part left out each
-        replace(SMARTGEN, name="smartgen-no-forecast", forecast=False, second_token=False, head_start=False),
-        replace(SMARTGEN, name="smartgen-no-second-token", second_token=False, head_start=False),
-        replace(SMARTGEN, name="smartgen-no-head-start", head_start=False),
-        replace(SMARTGEN, name="smartgen-unscheduled", schedule=False),
+        replace(
+            SMARTGEN,
+            name="smartgen-no-forecast",
+            forecast=False,
+            second_token=False,
+            head_start=False,
+            defer_proactive=False,
+        ),
+        replace(SMARTGEN, name="smartgen-no-second-token", second_token=False, head_start=False, defer_proactive=False),
+        replace(SMARTGEN, name="smartgen-no-head-start", head_start=False, defer_proactive=False),
+        replace(SMARTGEN, name="smartgen-eager-proactive", defer_proactive=False),
+        replace(SMARTGEN, name="smartgen-unscheduled", schedule=False, defer_proactive=False),
         replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
         replace(SMARTGEN, name="smartgen-no-hints", hints=0.0),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),

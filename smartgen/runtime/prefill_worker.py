@@ -90,8 +90,10 @@ class PrefillWorker:
             # a selector that reads every prompt query would see only the computed ones: no cached prefix for it
             prefix = None if self.runner.selector_reads_queries else self.engine.lookup_prefix(request)
             computed = request.length - (0 if prefix is None else prefix[0].shape[1])
-            self.engine.begin_prefill(request, computed)
             forecast = self._forecasts(request)
+            # decoded here from its second token on unless a prompt arrives meanwhile (`_head_start`)
+            head_start = forecast and request.policy.head_start and request.head_tokens > 0
+            self.engine.begin_prefill(request, computed, head_start=head_start and not self._prompt_waiting())
             output = self.runner.run(
                 request.prompt,
                 on_layer=functools.partial(self._hand_off, rid),

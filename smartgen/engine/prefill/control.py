@@ -12,7 +12,7 @@ import torch
 from smartgen.engine import messages as msg
 from smartgen.engine.descriptors import held_blocks
 from smartgen.engine.layout import KVLayout
-from smartgen.engine.planning import TransferPlanner
+from smartgen.engine.planning import TransferPlanner, defer_proactive, prefix_blocks
 from smartgen.engine.policy import get_policy
 from smartgen.engine.pool import PoolGeometry, StoreFull
 from smartgen.engine.prefill.decide import unsent_entries
@@ -221,13 +221,23 @@ class PrefillEngine(PrefillPath):
         request.prefix_hit = hit
         return hit.kv()
 
-    def begin_prefill(self, request: OpenedRequest, computed: int) -> None:
+    def begin_prefill(self, request: OpenedRequest, computed: int, *, head_start: bool = False) -> None:
         """As a request's prefill starts, its plan is made again where K_r has changed since OPEN. After a prefix hit
         K_r counts the prefill time of the `computed` tokens only (the plan still covers the whole prompt). Under a
         scheduled policy, pushes of earlier requests still on its link go first, so K_r counts only the rest of
         the window. A batch's proactive sets each sized for the whole window queued every later request's layers
-        0-1 behind them, and those are what a request waits for to join a running batch."""
+        0-1 behind them, and those are what a request waits for to join a running batch.
+
+        `head_start`: this node expects to decode the request on from its second token (Policy.head_start, no other
+        prompt waiting). Its decode node then takes over only once its whole KV has landed, so K_r buys it nothing;
+        where requests handed on earlier still fetch over the same link, only layers 0-1 go proactively (what the
+        decode node needs if a prompt arrives and cuts the head start short), and the rest of the prefill window's
+        link goes to their speculation: the blocks K_r would have pushed lead this request's speculative order."""
         if not request.flags.replan_on_prefix:
+            return
+        if head_start and request.flags.defer_proactive and self._handed_on_behind(request):
+            held = prefix_blocks(request.length, self.layout.num_blocks, request.held_prefix)
+            request.plan = defer_proactive(request.plan, keep_blocks=held)
             return
         backlog = self.gate.in_flight(id(request.link)) if request.flags.schedule else 0
         if computed >= request.length and not backlog:

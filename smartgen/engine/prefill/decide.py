@@ -55,6 +55,7 @@ class PrefillFlags:
     quantized: bool = False  # full transfer in quantized layers, packed off the prefill thread
     drop_remote: bool = False  # the proactive set is all the decode node sees: it lands before FIRST_TOKEN
     replan_on_prefix: bool = False  # a prefix-cache hit plans again: K_r by the prefill time really spent
+    defer_proactive: bool = False  # a request expected to be decoded here leaves its K_r to speculation
     speculative_ratio: float = 0.1  # the share of all blocks one speculative slice may push
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ class PrefillFlags:
             quantized=bool(policy.quantize_bits),
             drop_remote=policy.drop_remote,
             replan_on_prefix=replan,
+            defer_proactive=policy.defer_proactive and replan,
             speculative_ratio=policy.speculative_ratio,
         )
 

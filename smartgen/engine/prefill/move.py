@@ -378,6 +378,20 @@ class PrefillPath:
                 for other in self._requests.values()
             )
 
+    def _handed_on_behind(self, request: OpenedRequest) -> bool:
+        """Whether another request on the same link has been prefilled and handed on to its decode node (not decoded
+        here) with KV left to push: its steps fetch, and its speculation waits behind any proactive set."""
+        with self._lock:
+            return any(
+                other is not request
+                and other.link is request.link
+                and other.flags.speculative
+                and other.kv.layers_ready >= self.layout.num_layers
+                and not other.heading
+                and not other.speculation_done
+                for other in self._requests.values()
+            )
+
     def _link_rate(self, link: LinkEnd) -> float:
         """The link's rate as its requests' proactive pushes measured it (the fastest measure; 0: none yet)."""
         with self._lock:
