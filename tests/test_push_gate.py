@@ -355,3 +355,34 @@ def test_deferring_a_plan_keeps_a_held_prefix_proactive():
     assert sorted(deferred.speculative_order.tolist()) == sorted(
         (~deferred.proactive).flatten().nonzero().flatten().tolist()
     )
+
+
+def test_a_prompt_arriving_mid_prefill_restores_the_deferred_proactive_set(importance, monkeypatch):
+    """No head start follows a prefill that a prompt arrived during: from the next layer on, the request's plan from
+    before the deferral stands, and its K_r blocks of the layers prefilled already go at once, proactively."""
+    with _first_of_two(importance) as (_, prefill, decode, prefill_end, held, first, opened):
+        length = opened.length
+        k, v = synthetic_kv(LAYOUT, length, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(first, layer, k[layer], v[layer])
+        held.release()
+        prefill_end.push.flush(5)
+        second = decode.open(length, get_policy("smartgen"))
+        behind = prefill.next_request(timeout=5)
+        at_open = behind.plan
+        prefill.begin_prefill(behind, length, head_start=True)
+        assert behind.deferred_plan is at_open and not behind.plan.proactive[2:].any()
+        arrived_at = 3
+        for layer in range(LAYOUT.num_layers):
+            if layer == arrived_at:
+                monkeypatch.setattr(prefill, "_prompt_waiting", lambda: True)
+                before = prefill.counters.snapshot()["bytes"]["proactive"]
+            prefill.prefill_layer(second, layer, k[layer], v[layer])
+            if layer == arrived_at:
+                posted = prefill.counters.snapshot()["bytes"]["proactive"] - before
+                # the K_r blocks of layers 2 .. arrived_at - 1, deferred, and of layer arrived_at, at once
+                sizes = block_bounds(length, at_open.num_blocks).diff()
+                tokens = int((at_open.proactive[2 : arrived_at + 1].long() * sizes).sum())
+                assert posted == tokens * LAYOUT.kv_bytes(1, num_layers=1)
+        assert behind.deferred_plan is None and behind.plan is at_open
+        assert torch.equal(behind.sent, at_open.proactive)

@@ -97,7 +97,8 @@ class Policy:
     (no other prompt waiting as its prefill starts) pushes only layers 0-1 proactively while requests handed on
     earlier still fetch over the same link: its decode node takes over only once its whole KV has landed, so its
     proactive set buys it nothing, and their speculation gets the prefill window's link instead. The blocks its
-    K_r would have pushed lead its speculative order, which waits for theirs (`head_start`). Exact.
+    K_r would have pushed lead its speculative order, which waits for theirs (`head_start`); a prompt arriving
+    mid-prefill restores its proactive set (no head start will follow). Exact.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'

@@ -237,7 +237,7 @@ class PrefillEngine(PrefillPath):
             return
         if head_start and request.flags.defer_proactive and self._handed_on_behind(request):
             held = prefix_blocks(request.length, self.layout.num_blocks, request.held_prefix)
-            request.plan = defer_proactive(request.plan, keep_blocks=held)
+            request.deferred_plan, request.plan = request.plan, defer_proactive(request.plan, keep_blocks=held)
             return
         backlog = self.gate.in_flight(id(request.link)) if request.flags.schedule else 0
         if computed >= request.length and not backlog:
@@ -296,6 +296,9 @@ class PrefillEngine(PrefillPath):
             if request.pushes_in_flight:
                 return True
         return request.unsent is not None and bool(request.unsent.any())
+
+    def _prompt_waiting(self) -> bool:
+        return self.num_queued > 0
 
     @property
     def num_queued(self) -> int:

@@ -82,6 +82,9 @@ class PrefillPath:
         if request.flags.quantized:  # packed off the prefill thread, in layer order (one packer)
             self._packer.submit(self._push_quantized, request, layer)
             return 0
+        caught_up = 0
+        if request.deferred_plan is not None and self._prompt_waiting():
+            caught_up = self._undefer(request, layer)
         blocks = decide.proactive_blocks(
             request.flags,
             request.plan.proactive_blocks(layer),
@@ -94,7 +97,28 @@ class PrefillPath:
         if request.sent is None:
             request.sent = torch.zeros_like(request.plan.proactive)
         request.sent[layer, blocks] = True
-        return self._push(request, [(layer, blocks)], tag="proactive")
+        return caught_up + self._push(request, [(layer, blocks)], tag="proactive")
+
+    def _prompt_waiting(self) -> bool:
+        """Whether another prompt waits for prefill (the control side knows its queue)."""
+        return False
+
+    def _undefer(self, request: OpenedRequest, layer: int) -> int:
+        """A prompt arrived while `request`, whose K_r was deferred to a head start, prefills: no head start will
+        follow, so its plan from before stands again, and the blocks it holds in layers prefilled already (before
+        `layer`) go now, proactively. Returns the bytes posted."""
+        assert request.deferred_plan is not None
+        request.plan, request.deferred_plan = request.deferred_plan, None
+        if request.sent is None:
+            request.sent = torch.zeros_like(request.plan.proactive)
+        late = []
+        for earlier in range(layer):
+            blocks = request.plan.proactive_blocks(earlier)
+            blocks = blocks[~request.sent[earlier, blocks]]
+            if blocks.numel():
+                request.sent[earlier, blocks] = True
+                late.append((earlier, blocks))
+        return self._push(request, late, tag="proactive") if late else 0
 
     def send_metadata(self, request_id: str, layer: int, metadata: dict[str, torch.Tensor]) -> int:
         """One layer's selector metadata, sent the moment the layer is prefilled.

@@ -62,6 +62,9 @@ class OpenedRequest:
     held: torch.Tensor | None = None  # [L, n] bool: tokens the decode node already holds (never pushed)
     resumed: bool = False  # the decode node had decoded it already: no metadata, FIRST_TOKEN only says "ready"
     head_tokens: int = 0  # output tokens past the second this node may decode ahead (OPEN's, Policy.head_start)
+    # the plan made before its K_r was deferred to a head start (Policy.defer_proactive): it stands again if a prompt
+    # arrives mid-prefill, when no head start will follow
+    deferred_plan: TransferPlan | None = None
     heading: bool = False  # this node is decoding it ahead of its decode node now (a head start)
     flags: PrefillFlags = field(init=False)  # the policy, read once
 
