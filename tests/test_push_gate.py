@@ -386,3 +386,22 @@ def test_a_prompt_arriving_mid_prefill_restores_the_deferred_proactive_set(impor
                 assert posted == tokens * LAYOUT.kv_bytes(1, num_layers=1)
         assert behind.deferred_plan is None and behind.plan is at_open
         assert torch.equal(behind.sent, at_open.proactive)
+
+
+def test_a_deferred_plan_keeps_the_window_earlier_pushes_leave(importance):
+    """What a prompt arriving mid-prefill restores is the plan made as the prefill started, K_r less the link time
+    of the pushes still in flight ahead of it, not the plan made at OPEN."""
+    with _first_of_two(importance) as (planner, prefill, decode, _, held, first, opened):
+        length = opened.length
+        k, v = synthetic_kv(LAYOUT, length, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            prefill.prefill_layer(first, layer, k[layer], v[layer])  # posted, held on the link: a backlog
+        in_flight = prefill.gate.in_flight(id(opened.link))
+        assert in_flight > 0
+        decode.open(length, get_policy("smartgen"))
+        behind = prefill.next_request(timeout=5)
+        prefill.begin_prefill(behind, length, head_start=True)
+        window = planner.plan(length, "budget", "profile", backlog=in_flight / LAYOUT.kv_bytes(1))
+        assert behind.deferred_plan is not None
+        assert torch.equal(behind.deferred_plan.proactive, window.proactive)
+        assert behind.plan.proactive[:2].all() and not behind.plan.proactive[2:].any()

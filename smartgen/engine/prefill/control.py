@@ -235,21 +235,20 @@ class PrefillEngine(PrefillPath):
         link goes to their speculation: the blocks K_r would have pushed lead this request's speculative order."""
         if not request.flags.replan_on_prefix:
             return
+        backlog = self.gate.in_flight(id(request.link)) if request.flags.schedule else 0
+        if computed < request.length or backlog:  # else the plan made at OPEN stands
+            request.plan = self.planner.plan(
+                request.length,
+                request.policy.proactive,
+                request.policy.strategy,
+                computed=computed,
+                held=request.held_prefix,
+                backlog=backlog / self.layout.kv_bytes(1),  # in tokens' worth of whole-model KV
+            )
         if head_start and request.flags.defer_proactive and self._handed_on_behind(request):
+            # the plan just made stands again if a prompt arrives mid-prefill (`_undefer`)
             held = prefix_blocks(request.length, self.layout.num_blocks, request.held_prefix)
             request.deferred_plan, request.plan = request.plan, defer_proactive(request.plan, keep_blocks=held)
-            return
-        backlog = self.gate.in_flight(id(request.link)) if request.flags.schedule else 0
-        if computed >= request.length and not backlog:
-            return  # the plan made at OPEN stands
-        request.plan = self.planner.plan(
-            request.length,
-            request.policy.proactive,
-            request.policy.strategy,
-            computed=computed,
-            held=request.held_prefix,
-            backlog=backlog / self.layout.kv_bytes(1),  # in tokens' worth of whole-model KV
-        )
 
     def cache_prefix(self, request: OpenedRequest, raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """After a request's prefill: unpins its hit and caches its prompt's new whole blocks; `raw` is the K/V
