@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from smartgen.engine.layout import effective_blocks
 from smartgen.engine.planning import TransferPlan
 from smartgen.engine.policy import POLICIES, ProactiveMode, get_policy
 from smartgen.engine.prefill import decide
@@ -159,3 +160,30 @@ def test_a_push_bridges_only_gaps_this_node_sent_and_only_on_a_fast_link():
     assert tokens == 4 and resendable is not None
     assert not resendable[:, :12].any() and resendable[0, 12:20].all() and not resendable[1, 15].any()
     assert not resendable[:, 20:].any() and unsent[:, 20:].all()  # the request's own unsent is left alone
+
+
+# (prompt tokens, blocks M, layers, share of entries sent) and (link rate, idle window, fetched bytes)
+_PROMPTS = st.tuples(st.integers(1, 90), st.integers(1, 40), st.integers(1, 3), st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+_LINKS = st.tuples(st.sampled_from([0.0, 1e3, 1e5, 1e12]), st.sampled_from([0.0, 1e-3, 1e-2]), st.sampled_from([0, 10]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=_PROMPTS, link=_LINKS, seed=st.integers(0, 10**6), size=st.integers(1, 50))
+def test_a_slice_looked_up_block_by_block_is_the_slice_of_every_blocks_count(prompt, link, seed, size):
+    """`block_pending` counts the blocks asked as `pending_tokens` counts them all, and `next_slice` looking up only
+    as much of the order as it needs takes the same slice (or None) as with every block's count at hand."""
+    length, num_blocks, layers, sent_share = prompt
+    rate, window, fetched = link
+    generator = torch.Generator().manual_seed(seed)
+    unsent = torch.rand(layers, length, 2, generator=generator) >= sent_share
+    every = decide.pending_tokens(unsent, length, num_blocks, effective_blocks(length, num_blocks))
+    looked_up = decide.block_pending(unsent, length, num_blocks)
+    ahead = torch.randperm(every.numel(), generator=generator)
+    assert torch.equal(looked_up(ahead).float(), every[ahead])
+    kwargs = {"size": size, "num_blocks": every.numel() // layers, "link_rate": rate, "window": window}
+    whole = decide.next_slice(ahead, pending=every, fetched=fetched, token_bytes=16, **kwargs)
+    lazy = decide.next_slice(ahead, pending=looked_up, fetched=fetched, token_bytes=16, **kwargs)
+    if whole is None:
+        assert lazy is None
+    else:
+        assert lazy is not None and torch.equal(lazy.ids, whole.ids) and lazy.advance == whole.advance

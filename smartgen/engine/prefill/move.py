@@ -253,7 +253,7 @@ class PrefillPath:
             # blocks on-demand fetches already brought whole are passed over, not resent
             pending=None
             if request.unsent is None
-            else decide.pending_tokens(request.unsent, request.length, self.layout.num_blocks, plan.num_blocks),
+            else decide.block_pending(request.unsent, request.length, self.layout.num_blocks),
             link_rate=request.link_rate,
             window=window,
             fetched=fetched,
