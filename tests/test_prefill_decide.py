@@ -144,6 +144,11 @@ def test_hinted_entries_fill_the_idle_window_newest_notice_first():
     assert ids.numel() == 0 and rest == []
     wants = decide.entry_wants(torch.tensor([7, 24, 27]), 2, 10, 2)  # (0, 3, 1), (1, 2, 0), (1, 3, 1)
     assert [(layer, want.nonzero().tolist()) for layer, want in wants] == [(0, [[3, 1]]), (1, [[2, 0], [3, 1]])]
+    ids = torch.randperm(4 * 10 * 2, generator=torch.Generator().manual_seed(3))[:9]  # any layers, in any order
+    wants = decide.entry_wants(ids, 4, 10, 2)
+    entries = {(layer, token, head) for layer, want in wants for token, head in want.nonzero().tolist()}
+    assert entries == {(i // 20, i % 20 // 2, i % 2) for i in ids.tolist()}
+    assert [layer for layer, _ in wants] == sorted({i // 20 for i in ids.tolist()})
 
 
 def test_a_push_bridges_only_gaps_this_node_sent_and_only_on_a_fast_link():

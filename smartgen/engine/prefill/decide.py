@@ -309,11 +309,12 @@ def take_hints(
 
 def entry_wants(ids: torch.Tensor, num_layers: int, length: int, num_heads: int) -> list[tuple[int, torch.Tensor]]:
     """Flat entry ids ((layer * length + token) * H + head) as the [n, H] bool entries wanted in each layer that
-    has any."""
+    has any. The layers come from the ids, not from scanning the mask (a scan of every layer's entries took 1.2 ms
+    a hinted slice at 32K tokens on one thread, the ids' own 0.2)."""
     want = torch.zeros(num_layers * length * num_heads, dtype=torch.bool)
     want[ids] = True
     want = want.view(num_layers, length, num_heads)
-    return [(int(layer), want[layer]) for layer in want.flatten(1).any(dim=1).nonzero().flatten()]
+    return [(int(layer), want[layer]) for layer in torch.unique(ids // (length * num_heads))]
 
 
 class Bridge(NamedTuple):
