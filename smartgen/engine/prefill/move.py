@@ -391,26 +391,22 @@ class PrefillPath:
         so its speculation goes first, and this one's cache crosses once theirs is sent (or when its head start
         ends: a prompt to prefill, or its tokens run out). In a burst of two on random:32 at 2K, the first request
         decoded its whole answer fetching while the head-started second's speculation took half the link."""
-        with self._lock:
-            return any(
-                other is not request
-                and other.link is request.link
-                and other.flags.speculative
-                and other.last_idle is not None  # decoding: its decode node has sent idle notices
-                and not other.heading
-                and not other.speculation_done
-                for other in self._requests.values()
-            )
+        return self._fetching_behind(request, lambda other: other.last_idle is not None)  # idle notices: decoding
 
     def _handed_on_behind(self, request: OpenedRequest) -> bool:
         """Whether another request on the same link has been prefilled and handed on to its decode node (not decoded
         here) with KV left to push: its steps fetch, and its speculation waits behind any proactive set."""
+        return self._fetching_behind(request, lambda other: other.kv.layers_ready >= self.layout.num_layers)
+
+    def _fetching_behind(self, request: OpenedRequest, since: Callable[[OpenedRequest], bool]) -> bool:
+        """Whether another speculating request on `request`'s link, not decoded here, has KV left to push and is
+        `since` (how far along it counts)."""
         with self._lock:
             return any(
                 other is not request
                 and other.link is request.link
                 and other.flags.speculative
-                and other.kv.layers_ready >= self.layout.num_layers
+                and since(other)
                 and not other.heading
                 and not other.speculation_done
                 for other in self._requests.values()
