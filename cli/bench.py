@@ -15,6 +15,7 @@ from .errors import fail
 from .lane_options import GidIndex, Lane, RdmaDevice, RdmaPort, SeparateCpus, lane_flags
 from .lists import names, numbers
 from .options import (
+    LINK,
     NATIVE,
     SELECTION,
     BudgetList,
@@ -117,6 +118,18 @@ def bench(
     stall_ratio: StallRatioList = "4.7",
     link_gbps: LinkGbpsList = "",
     decode_ratio: DecodeRatio = NATIVE,
+    decode_emulation: Annotated[
+        str,
+        option(
+            LINK,
+            "How --decode-ratio's slower decode device is emulated: `added` sleeps the same time in every decode "
+            "layer, so a batch's step costs this CPU's compute for the batch plus the emulation (on this kind of "
+            "machine it grows about linearly with the batch); `floor` tops every layer up to the target step's "
+            "share of compute (the step thread's own CPU), so a batch's step costs what one request's does while "
+            "the CPU fits under it, as on a GPU. Link waits come on top in both.",
+            metavar="<added|floor>",
+        ),
+    ] = "added",
     separate_cpus: SeparateCpus = True,
     device: Device = "cpu",
     load_rate: Annotated[
@@ -357,6 +370,7 @@ def bench(
             stall_ratio=numbers(stall_ratio, "--stall-ratio", float),
             link_gbps=numbers(link_gbps, "--link-gbps", float),
             decode_ratio=parse_decode_ratio(decode_ratio),
+            decode_emulation=decode_emulation.strip().lower(),
             separate_cpus=separate_cpus,
             blocks=numbers(blocks, "--blocks", int),
             budget=numbers(budget, "--budget", float),

@@ -121,7 +121,19 @@ EmulateLayerMs = Annotated[
         DECODE,
         "Benchmarks only: add this many ms of emulated compute to every layer of every decode step, to stand "
         "in for a slower decode device (`smartgen bench --decode-ratio` sets it); on a prefill node, to the decode "
-        "steps it runs (the forecast, a head start). 0 = off.",
+        "steps it runs (the forecast, a head start). A batch's step costs this CPU's compute for the batch plus the "
+        "emulation. 0 = off.",
+        min=0.0,
+    ),
+]
+EmulateLayerFloorMs = Annotated[
+    float,
+    option(
+        DECODE,
+        "Benchmarks only, instead of --emulate-layer-ms: every layer of every decode step takes at least this many ms "
+        "of compute (the step thread's own CPU, topped up with sleep), so a batch's step costs what one request's "
+        "does while this CPU fits under the floor, as on a GPU, whose decode step hardly grows with a small batch; "
+        "link waits come on top (`smartgen bench --decode-emulation floor` sets it). 0 = off.",
         min=0.0,
     ),
 ]
@@ -226,6 +238,7 @@ def serve(
     on_prefill_failure: OnPrefillFailure = "fail",
     max_body_bytes: MaxBodyBytes = 4 * 2**20,
     emulate_layer_ms: EmulateLayerMs = 0.0,
+    emulate_layer_floor_ms: EmulateLayerFloorMs = 0.0,
     link_gbps: LinkGbps = 0.0,
     delay_ms: DelayMs = 0.0,
     lane: Lane = "",
@@ -272,6 +285,8 @@ def serve(
     lane = lane or (INPROC if role == Role.both else "tcp")
     if kv_events_replay and not kv_events_endpoint:
         fail("--kv-events-replay replays what --kv-events-endpoint publishes: give both")
+    if emulate_layer_ms and emulate_layer_floor_ms:
+        fail("--emulate-layer-ms adds to each layer, --emulate-layer-floor-ms tops it up: give one of the two")
     if role == Role.both:
         _refuse_socket_options(ctx, tls_cert or tls_key or tls_ca)
     rdma = check_rdma(lane, rdma_device, rdma_port, gid_index)  # a wrong device is a one-line error now
@@ -318,7 +333,14 @@ def serve(
             lease, flush_timeout_s=flush_timeout, max_queue=max_queue, max_store_bytes=store_cap, **timeouts
         )
         decode = DecodeSettings(
-            scheme, speculative_ratio, max_batch, max_tokens, max_waiting, emulate_layer_ms, decode_limits
+            scheme,
+            speculative_ratio,
+            max_batch,
+            max_tokens,
+            max_waiting,
+            emulate_layer_ms,
+            emulate_layer_floor_ms,
+            decode_limits,
         )
         settings = ServeSettings(
             role.value,

@@ -169,6 +169,7 @@ def test_bench_refuses_bad_input() -> None:
         (["--model", "random:1"], "between 3 and 256 layers"),
         (["--model", "no/such/folder"], "no model folder there"),
         (["--lane", "carrier-pigeon"], "--lane must be one of"),
+        (["--decode-emulation", "slept"], "--decode-emulation is one of added, floor"),
         (["--batch", "4", "--load-rate", "1", "--strategies", ""], "set how many decode at once with --max-batch"),
     ]:
         done = CliRunner().invoke(app, ["bench", *args])  # in-process: a process each took 5 s of imports

@@ -22,7 +22,7 @@ from smartgen.apps.bench.output import write_outputs
 from smartgen.apps.bench.phases import Phases
 from smartgen.apps.bench.runner import BenchResult, Group, Regime, step_deltas, thread_deltas
 from smartgen.apps.bench.stats import summarize
-from smartgen.apps.bench.tables import load_table, point_tables, steps_table
+from smartgen.apps.bench.tables import load_table, point_tables, regime_line, steps_table
 from smartgen.cli.app import app
 
 runner = CliRunner()
@@ -98,6 +98,19 @@ def test_the_files_hold_the_spread_and_the_way_back(tmp_path: Path) -> None:
     assert float(rows["smartgen"]["ttst_speedup_median_vs_full"]) == pytest.approx(1.3 / 0.75)
     assert float(rows["smartgen"]["accuracy_vs_full"]) == pytest.approx(0.5)
     assert float(full["link_utilisation_back"]) > 0
+    assert full["decode_emulation"] == "native"  # this regime emulates nothing
+
+
+@pytest.mark.parametrize(("added", "floor", "says"), [(3.1, 0.0, "added"), (0.0, 4.7, "floor")])
+def test_the_files_and_the_regime_line_say_how_the_decode_device_was_emulated(
+    tmp_path: Path, added: float, floor: float, says: str
+) -> None:
+    result = _rounds_result()
+    result.regimes[0].emulate_layer_ms, result.regimes[0].emulate_floor_ms = added, floor
+    write_outputs(result, summarize(result), tmp_path)
+    with (tmp_path / "summary.csv").open() as handle:
+        assert {row["decode_emulation"] for row in csv.DictReader(handle)} == {says}
+    assert ("each layer at least 4.70 ms (floor)" if floor else "+ 3.10 ms/layer emulated") in regime_line(result, 0)
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["summaries"][0]["rounds"]["ttst"]["per_round"] == pytest.approx([1.1, 1.5, 1.3])
 

@@ -142,7 +142,11 @@ def test_decode_side_is_the_benchs_formula():
     side = decode_side(0.15, selected_bytes=1e6, link_bytes_per_s=4e6, step_s=0.01, num_layers=4)
     assert side.emulate_layer_ms == pytest.approx((0.15 * 1e6 / 4e6 - 0.01) / 4 * 1e3)  # 6.875 ms
     assert side.decode_ratio == pytest.approx(0.15)
-    assert decode_side(None, 1e6, 4e6, 0.01, 4) == (0.0, pytest.approx(0.04))
+    assert decode_side(None, 1e6, 4e6, 0.01, 4) == (0.0, pytest.approx(0.04), 0.0)
+    floor = decode_side(0.15, selected_bytes=1e6, link_bytes_per_s=4e6, step_s=0.01, num_layers=4, floor=True)
+    assert floor.emulate_layer_ms == 0 and floor.decode_ratio == pytest.approx(0.15)
+    assert floor.emulate_floor_ms == pytest.approx(0.15 * 1e6 / 4e6 / 4 * 1e3)  # the target step's share: 9.375 ms
+    assert decode_side(0.15, 1e6, 4e6, 0.1, 4, floor=True).emulate_floor_ms == 0  # native already slower: no floor
 
 
 def test_the_results_table_says_the_emulation():

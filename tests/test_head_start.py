@@ -13,6 +13,7 @@ from smartgen.engine import messages as msg
 from smartgen.engine.policy import get_policy
 from smartgen.lanes.base import Message, MessageKind
 from smartgen.runtime.driver import Finished
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline, wait_until
 from smartgen.runtime.prefill import PrefillRunner, StepYielded
@@ -111,11 +112,13 @@ def test_the_prefill_runners_decode_steps_pay_the_emulated_compute():
         torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(5)).tolist(), keep_cache=True
     )
     first = runner.forecast(output, keep_cache=True)
-    runner.emulate_layer_s = 0.01
-    started = time.monotonic()
-    step = runner.step_ahead(output, first.token)
-    assert time.monotonic() - started >= 0.01 * model.config.num_hidden_layers
-    assert step.keys.shape == first.keys.shape and 0 <= step.token < model.config.vocab_size
+    for emulation in (Emulation(added_s=0.01), Emulation(floor_s=0.01)):
+        runner.emulation = emulation
+        started = time.monotonic()
+        step = runner.step_ahead(output, first.token)
+        assert time.monotonic() - started >= 0.01 * model.config.num_hidden_layers
+        assert step.keys.shape == first.keys.shape and 0 <= step.token < model.config.vocab_size
+        assert emulation.slept_s > 0
 
 
 def test_the_kv_keeps_crossing_during_a_head_start_so_the_decode_node_takes_over():

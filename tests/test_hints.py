@@ -13,6 +13,7 @@ from smartgen.engine.policy import Policy, ProactiveMode, get_policy
 from smartgen.engine.pool import PrefillStore
 from smartgen.engine.prefill import OpenedRequest, PrefillEngine
 from smartgen.lanes.base import Message
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.models import model_from_config
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.selectors.base import ModelInfo
@@ -208,6 +209,7 @@ def test_prefetch_speculates_a_selection_only_for_the_requests_that_prefetch():
         capture=SimpleNamespace(get=lambda layer: captured),
         worker=SimpleNamespace(submit=lambda fn, *args: submitted.append(args) or Future()),
         prefetch=lambda *args: None,
+        emulation=Emulation(),
     )
     batch = DecodeBatch(["a", "b", "c"], [10, 12, 14], [[{}], [{}], [{}]], torch.tensor([1, 2, 3]))
     _DecodeHandler(runner, batch)._look_ahead(1)  # type: ignore[arg-type]

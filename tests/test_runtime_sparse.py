@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from smartgen.engine.policy import get_policy
 from smartgen.runtime.cache_kwarg import with_cache
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.models import model_from_config, model_info
 from smartgen.runtime.pipeline import InprocPipeline
 from smartgen.runtime.prefill import PrefillRunner, capture_qk, infinigen_skewing
@@ -163,18 +164,23 @@ def test_query_proactive_set_keeps_the_numbers_and_is_used(llama, monkeypatch):
     assert {layer for layer, scored in seen if scored} == {2, 3}  # every layer past the always-sent ones
 
 
-def test_every_decode_step_is_counted_by_batch_size_with_its_parts(llama):
+@pytest.mark.parametrize("floor", [False, True])
+def test_every_decode_step_is_counted_by_batch_size_with_its_parts(llama, floor):
     """The decode node's step breakdown (`PathCounters.add_step`, the bench's step table): each step's wall time,
-    its thread's CPU, the emulated compute it slept and its waits for fetch replies, by the batch it ran."""
+    its thread's CPU, the emulated compute it slept and its waits for fetch replies, by the batch it ran. With a
+    floor, every step's CPU and sleep together reach the floor of all its layers."""
     layers = llama.config.num_hidden_layers
     with InprocPipeline(llama, get_policy("partial"), "quest", {"budget": 0.3, "page_size": 4}, num_blocks=16) as p:
-        p.decode_runner.emulate_layer_s = 0.002
+        p.decode_runner.emulation = Emulation(floor_s=0.002) if floor else Emulation(added_s=0.002)
         results = p.generate(_prompts(), NEW_TOKENS)
         steps = p.decode_engine.counters.snapshot()["steps"]
     assert set(steps) <= {"1", "2"} and steps
     assert sum(parts["steps"] for parts in steps.values()) >= NEW_TOKENS - 1
     assert sum(int(b) * parts["steps"] for b, parts in steps.items()) == sum(len(r.tokens) - 1 for r in results)
     for parts in steps.values():
-        assert parts["emulated_s"] >= parts["steps"] * layers * 0.002  # every layer of every step slept
+        if floor:  # each step's own CPU counts toward its floor (sleeps overshoot by microseconds at most)
+            assert parts["emulated_s"] + parts["cpu_s"] >= parts["steps"] * layers * 0.002 * 0.999
+        else:
+            assert parts["emulated_s"] >= parts["steps"] * layers * 0.002  # every layer of every step slept
         assert parts["wall_s"] >= parts["cpu_s"] > 0 and parts["wall_s"] >= parts["emulated_s"] + parts["wait_s"]
     assert sum(parts["wait_s"] for parts in steps.values()) > 0  # partial fetches layers >= 2 at every step

@@ -17,6 +17,7 @@ from smartgen.roles.launch import DTYPES, NodeSettings, build_decode_node, build
 from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.peers import Connect
 from smartgen.roles.prefill_node import PrefillNode
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.models import load_model
 
 __all__ = ["ColocatedNode", "DecodeSettings", "INPROC_PEER", "build_colocated_node", "inproc_connect"]
@@ -34,7 +35,12 @@ class DecodeSettings:
     max_tokens: int = 8192
     max_waiting: int = 64
     emulate_layer_ms: float = 0.0
+    emulate_floor_ms: float = 0.0  # or: each decode layer topped up to this (runtime/emulation.py)
     limits: DecodeLimits | None = None
+
+    def emulation(self) -> Emulation:
+        """The emulated decode device these settings ask for (`--emulate-layer-ms` or `--emulate-layer-floor-ms`)."""
+        return Emulation(self.emulate_layer_ms / 1e3, self.emulate_floor_ms / 1e3)
 
 
 @dataclass(slots=True)
@@ -89,7 +95,7 @@ def build_colocated_node(
             decode.max_batch,
             decode.max_tokens,
             decode.max_waiting,
-            emulate_layer_ms=decode.emulate_layer_ms,
+            emulation=decode.emulation(),
             limits=decode.limits,
             model=model,
             connect=connect,

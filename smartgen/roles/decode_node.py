@@ -31,6 +31,7 @@ from smartgen.roles.peers import Connect, PrefillPeers
 from smartgen.roles.placement import PrefixAffinity
 from smartgen.roles.scheduler import DecodeScheduler
 from smartgen.runtime.decode import DecodeRunner
+from smartgen.runtime.emulation import Emulation
 from smartgen.selectors.base import Selector
 
 __all__ = ["DecodeNode", "staged_pool"]
@@ -57,7 +58,7 @@ class DecodeNode:
         max_waiting: int = 64,
         lane: str = "tcp",
         rdma: RdmaOptions | None = None,
-        emulate_layer_s: float = 0.0,
+        emulation: Emulation | None = None,
         limits: DecodeLimits | None = None,
         prefix_cache: PrefixCache | None = None,
         tls: TlsFiles | None = None,
@@ -107,7 +108,7 @@ class DecodeNode:
             self.peers.stop()
             self.engine.close()
             raise
-        self.runner = DecodeRunner(model, selector, self.engine, emulate_layer_s=emulate_layer_s)
+        self.runner = DecodeRunner(model, selector, self.engine, emulation=emulation)
         self.scheduler = DecodeScheduler(
             self.runner,
             tokenizer,

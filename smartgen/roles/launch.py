@@ -22,6 +22,7 @@ from smartgen.roles.limits import DecodeLimits, PrefillLimits
 from smartgen.roles.peers import Connect
 from smartgen.roles.planner import NodePlanner, ProfileMatch
 from smartgen.roles.prefill_node import PrefillNode
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.fingerprint import model_fingerprint
 from smartgen.runtime.models import kv_layout, load_model, model_info
 from smartgen.selectors import make_selector, selector_kind
@@ -187,7 +188,7 @@ def build_decode_node(
     max_batch: int,
     max_tokens: int,
     max_waiting: int,
-    emulate_layer_ms: float = 0.0,
+    emulation: Emulation | None = None,
     limits: DecodeLimits | None = None,
     model: PreTrainedModel | None = None,
     connect: Connect | None = None,
@@ -220,7 +221,7 @@ def build_decode_node(
         max_waiting=max_waiting,
         lane=settings.lane,
         rdma=settings.rdma,
-        emulate_layer_s=emulate_layer_ms / 1e3,
+        emulation=emulation,
         limits=replace(limits or DecodeLimits(), lease_s=settings.lease_s),
         prefix_cache=settings.prefix_cache(LinkCost(settings.link_gbps or 25.0)),  # unpaced: any rate ranks the same
         tls=settings.tls,

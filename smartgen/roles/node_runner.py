@@ -194,11 +194,11 @@ def _start(settings: ServeSettings, say: Callable[[str], None]) -> RunningNode:
                 s.node, host, port, s.node.db, s.fallback_strategy, model_name, s.prefill_limits
             )
             # the decode steps a prefill node runs (forecast, head start) pay the decode device's emulated compute
-            prefill.runner.emulate_layer_s = s.decode.emulate_layer_ms / 1e3
+            prefill.runner.emulation = s.decode.emulation()
             running._start_prefill(prefill, note)
         elif s.role == "both":
             both, note = build_colocated_node(s.node, s.fallback_strategy, model_name, s.prefill_limits, s.decode)
-            both.prefill.runner.emulate_layer_s = s.decode.emulate_layer_ms / 1e3
+            both.prefill.runner.emulation = s.decode.emulation()
             try:
                 running._start_prefill(both.prefill, note)
             except BaseException:
@@ -218,7 +218,7 @@ def _start(settings: ServeSettings, say: Callable[[str], None]) -> RunningNode:
                 d.max_batch,
                 d.max_tokens,
                 d.max_waiting,
-                emulate_layer_ms=d.emulate_layer_ms,
+                emulation=d.emulation(),
                 limits=decode_limits,
                 ingress_gbps=s.ingress_gbps,
             )

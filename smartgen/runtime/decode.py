@@ -29,6 +29,7 @@ from smartgen.engine.decode import Assembled, DecodeEngine
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.capture import HiddenCapture
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.hooks import use_handler
 from smartgen.runtime.models import check_runnable, layer_kinds, model_info
 from smartgen.runtime.sampling import Sampler
@@ -110,6 +111,7 @@ class _DecodeHandler:
         self.batch = batch
         self.pending: dict[int, Future] = {}
         self.prefetching: dict[int, Future] = {}  # layer -> its prefetch being sent (wait before assembling it)
+        self.emulated = runner.emulation.step() if runner.emulation else None
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         runner, batch = self.runner, self.batch
@@ -124,8 +126,8 @@ class _DecodeHandler:
             # EngineCache.update has already appended this token, so the span ends with it
             out = span_decode_attention(query[:, :, -1], spans, scaling, softcap)
             self._look_ahead(layer)
-            if runner.emulate_layer_s:
-                runner.emulate()
+            if self.emulated is not None:
+                self.emulated.layer()
             return out.unsqueeze(1), None
         if future is not None:
             assembled = future.result()
@@ -145,8 +147,8 @@ class _DecodeHandler:
             softcap=softcap,
         )
         self._look_ahead(layer)
-        if runner.emulate_layer_s:  # benchmarks: a slower decode device's compute, overlapping the look-ahead fetch
-            runner.emulate()
+        if self.emulated is not None:  # benchmarks: a slower decode device's compute, overlapping the look-ahead fetch
+            self.emulated.layer()
         return out.unsqueeze(1), None  # [B, 1, Hq, d]
 
     def _look_ahead(self, layer: int) -> None:
@@ -185,15 +187,12 @@ class DecodeRunner:
         engine: DecodeEngine,
         sampler: Sampler | None = None,
         *,
-        emulate_layer_s: float = 0.0,
+        emulation: Emulation | None = None,
     ) -> None:
-        """`emulate_layer_s` adds that much sleep to every layer of every step: a benchmark's stand-in for a slower
-        decode device, so one step's link budget matches a real deployment's (see `smartgen bench`)."""
+        """`emulation` sleeps in every layer of every step: a benchmark's stand-in for a slower decode device, so
+        one step's link budget matches a real deployment's (see `smartgen bench` and runtime/emulation.py)."""
         check_runnable(model)
-        if emulate_layer_s < 0:
-            raise ValueError(f"emulated layer time must be >= 0, got {emulate_layer_s}")
-        self.emulate_layer_s = emulate_layer_s
-        self.emulated_s = 0.0  # slept so far (emulate)
+        self.emulation = emulation or Emulation()
         self.model = model
         self.selector = selector
         self.engine = engine
@@ -207,12 +206,6 @@ class DecodeRunner:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
         self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
         self._widened: dict[float, Selector | None] = {}  # the selector at (1 + hints) x its budget
-
-    def emulate(self) -> None:
-        """Sleeps one layer's emulated compute (`emulate_layer_s`), counted for the step's breakdown."""
-        started = time.monotonic()
-        time.sleep(self.emulate_layer_s)
-        self.emulated_s += time.monotonic() - started
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
@@ -339,13 +332,19 @@ class DecodeRunner:
     def step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each request's last token; returns (next tokens [B], logits [B, V] float32). Counts the step's wall
         time, its thread's CPU, the emulated compute and the link waits by batch size (`PathCounters.add_step`)."""
-        started, cpu, emulated, waited = time.monotonic(), time.thread_time(), self.emulated_s, self.engine.link_wait_s
+        emulation = self.emulation
+        started, cpu, emulated, waited = (
+            time.monotonic(),
+            time.thread_time(),
+            emulation.slept_s,
+            self.engine.link_wait_s,
+        )
         tokens, logits = self._step(batch)
         self.engine.counters.add_step(
             len(batch.request_ids),
             time.monotonic() - started,
             time.thread_time() - cpu,
-            self.emulated_s - emulated,
+            emulation.slept_s - emulated,
             self.engine.link_wait_s - waited,
         )
         return tokens, logits

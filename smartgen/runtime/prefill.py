@@ -6,7 +6,6 @@ so the engine can push a layer's planned blocks while later layers compute.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from smartgen.engine.attention import sparse_decode_attention
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.capture import HiddenCapture
+from smartgen.runtime.emulation import Emulation
 from smartgen.runtime.hooks import dense_attention, use_handler
 from smartgen.runtime.models import LayerKinds, check_runnable, layer_kinds
 from smartgen.runtime.sampling import Sampler
@@ -116,9 +116,9 @@ class PrefillRunner:
         self.model = model
         self.selector = selector
         self.sampler = sampler or Sampler()
-        # benchmarks: the decode node's emulated compute per layer (`serve --emulate-layer-ms`), slept in every
-        # decode step this node runs (the forecast, a head start): they stand for the same device's steps
-        self.emulate_layer_s = 0.0
+        # benchmarks: the decode node's emulated compute per layer (`serve --emulate-layer-ms`, or its floor), slept
+        # in every decode step this node runs (the forecast, a head start): they stand for the same device's steps
+        self.emulation = Emulation()
         self.kinds = layer_kinds(model.config)
         needs_hidden = selector is not None and getattr(selector, "needs_prefill_hidden", False)
         self.capture = HiddenCapture(model) if needs_hidden else None
@@ -237,7 +237,7 @@ class PrefillRunner:
             self.selector if sparse else None,
             output.metadata,
             output.length,
-            emulate_layer_s=self.emulate_layer_s,
+            emulation=self.emulation,
             yield_to=yield_to if _truncatable(output.cache) else None,
         )
         position = output.cache.get_seq_length()  # the prompt, and any token a step before this one added
@@ -286,11 +286,11 @@ class _ForecastHandler:
         metadata: list[dict[str, torch.Tensor]],
         length: int,
         *,
-        emulate_layer_s: float = 0.0,
+        emulation: Emulation | None = None,
         yield_to: Callable[[], bool] | None = None,
     ) -> None:
-        """`emulate_layer_s` is slept in each layer, as the decode node's runner does; `yield_to` is asked before
-        each layer, and True gives the step up (StepYielded)."""
+        """`emulation` sleeps in each layer, as the decode node's runner does; `yield_to` is asked before each
+        layer, and True gives the step up (StepYielded)."""
         self.kinds = kinds
         self.selector = selector
         self.metadata = metadata
@@ -298,15 +298,15 @@ class _ForecastHandler:
         self.queries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}  # per layer the stepped token's K [H, d] (the last entry of `key`)
         self.values: dict[int, torch.Tensor] = {}
-        self.emulate_layer_s = emulate_layer_s
+        self.emulated = emulation.step() if emulation else None
         self.yield_to = yield_to
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs: Any):
         if self.yield_to is not None and self.yield_to():
             raise StepYielded
         out = self._attend(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
-        if self.emulate_layer_s:
-            time.sleep(self.emulate_layer_s)
+        if self.emulated is not None:
+            self.emulated.layer()
         return out
 
     def _attend(self, module, query, key, value, attention_mask, scaling, softcap, **kwargs: Any):

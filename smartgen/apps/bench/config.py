@@ -36,6 +36,9 @@ DEFAULT_SCHEMES = (
 DEFAULT_STRATEGIES = ("random", "sequential", "streaming", "optimal")
 DEFAULT_TASKS = ("passkey", "niah_single")
 PREFIX_CACHE_SIDES = ("prefill", "decode", "both")
+# how the decode-side ratio's step is emulated (runtime/emulation.py): a sleep added to every layer, or every layer
+# topped up to a floor (a batch's step then costs one request's, as on a GPU)
+DECODE_EMULATIONS = ("added", "floor")
 SERVE_MAX_BATCH = 8  # `smartgen serve --max-batch`'s default: load and trace modes' decode node, unless given
 PAPER_STALL_RATIO = 4.7  # full transfer / prefill on the paper's testbed (25-32 Gbit/s)
 
@@ -154,6 +157,7 @@ class BenchConfig:
     stall_ratio: tuple[float, ...] = (PAPER_STALL_RATIO,)
     link_gbps: tuple[float, ...] = ()  # when given, replaces stall_ratio
     decode_ratio: float | None = None  # link bytes per all-local step / selected bytes per step; None = native
+    decode_emulation: str = "added"  # how that step is emulated: "added" to each layer, or each layer's "floor"
     separate_cpus: bool = True  # prefill and decode nodes on disjoint CPUs, as on separate machines (cluster.py)
     device: str = "cpu"  # every node's `serve --device` (cuda:0 on a GPU machine)
     blocks: tuple[int, ...] = (1024,)
@@ -260,6 +264,10 @@ class BenchConfig:
             raise ValueError(f"--router policies are {', '.join(POLICIES)} (unknown: {', '.join(unknown)})")
         if self.decode_ratio is not None and self.decode_ratio <= 0:
             raise ValueError("--decode-ratio must be positive")
+        if self.decode_emulation not in DECODE_EMULATIONS:
+            raise ValueError(
+                f"--decode-emulation is one of {', '.join(DECODE_EMULATIONS)}, got {self.decode_emulation!r}"
+            )
         self.load_spec()  # its own checks
         self.slos()
         if self.needs_oracle and self.loaded:

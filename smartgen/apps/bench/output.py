@@ -28,6 +28,7 @@ CSV_COLUMNS = (
     "link_gbps",
     "stall_ratio",
     "decode_ratio",
+    "decode_emulation",  # how the decode device was emulated: added, floor, or native (none)
     "blocks",
     "budget",
     "speculative_ratio",
@@ -93,6 +94,7 @@ def _row(result: BenchResult, s: Summary) -> dict[str, Any]:
         "link_gbps": regime.link_gbps,
         "stall_ratio": regime.stall_ratio,
         "decode_ratio": regime.decode_ratio,
+        "decode_emulation": "floor" if regime.emulate_floor_ms else "added" if regime.emulate_layer_ms else "native",
         "blocks": point.blocks,
         "budget": point.budget,
         "speculative_ratio": point.speculative_ratio,

@@ -19,7 +19,7 @@ class Regime:
     reference_length: int
     prefill_s: dict[int, float]  # prompt length -> prefill as served (pilot TTFT)
     step_s: dict[int, float]  # prompt length -> all-local decode step (pilot TBT, before emulation)
-    emulate_layer_ms: float
+    emulate_layer_ms: float  # sleep added to each decode layer (0 with a floor)
     decode_ratio: float  # link bytes in one all-local step / selected bytes of a step (estimated)
     kv_bytes_per_token: int
     num_layers: int
@@ -29,6 +29,7 @@ class Regime:
     # prompt length -> batch -> the all-local step with that many requests decoding together (pilot, client's clock,
     # before emulation; local_step.py); batch 1 is step_s
     batch_step_s: dict[int, dict[int, float]] = field(default_factory=dict)
+    emulate_floor_ms: float = 0.0  # or: each decode layer topped up to this much compute (`--decode-emulation floor`)
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ from smartgen.apps.bench.phases import Phases, ProgressFn
 from smartgen.apps.bench.results import BenchResult, Group, Regime
 from smartgen.apps.bench.watch import NodeWatch, num_links, read_link
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
-from smartgen.apps.regime import decode_side, emulate_flags, link_for, step_selected_bytes
+from smartgen.apps.regime import decode_side, emulate_flags, emulation_words, link_for, step_selected_bytes
 from smartgen.engine.metrics import FETCH_KINDS, STEP_FIELDS
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
@@ -133,7 +133,7 @@ def run_bench(
         say(
             f"nodes over the {lane_words(config.lane)}: link {regime.link_gbps * 1e3:.1f} Mbit/s (full transfer {regime.stall_ratio:.2f}x prefill at "
             f"{regime.reference_length} tokens), decode-side ratio {regime.decode_ratio:.3f}"
-            + (f" (+{regime.emulate_layer_ms:.2f} ms emulated per layer)" if regime.emulate_layer_ms else "")
+            + emulation_words(regime.emulate_layer_ms, regime.emulate_floor_ms)
             + f", CPUs {regime.cpus}"
         )
         spec = _spec(config, model_path, first, regime)
@@ -341,19 +341,26 @@ def _regime(config: BenchConfig, point: Point, pilot: dict[int, tuple[float, flo
     stall = config.link_mode == "stall"
     link = link_for(kv, prefill_s, stall_ratio=point.link if stall else None, gbps=None if stall else point.link)
     selected = step_selected_bytes(point.budget, reference, token_bytes, layers)
-    side = decode_side(config.decode_ratio, selected, bytes_per_second(link.link_gbps), step_s, layers)
-    emulate_ms, decode_ratio = side
+    side = decode_side(
+        config.decode_ratio,
+        selected,
+        bytes_per_second(link.link_gbps),
+        step_s,
+        layers,
+        floor=config.decode_emulation == "floor",
+    )
     return Regime(
         link_gbps=link.link_gbps,
         stall_ratio=link.stall_ratio,
         reference_length=reference,
         prefill_s={n: p for n, (p, _) in pilot.items()},
         step_s={n: s for n, (_, s) in pilot.items()},
-        emulate_layer_ms=emulate_ms,
-        decode_ratio=decode_ratio,
+        emulate_layer_ms=side.emulate_layer_ms,
+        decode_ratio=side.decode_ratio,
         kv_bytes_per_token=token_bytes,
         num_layers=layers,
         cpus=_cpu_words(config),
+        emulate_floor_ms=side.emulate_floor_ms,
     )
 
 
@@ -366,7 +373,7 @@ def _cpu_words(config: BenchConfig) -> str:
 
 
 def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -> ClusterSpec:
-    extra = emulate_flags(regime.emulate_layer_ms)
+    extra = emulate_flags(regime.emulate_layer_ms, regime.emulate_floor_ms)
     if config.shared_link:  # one link into the decode node at the regime's rate, whatever sends over it
         extra = (*extra, "--ingress-gbps", f"{regime.link_gbps:.9f}")
     return ClusterSpec(
@@ -387,7 +394,7 @@ def _spec(config: BenchConfig, model_path: Path, point: Point, regime: Regime) -
         device=config.device,
         decode_extra=extra,
         # the prefill node's own decode steps (forecast, head start) pay the same emulated compute
-        prefill_extra=emulate_flags(regime.emulate_layer_ms),
+        prefill_extra=emulate_flags(regime.emulate_layer_ms, regime.emulate_floor_ms),
         prefill_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "decode" else "0",
         decode_cache=PREFIX_CACHE_BYTES if config.prefix_hit and config.prefix_cache != "prefill" else "0",
     )

@@ -287,6 +287,8 @@ def local_tbt(regime: Regime, length: int, batch: int) -> float | None:
     native = regime.step_s.get(length) if batch == 1 else regime.batch_step_s.get(length, {}).get(batch)
     if native is None:
         return None
+    if regime.emulate_floor_ms:  # each layer topped up to the floor: the batch's compute, where it fits, is hidden
+        return max(native, regime.emulate_floor_ms * regime.num_layers / 1e3)
     return native + regime.emulate_layer_ms * regime.num_layers / 1e3
 
 

@@ -13,6 +13,7 @@ from smartgen.apps.bench.config import lane_words
 from smartgen.apps.bench.results import Regime
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
+from smartgen.apps.regime import emulation_words
 
 __all__ = ["point_tables", "steps_table", "regime_line", "load_table", "latency_table", "nodes_table", "prefix_table"]
 
@@ -45,7 +46,7 @@ def regime_line(result: BenchResult, point: int) -> str:
         f"{p.label(result.config.link_mode)}: {lane_words(result.config.lane)}, link {r.link_gbps * 1e3:.1f} Mbit/s, stall ratio {r.stall_ratio:.2f} "
         f"(full transfer / prefill), decode-side ratio {r.decode_ratio:.3f} (link bytes per all-local step / "
         f"selected bytes per step), prefill {_ms(prefill)} ms, step {_ms(step)} ms"
-        + (f" + {r.emulate_layer_ms:.2f} ms/layer emulated" if r.emulate_layer_ms else "")
+        + emulation_words(r.emulate_layer_ms, r.emulate_floor_ms)
         + _batch_step_words(r, p.length, p.batch)
         + f", CPUs {r.cpus}"
         + pacing_words(r.link, p.prefill_nodes)
