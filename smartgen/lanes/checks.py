@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from smartgen.lanes.row_table import RowTable, check_write_table
 from smartgen.lanes.wire import recv_into_exact
 
-__all__ = ["check_write_ops", "check_ack", "check_payload_spec", "drain", "MAX_MESSAGE_BYTES", "MAX_OPS"]
+__all__ = ["check_write", "check_write_ops", "check_ack", "check_payload_spec", "drain", "MAX_MESSAGE_BYTES", "MAX_OPS"]
 
 MAX_MESSAGE_BYTES = 4 * 2**30  # a message's tensors (a fetch reply of a long prompt is ~100s of MiB)
 MAX_OPS = 1 << 20  # descriptors in one WRITE
@@ -24,6 +25,17 @@ def _int(value: Any, what: str) -> int:
     if type(value) is not int:  # bool is an int subclass; JSON floats are not offsets
         raise ConnectionError(f"{what} is not an integer: {value!r}")
     return value
+
+
+def check_write(meta: dict[str, Any], payload_length: int) -> list[tuple[str, int, int]] | RowTable:
+    """A WRITE's descriptors, checked: a RowTable where the sender sent them as a table (`row_table`), else the
+    list `check_write_ops` makes of its `ops`."""
+    if "table" not in meta:
+        return check_write_ops(meta, payload_length)
+    _int(meta.get("seq"), "WRITE seq")
+    if "ops" in meta:
+        raise ConnectionError("WRITE frame: both ops and a table")
+    return check_write_table(meta["table"], payload_length, MAX_OPS)
 
 
 def check_write_ops(meta: dict[str, Any], payload_length: int) -> list[tuple[str, int, int]]:

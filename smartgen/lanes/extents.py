@@ -5,6 +5,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["SlotExtents", "ExtentMap", "extents_meta", "parse_extents"]
 
 # region name -> [(start, stop), ...] byte ranges; what the owner of the regions passes to `Lane.accept`
@@ -14,13 +16,14 @@ ExtentMap = Mapping[str, Sequence[tuple[int, int]]]
 class SlotExtents:
     """A request's writable byte ranges; `allows` is a bisect per descriptor (thousands per batch)."""
 
-    __slots__ = ("_ranges",)
+    __slots__ = ("_ranges", "_arrays")
 
     def __init__(self, extents: ExtentMap) -> None:
         self._ranges: dict[str, tuple[list[int], list[int]]] = {}
         for region, ranges in extents.items():
             ordered = sorted((int(a), int(b)) for a, b in ranges if b > a)
             self._ranges[region] = ([a for a, _ in ordered], [b for _, b in ordered])
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # made on first `allows_many`
 
     def allows(self, region: str, offset: int, length: int) -> bool:
         """True when [offset, offset + length) lies inside one of the region's ranges."""
@@ -30,6 +33,19 @@ class SlotExtents:
         starts, stops = found
         i = bisect_right(starts, offset) - 1
         return i >= 0 and offset + length <= stops[i]
+
+    def allows_many(self, region: str, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """`allows` for many descriptors of one region at once (int64 arrays): one bool per descriptor."""
+        found = self._ranges.get(region)
+        if found is None or not found[0]:
+            return np.zeros(len(offsets), dtype=bool)
+        arrays = self._arrays.get(region)
+        if arrays is None:
+            arrays = self._arrays[region] = (np.array(found[0], dtype=np.int64), np.array(found[1], dtype=np.int64))
+        starts, stops = arrays
+        i = np.searchsorted(starts, offsets, side="right") - 1
+        inside = offsets + lengths <= stops[np.maximum(i, 0)]
+        return (i >= 0) & (lengths > 0) & (offsets >= 0) & inside
 
 
 def extents_meta(extents: ExtentMap) -> dict[str, list[list[int]]]:

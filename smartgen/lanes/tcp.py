@@ -20,15 +20,18 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from smartgen.lanes.base import Completion, Message, WriteOp
-from smartgen.lanes.checks import check_ack, check_write_ops
+from smartgen.lanes.checks import check_ack, check_write
 from smartgen.lanes.framing import bytes_view, message_frame, recv_message
 from smartgen.lanes.liveness import arm_in_kernel, heartbeat_loop, lease_of
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.reader import FrameReader
+from smartgen.lanes.row_table import RowTable, encode_table
+from smartgen.lanes.scatter import copy_rows, overlapping, phases, worth_gathering
 from smartgen.lanes.vectored import send_views
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, header_bytes, send_frame
 
@@ -190,10 +193,15 @@ class TcpLane(QueuedLane):
 
     @staticmethod
     def _write_frames(batches: list[_Batch], stamp: dict) -> list[memoryview]:
-        """The WRITE frames of `batches`, header then payload rows each, straight from the source tensors."""
+        """The WRITE frames of `batches`, header then payload each: rows straight from the source tensors, or, for
+        many small rows, gathered into one buffer with their descriptors as a table (`_gathered_frame`)."""
         cache: dict[int, memoryview] = {}  # per source tensor; the batches hold the tensors alive meanwhile
         parts: list[memoryview] = []
         for batch in batches:
+            gathered = _gathered_frame(batch, stamp)
+            if gathered is not None:
+                parts += gathered
+                continue
             meta = {"seq": batch.seq, "ops": [[op.dst, op.dst_offset, op.length] for op in batch.ops], **stamp}
             parts.append(memoryview(header_bytes(FrameType.WRITE, batch.request_id, meta, batch.num_bytes)))
             views = {name: _cached_view(cache, tensor) for name, tensor in batch.sources.items()}
@@ -246,45 +254,91 @@ class TcpLane(QueuedLane):
         return self._pacer.delay_s
 
     def _receive_write(self, frame) -> None:
-        ops = check_write_ops(frame.meta, frame.payload_length)
-        reader = self._reader
+        checked = check_write(frame.meta, frame.payload_length)
+        table = checked if isinstance(checked, RowTable) else None
+        if not isinstance(checked, RowTable) and worth_gathering(len(checked), frame.payload_length):
+            table = RowTable.from_ops(checked)
         with self._apply_lock:
-            accepted = applied = frame.request_id in self._accepted
-            allowed = self._accepted.get(frame.request_id)
-            # per region this frame names: its host byte view, or None (not accepted, unknown, device memory);
-            # a descriptor then costs a bounds check and a bisect, not a region lookup (thousands a frame)
-            views: dict[str, memoryview | None] = {}
-            rows: list[memoryview] = []  # host destinations not yet read: filled by one call when the run ends
-            for dst, offset, length in ops:
-                if dst in views:
-                    view = views[dst]
-                else:
-                    region = self._regions.get(dst) if accepted else None
-                    on_host = region is not None and region.device.type == "cpu"
-                    view = views[dst] = self._host_view(dst, region) if region is not None and on_host else None
-                if (
-                    view is not None
-                    and offset + length <= len(view)
-                    and (allowed is None or allowed.allows(dst, offset, length))
-                ):
-                    rows.append(view[offset : offset + length])
-                    continue
-                region = self._target(frame.request_id, dst, offset, length)  # refused, or device memory
-                reader.read_into_views(rows)
-                rows = []
-                if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
-                    applied = False
-                    reader.skip(length)
-                else:  # device memory: land through a host buffer
-                    staging = bytearray(length)
-                    reader.read_into(memoryview(staging))
-                    region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
-            reader.read_into_views(rows)
+            applied = None if table is None else self._land_gathered(frame.request_id, table, frame.payload_length)
+            if applied is None:  # row by row: the list as sent, or the table's rows
+                applied = self._land_rows(
+                    frame.request_id, checked.as_ops() if isinstance(checked, RowTable) else checked
+                )
         # Acknowledged when this thread would next wait on the socket (the reader's `before_wait`): WRITEs that
         # arrived together share one ACK.
         self._unacked = frame.meta["seq"]
         if not applied:
             self._dropped.append(frame.meta["seq"])
+
+    def _land_rows(self, request_id: str, ops: list[tuple[str, int, int]]) -> bool:
+        """Lands a WRITE's payload row by row, host rows straight from the socket; False when any row was dropped.
+        Call with the apply lock held."""
+        reader = self._reader
+        accepted = applied = request_id in self._accepted
+        allowed = self._accepted.get(request_id)
+        # per region this frame names: its host byte view, or None (not accepted, unknown, device memory);
+        # a descriptor then costs a bounds check and a bisect, not a region lookup (thousands a frame)
+        views: dict[str, memoryview | None] = {}
+        rows: list[memoryview] = []  # host destinations not yet read: filled by one call when the run ends
+        for dst, offset, length in ops:
+            if dst in views:
+                view = views[dst]
+            else:
+                region = self._regions.get(dst) if accepted else None
+                on_host = region is not None and region.device.type == "cpu"
+                view = views[dst] = self._host_view(dst, region) if region is not None and on_host else None
+            if (
+                view is not None
+                and offset + length <= len(view)
+                and (allowed is None or allowed.allows(dst, offset, length))
+            ):
+                rows.append(view[offset : offset + length])
+                continue
+            region = self._target(request_id, dst, offset, length)  # refused, or device memory
+            reader.read_into_views(rows)
+            rows = []
+            if region is None:  # not accepted, unknown region, or outside the request's slot: drained, dropped
+                applied = False
+                reader.skip(length)
+            else:  # device memory: land through a host buffer
+                staging = bytearray(length)
+                reader.read_into(memoryview(staging))
+                region[offset : offset + length].copy_(torch.frombuffer(staging, dtype=torch.uint8))
+        reader.read_into_views(rows)
+        return applied
+
+    def _land_gathered(self, request_id: str, table: RowTable, payload_bytes: int) -> bool | None:
+        """Lands a WRITE of many small rows from one staging read by strided copies (`scatter`); False when any row
+        was dropped (outside its region or the request's extents), None when this path does not apply (few or
+        large rows, a request not accepted, a region unknown or in device memory). Call with the apply lock held."""
+        if request_id not in self._accepted or not worth_gathering(len(table), payload_bytes):
+            return None
+        flats = []
+        for name in table.names:
+            region = self._regions.get(name)
+            if region is None or region.device.type != "cpu":
+                return None
+            flats.append(np.frombuffer(self._host_view(name, region), dtype=np.uint8))
+        staging = np.empty(payload_bytes, dtype=np.uint8)
+        self._reader.read_into(memoryview(staging))  # type: ignore[arg-type]  # numpy: __buffer__ from 3.12
+        codes, offset, length = table.codes, table.offsets, table.lengths
+        start = np.cumsum(length) - length  # each row's place in the payload
+        ok = offset + length <= np.array([len(flat) for flat in flats], dtype=np.int64)[codes]
+        allowed = self._accepted[request_id]
+        if allowed is not None:
+            for code, name in enumerate(table.names):
+                mine = codes == code
+                ok[mine] &= allowed.allows_many(name, offset[mine], length[mine])
+        for first, stop in phases(codes):
+            for code in np.unique(codes[first:stop]).tolist():
+                mine = (codes[first:stop] == code) & ok[first:stop]
+                dst, size, src = offset[first:stop][mine], length[first:stop][mine], start[first:stop][mine]
+                if overlapping(dst, size):  # rows that share bytes: in order, so the later one lands last
+                    for at, count, here in zip(dst.tolist(), size.tolist(), src.tolist()):
+                        flats[code][at : at + count] = staging[here : here + count]
+                elif len(dst):
+                    copy_rows(flats[code], dst, staging, src, size)
+        return bool(ok.all())
 
     def _host_view(self, name: str, region: torch.Tensor) -> memoryview:
         """A host region's byte view, made once per registration (making one costs more than landing 4 KiB)."""
@@ -324,6 +378,32 @@ class TcpLane(QueuedLane):
             # a dead, silent or misbehaving peer is worth a warning; an orderly goodbye is not
             log.log(logging.WARNING if protocol else logging.INFO, "%s: closing: %s", self.name, reason)
             self.close()
+
+
+def _gathered_frame(batch: _Batch, stamp: dict) -> list[memoryview] | None:
+    """A WRITE of many small rows as [header, payload]: the rows gathered by strided copies into one buffer (one
+    part for the socket and the pacer, not one each), the descriptors as a `row_table`. None when the batch has few
+    or large rows, or a source off the host."""
+    ops = batch.ops
+    if not worth_gathering(len(ops), batch.num_bytes) or any(t.device.type != "cpu" for t in batch.sources.values()):
+        return None
+    sources = list(batch.sources)
+    source_of = {name: i for i, name in enumerate(sources)}
+    regions = list(dict.fromkeys(op.dst for op in ops))
+    region_of = {name: i for i, name in enumerate(regions)}
+    columns = np.array(
+        [(source_of[op.src], op.src_offset, region_of[op.dst], op.dst_offset, op.length) for op in ops], dtype=np.int64
+    )
+    src_codes, src_offsets, codes, offsets, lengths = (np.ascontiguousarray(columns[:, i]) for i in range(5))
+    payload = np.empty(batch.num_bytes, dtype=np.uint8)
+    starts = np.cumsum(lengths) - lengths
+    for code in np.unique(src_codes).tolist():
+        mine = src_codes == code
+        flat = np.frombuffer(bytes_view(batch.sources[sources[code]]), dtype=np.uint8)
+        copy_rows(payload, starts[mine], flat, src_offsets[mine], lengths[mine])
+    meta = {"seq": batch.seq, "table": encode_table(regions, codes, offsets, lengths), **stamp}
+    header = memoryview(header_bytes(FrameType.WRITE, batch.request_id, meta, batch.num_bytes))
+    return [header, memoryview(payload)]  # type: ignore[arg-type]  # numpy: __buffer__ from Python 3.12
 
 
 def _cached_view(cache: dict[int, memoryview], tensor: torch.Tensor) -> memoryview:

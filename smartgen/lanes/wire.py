@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 # 2: mutual authentication, heartbeats; 3: an ACK acknowledges every WRITE up to its seq; 4: IDLE hints name
-# (token, head) entries, not tokens
-PROTOCOL_VERSION = 4
+# (token, head) entries, not tokens; 5: a WRITE of many small rows may carry them as a table (`row_table`)
+PROTOCOL_VERSION = 5
 MAGIC = b"SG"
 HEADER = struct.Struct("<2sBBHIQ")
 # Caps checked on the header, before a byte of the frame is allocated: above them is a protocol error.
@@ -55,7 +55,7 @@ class FrameType(IntEnum):
     HELLO = 2  # client -> server: version, HMAC of the nonce, model fingerprint, layout, channel
     WELCOME = 3  # server -> client: accepted
     REJECT = 4  # server -> client: refused, with the reason
-    WRITE = 5  # one-sided writes: meta {"seq", "ops": [[dst, offset, length], ...]}, payload = their bytes
+    WRITE = 5  # one-sided writes: meta {"seq", "ops": [[dst, offset, length], ...]} or {"seq", "table"}, payload = their bytes
     ACK = 6  # receiver -> sender: every WRITE up to meta["seq"] is done; meta["dropped"]: those not applied
     MESSAGE = 7  # a two-sided message: meta {"kind", "meta", "payload": [[name, dtype, shape], ...]}, payload
     FLUSH = 8  # sender -> receiver: answer with ACK once everything before this is applied
