@@ -128,6 +128,8 @@ def main() -> None:
         print(phases(requests))
         if threads := group.get("decode_threads"):  # what shared the decode node's CPU with its steps
             print("decode node CPU by thread (s): " + ", ".join(f"{role} {sec:.2f}" for role, sec in threads.items()))
+        if threads := group.get("prefill_threads"):  # what shared the prefill nodes' CPUs with prefill
+            print("prefill node CPU by thread (s): " + ", ".join(f"{role} {sec:.2f}" for role, sec in threads.items()))
         shown += 1
     if not shown:
         print("no measured round of those schemes (--all-rounds shows the warm-ups)")

@@ -65,7 +65,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
     data = json.loads((out / "results.json").read_text())
     measured = [g for g in data["groups"] if not g["warmup"]]
     assert measured
-    step_seconds = 0.0
+    step_seconds = prefill_seconds = 0.0
     for group in measured:
         for request in group["requests"]:
             assert request["error"] is None
@@ -103,6 +103,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         threads = group["decode_threads"]
         assert all(v > 0 for v in threads.values()) and list(threads.values()) == sorted(threads.values())[::-1]
         step_seconds += threads.get("decode-scheduler", 0.0)
+        prefill_threads = group["prefill_threads"]  # the prefill node's, the same way
+        assert all(v > 0 for v in prefill_threads.values())
+        prefill_seconds += prefill_threads.get("prefill-work", 0.0)
         if group["scheme"] == "full":  # every block of every layer, once: exactly the prompt's KV
             prompt = sum(r["prompt_tokens"] for r in group["requests"])
             assert group["path_bytes"]["full"] == SAMPLE_KV_BYTES_PER_TOKEN * prompt
@@ -133,7 +136,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
             assert steps >= 1 and wall >= cpu > 0 and wall >= emulated + wait and emulated >= 0  # --quick: native
         else:
             assert group["steps"] == {} and group["scheme"].startswith("smartgen"), group
-    assert step_seconds > 0  # the step thread's CPU, over every scheme's round
+    assert step_seconds > 0 and prefill_seconds > 0  # the step and prefill threads' CPU, over every scheme's round
     for group in measured:  # the decode node's requests and notices back to the prefill node are counted
         assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
     # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group

@@ -57,6 +57,8 @@ class Group:
     # the decode node's CPU seconds over the group by thread role (roles/thread_cpu.py), busiest first: what shared
     # its CPU with the decode step
     decode_threads: dict[str, float] = field(default_factory=dict)
+    # the same for the prefill nodes (summed by role): what shared their CPUs with prefill and forecast steps
+    prefill_threads: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

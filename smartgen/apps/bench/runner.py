@@ -419,7 +419,7 @@ def _totals(status: dict[str, Any]) -> dict[str, float]:
     bytes the decode node sent back over its links (`link_bytes_back`), its fetch replies landed and their summed
     time from sending to landing (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`), and its
     decode steps by batch size (`steps.<batch>.<part>`, metrics.STEP_FIELDS) and its threads' CPU seconds by role
-    (`threads.<role>`, roles/thread_cpu.py)."""
+    (`threads.<role>`, roles/thread_cpu.py; the prefill nodes' summed, `prefill_threads.<role>`)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
     totals.update(descriptors=0, posting_s=0.0, link_bytes=0, link_bytes_back=0)
     paths = status["decode"].get("paths", {})
@@ -436,6 +436,8 @@ def _totals(status: dict[str, Any]) -> dict[str, float]:
     for link in status["decode"].get("links", []):
         totals["link_bytes_back"] += link["push"]["bytes_sent"] + link["control"]["bytes_sent"]
     for node in status["prefill"]:
+        for role, seconds in node.get("threads_cpu", {}).items():
+            totals[f"prefill_threads.{role}"] = totals.get(f"prefill_threads.{role}", 0.0) + seconds
         for path in TRANSFER_PATHS:
             totals[f"bytes.{path}"] += node["paths"]["bytes"].get(path, 0)
         for link in node["links"]:
@@ -542,21 +544,23 @@ def _run_group(
         },
         steps=step_deltas(before, after),
         decode_threads=thread_deltas(before, after),
+        prefill_threads=thread_deltas(before, after, "prefill_threads."),
         joins=[asdict(join) for join in find_joins(requests)],
     ), counts
 
 
-def thread_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The decode node's CPU seconds by thread role over a group (`threads.<role>` totals), busiest first; roles that
-    used none left out, and a role whose threads ended meanwhile (a link closed) counts from zero."""
+def thread_deltas(before: dict[str, float], after: dict[str, float], prefix: str = "threads.") -> dict[str, float]:
+    """The decode node's CPU seconds by thread role over a group (`threads.<role>` totals; the prefill nodes' with
+    `prefix` "prefill_threads."), busiest first; roles that used none left out, and a role whose threads ended
+    meanwhile (a link closed) counts from zero."""
     deltas = {}
     for key, value in after.items():
-        if key.startswith("threads."):
+        if key.startswith(prefix):
             spent = value - before.get(key, 0.0)
             if spent < 0:  # its threads were replaced: what the new ones used is all there is
                 spent = value
             if spent > 0:
-                deltas[key.removeprefix("threads.")] = round(spent, 3)
+                deltas[key.removeprefix(prefix)] = round(spent, 3)
     return dict(sorted(deltas.items(), key=lambda item: -item[1]))
 
 
