@@ -2,8 +2,16 @@
 around them (three descriptors per run); on a slow link it never resends a token."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from smartgen.engine.descriptors import block_write_ops, bridge_runs
+from smartgen.engine.descriptors import (
+    _entry_write_ops,
+    _layer_write_ops,
+    block_write_ops,
+    bridge_runs,
+    token_write_ops,
+)
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.planning import Planner
 from smartgen.engine.policy import get_policy
@@ -120,3 +128,21 @@ def test_a_push_sends_only_the_heads_no_fetch_sent():
     # a whole token's unsent heads are adjacent: with nothing fetched it is the same three descriptors as per token
     ops, kv_bytes = block_write_ops(pool.geometry, entry, 1, [(3, torch.arange(16))], torch.ones(4, 100, 2).bool())
     assert len(ops) == 3 and kv_bytes == 2 * 100 * layout.token_bytes
+
+
+@given(st.integers(0, 2**31), st.integers(2, 6), st.booleans(), st.floats(0.0, 1.0))
+@settings(max_examples=60, deadline=None)
+def test_all_layers_at_once_make_the_descriptors_a_layer_at_a_time_does(seed, num_wanted, by_entry, fetched):
+    """A hinted slice's descriptors found for every layer at once (`_entry_write_ops`) are those the per-layer walk
+    makes, in the same order: per (token, head) entry wants and whole-token ones, over a per-head unsent mask."""
+    layout = KVLayout(6, 3, 8, num_blocks=16)
+    pool = DecodePool(layout, num_slots=2, max_tokens=64)
+    entry = PrefillStore(layout).open("r", 50)
+    rng = torch.Generator().manual_seed(seed)
+    unsent = torch.rand(6, 50, 3, generator=rng) >= fetched
+    layers = torch.randperm(6, generator=rng)[:num_wanted].tolist()
+    shape = (50, 3) if by_entry else (50,)
+    wants = [(layer, torch.rand(*shape, generator=rng) < 0.4) for layer in layers]
+    ops, kv_bytes = _entry_write_ops(pool.geometry, entry, 1, wants, unsent)
+    assert (ops, kv_bytes) == _layer_write_ops(pool.geometry, entry, 1, wants, unsent, 0, None)
+    assert token_write_ops(pool.geometry, entry, 1, wants, unsent) == (ops, kv_bytes)
