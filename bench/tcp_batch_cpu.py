@@ -6,7 +6,7 @@
 `--rows N` measures instead a frame of N hinted entries (a K and a V row of 256 bytes each and a mask
 byte: what a speculative slice of hints is), landed row by row against as a row table (`row_table`,
 `scatter`), side by side: ms of CPU per frame of the sending lane's transmit thread and of the
-receiving lane's receive thread (each thread's own CPU, from /proc), the median over runs.
+receiving lane's receive thread (each thread's own CPU, `roles/thread_cpu.py`), the median over runs.
 
 CPU time (`time.process_time`, every thread of the process: sender, receiver, ACKs) is far less
 sensitive to other jobs on the machine than wall time, so small per-batch changes show. Each run
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import threading
@@ -30,6 +29,7 @@ from lanes import REGION, scattered, write_throughput  # bench/lanes.py, beside 
 
 from smartgen.lanes import WriteOp
 from smartgen.lanes.tcp_link import loopback_tcp_link
+from smartgen.roles.thread_cpu import thread_cpu_seconds
 
 
 def _link():
@@ -61,20 +61,6 @@ def scattered_cpu(num_blocks: int) -> float:
         decode.close()
 
 
-def _thread_cpu() -> dict[str, float]:
-    """Seconds of CPU each live thread of this process has used (/proc: user and system)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for thread in threading.enumerate():
-        try:
-            with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[thread.name] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def rows_cpu(entries: int, frames: int = 200, by_row: bool = False, gbps: float | None = None) -> tuple[float, float]:
     """(sender's transmit thread, receiver's receive thread) ms of CPU per frame of `entries` hinted entries, on a
     link paced at `gbps` (None: unpaced); `by_row`: with the row table turned off, every row walked one by one."""
@@ -95,14 +81,12 @@ def rows_cpu(entries: int, frames: int = 200, by_row: bool = False, gbps: float 
         sources["ones"] = torch.ones(16, dtype=torch.uint8)
         for _ in range(2):  # warm up
             prefill.push.post_writes("r", sources, ops, tag="bench").wait(60)
-        before = _thread_cpu()
+        before = thread_cpu_seconds()
         for _ in range(frames):
             assert prefill.push.post_writes("r", sources, ops, tag="bench").wait(60)
-        after = _thread_cpu()
+        after = thread_cpu_seconds()
         used = {name: (after[name] - before.get(name, 0.0)) / frames * 1e3 for name in after}
-        sender = next(v for k, v in used.items() if k.startswith("prefill.push") and k.endswith("-tx"))
-        receiver = next(v for k, v in used.items() if k.startswith("decode.push") and k.endswith("-rx"))
-        return sender, receiver
+        return used["prefill.push-tx"], used["decode.push-rx"]  # roles: `thread_cpu.role_of`
     finally:
         tcp.worth_gathering = saved  # type: ignore[assignment]
         prefill.close()
