@@ -13,8 +13,9 @@ By default the scheme is full transfer, so every entry is local before decoding 
 `smartgen-no-forecast` with a streaming proactive set (no forecast, no head start: every timed step is the decode
 node's own) on a link paced at `--mbps`, so the steps meet entries still remote: they split by the mask, fetch,
 land and gather what they fetched, hint and send notices; the share of selected entries that were remote is
-printed beside each case. `--profile` prints the step thread's busiest functions over the timed steps (cProfile
-inflates each call, and in one process both nodes' threads share the interpreter: read the shares).
+printed beside each case. `--profile` prints the step thread's busiest functions over the timed steps, timed by its
+own CPU clock, so waits for fetch replies are not charged to whoever waited (cProfile inflates each call, the more
+the smaller it is, and in one process both nodes' threads share the interpreter: read the shares, not the ms).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def main() -> None:
     except ValueError as exc:  # a typo in an option is the user's to fix, not a traceback
         parser.error(str(exc))
     model = load_model(Path(folder))
-    profile = cProfile.Profile() if args.profile else None
+    # the step thread's own CPU clock: waits for fetch replies and the other node's threads do not count
+    profile = cProfile.Profile(time.thread_time) if args.profile else None
     where = f"{REMOTE_SCHEME} over a {args.mbps:g} Mbit/s link (remote: share of picks)" if args.remote else "all local"
     print(f"{args.model}: {args.length} tokens, Quest {args.budget:g}, {where}; ms of the step thread's CPU per step")
     print(f"{'batch':>6} " + " ".join(f"{'rep ' + str(r + 1):>15}" for r in range(args.reps)))

@@ -159,15 +159,17 @@ def test_hints_go_newest_first_as_much_as_a_window_moves():
     request = OpenedRequest("r", 0, 64, get_policy("smartgen"), None, None, None, entry, torch.ones(1), unsent=unsent)  # type: ignore[arg-type]
     pushed: list = []
 
-    def push(req, wants, tag):
-        assert tag == "speculative"
-        pushed.append([(layer, [tuple(e) for e in want.nonzero().tolist()]) for layer, want in wants])
+    def push(req, entries):
+        by_layer: dict[int, set[tuple[int, int]]] = {}
+        for entry in entries.tolist():  # (layer * 64 + token) * 2 + head
+            by_layer.setdefault(entry // 128, set()).add((entry % 128 // 2, entry % 2))
+        pushed.append([(layer, sorted(by_layer[layer])) for layer in sorted(by_layer)])
         return 1
 
     def ids(layer: int, *entries: tuple[int, int]) -> torch.Tensor:
         return torch.tensor([(layer * 64 + token) * 2 + head for token, head in entries])
 
-    engine._push_tokens = push  # type: ignore[method-assign]
+    engine._push_entries = push  # type: ignore[method-assign]
     engine.note_hints(request, ids(2, (1, 0), (2, 1), (3, 0)))  # an older notice
     engine.note_hints(request, ids(3, (10, 1), (11, 0)))  # the newest
     unsent[3, 11, 0] = False  # a fetch sent head 0 of token 11 in layer 3

@@ -33,6 +33,7 @@ __all__ = [
     "take_hints",
     "entry_wants",
     "bridge",
+    "bridge_tokens",
 ]
 
 # what one more run of a push costs in descriptors (K, V and mask: 3 x about 9 us each on the TCP lane, the
@@ -325,6 +326,11 @@ class Bridge(NamedTuple):
     resendable: torch.Tensor | None
 
 
+def bridge_tokens(token_bytes: int, link_rate: float) -> int:
+    """The longest gap of already-sent tokens worth sending again (`bridge`): 0 on a link this slow (or unmeasured)."""
+    return 0 if link_rate <= 0 else int(link_rate * RUN_COST_S / (2 * token_bytes))
+
+
 def bridge(
     token_bytes: int, link_rate: float, unsent: torch.Tensor | None, held_prefix: int, held: torch.Tensor | None
 ) -> Bridge:
@@ -334,10 +340,8 @@ def bridge(
     scattered through a block range stop fragmenting it. Only entries this node sent in this request are resent
     (`unsent` [L, n, H] cleared, less the decode node's own prefix `held_prefix` and `held` [L, n]): their bytes
     are the ones the decode node holds."""
-    if unsent is None or link_rate <= 0:
-        return Bridge(0, None)
-    tokens = int(link_rate * RUN_COST_S / (2 * token_bytes))
-    if tokens <= 0:
+    tokens = bridge_tokens(token_bytes, link_rate)
+    if unsent is None or tokens <= 0:
         return Bridge(0, None)
     resendable = ~unsent
     resendable[:, :held_prefix] = False

@@ -12,7 +12,7 @@ import torch
 
 import smartgen.engine.prefill.decide as decide
 from smartgen.engine import messages as msg
-from smartgen.engine.descriptors import ONES_SOURCE, block_wants, token_write_ops
+from smartgen.engine.descriptors import ONES_SOURCE, block_entries, block_wants, entry_write_ops, token_write_ops
 from smartgen.engine.kv_quant import SERVING_QUANT, pack_layer
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.metrics import PathCounters
@@ -264,6 +264,11 @@ class PrefillPath:
         request.spec_cursor += next_slice.advance
         if not next_slice.ids.numel():
             return 0
+        if self._by_entries(request):
+            entries = block_entries(
+                request.length, self.layout.num_blocks, plan.num_blocks, next_slice.ids, self.layout.num_kv_heads
+            )
+            return self._push_entries(request, entries)
         return self._push(request, next_slice.layer_blocks(), tag="speculative")
 
     def note_hints(self, request: OpenedRequest, hints: torch.Tensor) -> None:
@@ -292,8 +297,38 @@ class PrefillPath:
             ids, request.hint_queue[:] = decide.take_hints(request.hint_queue, request.unsent.view(-1), room)
         if not ids.numel():
             return None
+        if self._by_entries(request):
+            return self._push_entries(request, ids)
         layer_wants = decide.entry_wants(ids, self.layout.num_layers, request.length, num_heads)
         return self._push_tokens(request, layer_wants, tag="speculative")
+
+    def _by_entries(self, request: OpenedRequest) -> bool:
+        """Whether a speculative push is described from its entry ids alone (`_push_entries`): a per-head unsent
+        mask, and a link too slow to bridge gaps (bridging merges runs a layer at a time, `_push_tokens`)."""
+        unsent = request.unsent
+        return (
+            unsent is not None
+            and unsent.dim() == 3
+            and not decide.bridge_tokens(self.layout.token_bytes, request.link_rate)
+        )
+
+    def _push_entries(self, request: OpenedRequest, ids: torch.Tensor) -> int:
+        """A speculative push of flat (token, head) entries `ids` ((layer * length + token) * H + head; any order,
+        repeats allowed), those still unsent: the descriptors made from the ids themselves (`entry_write_ops`), the
+        same as the per-layer walk of `_push_tokens` makes from them as wants, without a mask per layer. A hinted
+        slice names a few entries in most layers: the walk's per-layer wants, sums and unsent updates were most of
+        the prefill node's CPU for a slice."""
+        unsent = request.unsent
+        assert unsent is not None  # `_by_entries`
+        ids = torch.unique(ids)  # sorted, distinct
+        held_entries = 0
+        if request.held_prefix:  # wanted, and held by the decode node's own prefix: counted as saved
+            tokens = ids // self.layout.num_kv_heads % request.length
+            held_entries = int((tokens < request.held_prefix).sum())
+        ids = ids[unsent.view(-1)[ids]]
+        ops, kv_bytes = entry_write_ops(request.geometry, request.kv, request.slot, ids)
+        unsent.view(-1)[ids] = False
+        return self._post_push(request, ops, kv_bytes, held_entries, "speculative")
 
     def _push(self, request: OpenedRequest, layer_blocks: list[tuple[int, torch.Tensor]], tag: str) -> int:
         return self._push_tokens(request, block_wants(request.length, request.geometry, layer_blocks), tag)
@@ -303,12 +338,19 @@ class PrefillPath:
         ops, kv_bytes = token_write_ops(
             request.geometry, request.kv, request.slot, layer_wants, request.unsent, bridge, resendable
         )
-        path = decide.push_path(request.flags, tag)
         held_entries, num_heads = 0, self.layout.num_kv_heads
         for layer, want in layer_wants:  # want: [n] tokens, or [n, H] (token, head) entries
             held_entries += int(want[: request.held_prefix].sum()) * (1 if want.dim() == 2 else num_heads)
             if request.unsent is not None:
                 request.unsent[layer, want] = False
+        return self._post_push(request, ops, kv_bytes, held_entries, tag)
+
+    def _post_push(self, request: OpenedRequest, ops: list[WriteOp], kv_bytes: int, held_entries: int, tag: str) -> int:
+        """Posts one push's descriptors on the request's push lane and books it: counters, the link's room ahead
+        (`gate`), a proactive push's measure of the link rate, a speculative one's chaining. `held_entries`: wanted
+        (token, head) entries the decode node's own prefix holds (never sent: counted as saved)."""
+        path = decide.push_path(request.flags, tag)
+        num_heads = self.layout.num_kv_heads
         if held_entries:
             self.held_saved.add(path, self.layout.kv_bytes(held_entries, num_layers=1) // num_heads)
         if not ops:
