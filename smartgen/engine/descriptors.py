@@ -193,24 +193,35 @@ def _entry_write_ops(
     hinted slice touches most layers with a few entries each: 30 layers cost 2.8 ms a slice, a layer at a time).
     The same descriptors in the same order as `_layer_write_ops`."""
     heads = geometry.layout.num_kv_heads
-    unit_bytes = geometry.layout.token_bytes // heads
     layers = [layer for layer, _ in layer_wants]
     wants = torch.stack([want if want.dim() == 2 else want[:, None].expand(-1, heads) for _, want in layer_wants])
     wanted = (wants & unsent[layers]).flatten(1).to(torch.int8)  # [k, n * H]: one row per layer, entries in order
     edges = torch.diff(torch.nn.functional.pad(wanted, (1, 1)), dim=1).nonzero()  # row-major: layer, then position
-    rows, starts, stops = edges[0::2, 0].tolist(), edges[0::2, 1].tolist(), edges[1::2, 1].tolist()
-    src_base = [entry.kv_offset(layer, 0) for layer in layers]
-    dst_base = [geometry.kv_offset(layer, slot, 0) for layer in layers]
-    mask_base = [geometry.mask_offset(layer, slot, 0) for layer in layers]
+    starts, stops = edges[0::2, 1], edges[1::2, 1]
+    run_layers = [layers[row] for row in edges[0::2, 0].tolist()]
+    return _entry_run_ops(geometry, entry, slot, run_layers, starts.tolist(), (stops - starts).tolist())
+
+
+def _entry_run_ops(
+    geometry: PoolGeometry, entry: RequestKV, slot: int, layers: list[int], starts: list[int], counts: list[int]
+) -> tuple[list[WriteOp], int]:
+    """The K, V and mask writes of runs of (token, head) entries, in order, all data before all masks: run i is
+    `counts[i]` entries of layer `layers[i]` from entry `starts[i]` (token * H + head) on."""
+    unit_bytes = geometry.layout.token_bytes // geometry.layout.num_kv_heads
+    bases = {
+        layer: (entry.kv_offset(layer, 0), geometry.kv_offset(layer, slot, 0), geometry.mask_offset(layer, slot, 0))
+        for layer in dict.fromkeys(layers)
+    }
     data: list[WriteOp] = []
     masks: list[WriteOp] = []
     kv_bytes = 0
-    for row, start, stop in zip(rows, starts, stops):
-        num_bytes = (stop - start) * unit_bytes
-        src, dst = src_base[row] + start * unit_bytes, dst_base[row] + start * unit_bytes
+    for start, count, layer in zip(starts, counts, layers):
+        num_bytes = count * unit_bytes
+        src_base, dst_base, mask_base = bases[layer]
+        src, dst = src_base + start * unit_bytes, dst_base + start * unit_bytes
         data.append(WriteOp("k", "k", src, dst, num_bytes))
         data.append(WriteOp("v", "v", src, dst, num_bytes))
-        masks.append(WriteOp(ONES_SOURCE, "mask", 0, mask_base[row] + start, stop - start))
+        masks.append(WriteOp(ONES_SOURCE, "mask", 0, mask_base + start, count))
         kv_bytes += 2 * num_bytes
     return data + masks, kv_bytes
 
@@ -227,10 +238,7 @@ def entry_write_ops(
     alone, 32 layers, 2K; docs/results/2026-12-07-batch-four-ablations-slice-planning.md)."""
     if not ids.numel():
         return [], 0
-    layout = geometry.layout
-    heads, length = layout.num_kv_heads, entry.length
-    unit_bytes = layout.token_bytes // heads
-    per_layer = length * heads
+    per_layer = entry.length * geometry.layout.num_kv_heads
     layers = ids // per_layer
     breaks = torch.ones(ids.numel(), dtype=torch.bool)
     breaks[1:] = (ids[1:] - ids[:-1] != 1) | (layers[1:] != layers[:-1])  # a run never crosses into the next layer
@@ -238,23 +246,7 @@ def entry_write_ops(
     counts = torch.diff(firsts, append=torch.tensor([ids.numel()])).tolist()
     run_layers = layers[firsts]
     starts = (ids[firsts] - run_layers * per_layer).tolist()  # each run's place in its layer: token * H + head
-    of_runs = run_layers.tolist()
-    bases = {
-        layer: (entry.kv_offset(layer, 0), geometry.kv_offset(layer, slot, 0), geometry.mask_offset(layer, slot, 0))
-        for layer in dict.fromkeys(of_runs)
-    }
-    data: list[WriteOp] = []
-    masks: list[WriteOp] = []
-    kv_bytes = 0
-    for start, count, layer in zip(starts, counts, of_runs):
-        num_bytes = count * unit_bytes
-        src_base, dst_base, mask_base = bases[layer]
-        src, dst = src_base + start * unit_bytes, dst_base + start * unit_bytes
-        data.append(WriteOp("k", "k", src, dst, num_bytes))
-        data.append(WriteOp("v", "v", src, dst, num_bytes))
-        masks.append(WriteOp(ONES_SOURCE, "mask", 0, mask_base + start, count))
-        kv_bytes += 2 * num_bytes
-    return data + masks, kv_bytes
+    return _entry_run_ops(geometry, entry, slot, run_layers.tolist(), starts, counts)
 
 
 def block_entries(length: int, num_blocks: int, plan_blocks: int, blocks: torch.Tensor, num_heads: int) -> torch.Tensor:

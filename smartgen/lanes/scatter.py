@@ -52,11 +52,18 @@ def overlapping(offsets: np.ndarray, lengths: np.ndarray) -> bool:
 
 
 def copy_rows(
-    dst: np.ndarray, dst_offsets: np.ndarray, src: np.ndarray, src_offsets: np.ndarray, lengths: np.ndarray
+    dst: np.ndarray,
+    dst_offsets: np.ndarray,
+    src: np.ndarray,
+    src_offsets: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    may_overlap: bool = False,
 ) -> None:
-    """dst[d : d + n] = src[s : s + n] for every row (flat uint8 arrays; rows must not overlap in `dst`)."""
+    """dst[d : d + n] = src[s : s + n] for every row (flat uint8 arrays). Rows that share bytes of `dst` (only where
+    `may_overlap` says they can) are copied one by one in order, so the later one lands last."""
     distinct = np.unique(lengths)
-    if len(distinct) > MAX_LENGTHS:
+    if len(distinct) > MAX_LENGTHS or (may_overlap and overlapping(dst_offsets, lengths)):
         for d, s, n in zip(dst_offsets.tolist(), src_offsets.tolist(), lengths.tolist()):
             dst[d : d + n] = src[s : s + n]
         return

@@ -31,7 +31,7 @@ from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.queued import STOP, QueuedLane
 from smartgen.lanes.reader import FrameReader
 from smartgen.lanes.row_table import RowTable, encode_table
-from smartgen.lanes.scatter import copy_rows, overlapping, phases, worth_gathering
+from smartgen.lanes.scatter import copy_rows, phases, worth_gathering
 from smartgen.lanes.vectored import send_views
 from smartgen.lanes.wire import ConnectionClosed, FrameType, hang_up, header_bytes, send_frame
 
@@ -333,11 +333,8 @@ class TcpLane(QueuedLane):
             for code in np.unique(codes[first:stop]).tolist():
                 mine = (codes[first:stop] == code) & ok[first:stop]
                 dst, size, src = offset[first:stop][mine], length[first:stop][mine], start[first:stop][mine]
-                if overlapping(dst, size):  # rows that share bytes: in order, so the later one lands last
-                    for at, count, here in zip(dst.tolist(), size.tolist(), src.tolist()):
-                        flats[code][at : at + count] = staging[here : here + count]
-                elif len(dst):
-                    copy_rows(flats[code], dst, staging, src, size)
+                if len(dst):  # a peer's rows may share bytes: those land in order
+                    copy_rows(flats[code], dst, staging, src, size, may_overlap=True)
         return bool(ok.all())
 
     def _host_view(self, name: str, region: torch.Tensor) -> memoryview:
