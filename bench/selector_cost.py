@@ -3,10 +3,10 @@
     .venv/bin/python bench/selector_cost.py                        # Quest 10%, the sample's shape, 2K, batch 1-8
     .venv/bin/python bench/selector_cost.py --length 8192 --kv-heads 8 --q-heads 32 --head-dim 128
 
-Times `select` and `select_widened` (the step's own pick with the hints' wider one, as `smartgen` runs it every
-sparse layer; a prefetch runs one more `select` on a speculated query) on random prompts and queries, 8-bit page
-bounds as the prefill node ships them. The minimum over --rounds rounds of --calls calls each, in µs a call, and
-per batch member. One thread: a decode node's step runs on one.
+Times `select` and `select_with_next` (the step's own pick with what the hints' wider one adds, as `smartgen`
+runs it every sparse layer; a prefetch runs one more `select` on a speculated query) on random prompts and queries,
+8-bit page bounds as the prefill node ships them. The minimum over --rounds rounds of --calls calls each, in µs a
+call, and per batch member. One thread: a decode node's step runs on one.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> None:
         if wide is None:
             both = plain
         else:
-            both = _best_us(lambda s=step, m=metadata: selector.select_widened(s, m, wide), args.calls, args.rounds)
+            both = _best_us(lambda s=step, m=metadata: selector.select_with_next(s, m, wide), args.calls, args.rounds)
         print(f"{batch:>5} {plain:>10.0f} {plain / batch:>8.0f} {both:>11.0f} {both / batch:>8.0f}")
 
 

@@ -136,7 +136,7 @@ def test_quest_wide_pick_contains_the_narrow_one_under_an_adaptive_split():
     wide = quest.widened(0.5)
     layer = 3
     meta = _metadata(quest, n, 0)[layer]
-    narrow, widened = quest.select_widened(_step(layer, n, 5), [meta], wide)
+    narrow, widened = quest.select_with_next(_step(layer, n, 5), [meta], wide)  # the adaptive split: the wide pick
     assert _picked(narrow) == _picked(quest.select(_step(layer, n, 5), [meta]))
     assert _picked(widened) == _picked(wide.select(_step(layer, n, 5), [meta]))
     for small, big in zip(_picked(narrow), _picked(widened)):

@@ -129,13 +129,33 @@ def test_hints_name_the_remote_entries_of_a_wider_selection():
     masks[2, 1, 1, 1] = REMOTE  # remote, but only head 0 picked token 1, where it is local: not named
     masks[2, 0, 1, 0] = REMOTE  # another slot's entry: not this request's
     wide = torch.tensor([[4, 1], [4, 2]])  # layer 2, heads 0 and 1
-    # (2 * 10 + 2) * 2 + 1 and (2 * 10 + 4) * 2 + 0, sorted: each (token, head) named alone
-    assert decide.hinted([(2, wide)], masks, 1, 10, None).tolist() == [45, 48]
+    # (2 * 10 + 4) * 2 + 0 and (2 * 10 + 2) * 2 + 1, column by column: each (token, head) named alone
+    assert decide.hinted([(2, wide)], masks, 1, 10, None).tolist() == [48, 45]
     assert decide.hinted([(3, wide)], masks, 1, 10, None) is None  # all local in layer 3
     assert decide.hinted([], masks, 1, 10, None) is None
-    kept = torch.tensor([7])
-    assert decide.hinted([], masks, 1, 10, kept).tolist() == [7]
-    assert decide.hinted([(2, wide)], masks, 1, 10, kept).tolist() == [7, 45, 48]
+    kept = torch.tensor([7, 48])
+    assert decide.hinted([], masks, 1, 10, kept).tolist() == [7, 48]
+    assert decide.hinted([(2, wide)], masks, 1, 10, kept).tolist() == [48, 45, 7]  # the older after, once each
+
+
+def test_a_notice_names_its_entries_rank_by_rank_across_layers_and_heads():
+    """Rows likeliest first give a notice likeliest first: every noted layer's and head's first pick, then their
+    second, ..., so a prefill node that takes only the front of a notice takes each layer's best."""
+    masks = _masks(4, 1, 10, 2, REMOTE)
+    noted = [(2, torch.tensor([[5, 1], [0, 7]])), (3, torch.tensor([[9, 2], [4, 3]]))]
+    ids = decide.hinted(noted, masks, 0, 10, None)
+    assert ids is not None
+    ranks = [(2 * 10 + 5) * 2, (2 * 10 + 0) * 2 + 1, (3 * 10 + 9) * 2, (3 * 10 + 4) * 2 + 1]
+    seconds = [(2 * 10 + 1) * 2, (2 * 10 + 7) * 2 + 1, (3 * 10 + 2) * 2, (3 * 10 + 3) * 2 + 1]
+    assert ids.tolist() == ranks + seconds
+
+
+@given(st.lists(st.integers(0, 20), max_size=40))
+def test_distinct_in_order_keeps_each_id_where_it_first_occurs(values):
+    from smartgen.engine.index_ops import distinct_in_order
+
+    expected = list(dict.fromkeys(values))
+    assert distinct_in_order(torch.tensor(values, dtype=torch.int64)).tolist() == expected
 
 
 def test_hints_read_every_noted_layer_and_width_and_never_padding_or_positions_past_the_prompt():

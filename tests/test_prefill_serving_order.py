@@ -66,7 +66,11 @@ def test_fetches_go_before_idle_notices_that_arrived_with_them_and_the_notices_m
     assert kinds == ["Fetch", "Release", "Idle", "Idle"]  # every other message in order, then the notices
     assert handled[0].fetch_id == 7
     idle = {m.request_id: m for m in handled[2:]}
-    assert idle["a"].layer == 3 and idle["a"].hints.tolist() == [5, 9, 11]  # the last layer, every hint once
+    assert idle["a"].layer == 3 and idle["a"].hints.tolist() == [
+        9,
+        11,
+        5,
+    ]  # the last layer; every hint once, newest first
     assert idle["b"].hints is None
 
 

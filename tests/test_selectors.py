@@ -441,9 +441,11 @@ def test_quest_gqa_max_ranks_pages_by_each_heads_softmaxed_bound():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(20, 120), st.sampled_from([0.1, 0.2, 0.5]), st.sampled_from([0.25, 0.5, 1.0]), st.booleans())
-def test_quest_ranks_once_for_its_pick_and_a_wider_one(n, budget, factor, ties):
-    """`select_widened` cuts one ranking at two budgets: the pick equals `select`'s and the wide pick equals the
-    widened selector's own `select`, even where pages tie (all-equal keys give equal bounds)."""
+def test_quest_ranks_once_for_its_pick_and_the_next_pages(n, budget, factor, ties):
+    """`select_with_next` cuts one ranking at two budgets: the pick equals `select`'s, and the pick with what
+    comes next is the widened selector's own `select`, the next pages' tokens in rank order (page by page, each
+    page's tokens ascending), none of the pick's among them, even where pages tie (all-equal keys give equal
+    bounds)."""
     generator = torch.Generator().manual_seed(n)
     keys = torch.ones(H, n, D_HEAD) if ties else torch.randn(H, n, D_HEAD, generator=generator)
     query = torch.randn(2, HQ, D_HEAD, generator=generator)
@@ -452,11 +454,18 @@ def test_quest_ranks_once_for_its_pick_and_a_wider_one(n, budget, factor, ties):
     assert isinstance(wide, QuestSelector)
     metadata = [quest.build_metadata(PrefillLayer(2, torch.randn(HQ, n, D_HEAD), keys, None))] * 2
     step = StepQuery(2, query, None, torch.tensor([n, n]), [n, n])
-    picked, widened = quest.select_widened(step, metadata, wide)
+    picked, following = quest.select_with_next(step, metadata, wide)
     assert torch.equal(picked, quest.select(step, metadata))
-    assert torch.equal(widened, wide.select(step, metadata))
-    for row, wide_row in zip(picked.tolist(), widened.tolist()):  # the wider pick holds the narrower one
-        assert set(row) <= set(wide_row)
+    for row, next_row, wide_row in zip(picked.tolist(), following.tolist(), wide.select(step, metadata).tolist()):
+        row, next_row, wide_row = (set(r) - {-1} for r in (row, next_row, wide_row))
+        assert row <= wide_row
+        assert next_row == wide_row or (next_row == wide_row - row and not next_row & row)
+    pages = quest.page_budget(n) - 1, wide.page_budget(n) - 1  # ranked pages each keeps, the last page aside
+    if -(-n // 4) > wide.page_budget(n):  # the wide pick is not every token: the next pages, likeliest first
+        ranked = quest._rank_pages(query, metadata, [-(-n // 4)] * 2)  # [B, H, P-1], best first
+        band = ranked[:, :, pages[0] : pages[1]].reshape(2 * H, -1)
+        expected = (band[:, :, None] * 4 + torch.arange(4)).flatten(1)
+        assert torch.equal(following, expected)
 
 
 def test_the_contract_says_what_a_selector_needs_before_it_runs():
@@ -519,10 +528,10 @@ def test_quest_ranks_a_batch_in_one_pass_as_each_request_alone(lengths, bits, gq
     if ties:
         query = query.mul(4).round()
     step = StepQuery(2, query, None, torch.tensor(lengths), lengths)
-    picked, widened = quest.select_widened(step, metadata, wide)
+    picked, widened = quest.select_with_next(step, metadata, wide)
     for b, n in enumerate(lengths):
         alone = StepQuery(2, query[b : b + 1], None, torch.tensor([n]), [n])
-        own, own_wide = quest.select_widened(alone, metadata[b : b + 1], wide)
+        own, own_wide = quest.select_with_next(alone, metadata[b : b + 1], wide)
         rows = slice(b * H, (b + 1) * H)
         for batched, single in ((picked[rows], own), (widened[rows], own_wide)):
             assert torch.equal(batched[:, : single.shape[1]], single)

@@ -29,6 +29,7 @@ __all__ = [
     "split_reorder",
     "gather_kv",
     "gather_valid",
+    "distinct_in_order",
 ]
 
 
@@ -261,3 +262,13 @@ def gather_valid(
         gather_kv_triton(k_pool, v_pool, slots, index, torch.zeros_like(num_valid), num_valid, k_out, v_out)
     else:
         gather_valid_reference(k_pool, v_pool, slots, index, num_valid, k_out, v_out)
+
+
+def distinct_in_order(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` [n] without repeats, each where it first occurs (`unique` would sort them)."""
+    if ids.numel() < 2:
+        return ids
+    distinct, inverse = torch.unique(ids, return_inverse=True)
+    positions = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full_like(distinct, ids.numel()).scatter_reduce_(0, inverse, positions, "amin")
+    return ids.index_select(0, first.sort().values)

@@ -226,8 +226,9 @@ class DecodeRunner:
         hidden: torch.Tensor | None,
         wide: Selector | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`index`, and with `wide` (the selector at a wider budget) also its prompt pick [B·H, k'], ranked in the
-        same pass where the selector can (`Selector.select_widened`); None for a layer that selects nothing."""
+        """`index`, and with `wide` (the selector at a wider budget) also what it picks past the layer's own pick
+        [B·H, k'], likeliest first where the selector ranks in one pass (`Selector.select_with_next`); None for a
+        layer that selects nothing."""
         heads = self.num_kv_heads
         window = self.kinds.windows[layer]
         positions = batch.positions.tolist()
@@ -246,7 +247,7 @@ class DecodeRunner:
             if wide is None:
                 picked = self.selector.select(step, metadata).cpu()
             else:
-                picked, widened = self.selector.select_widened(step, metadata, wide)
+                picked, widened = self.selector.select_with_next(step, metadata, wide)
                 picked = picked.cpu()
             prompt = [picked[b * heads : (b + 1) * heads] for b in range(len(batch.request_ids))]
         for b, (n, p) in enumerate(zip(batch.prompt_lengths, positions)):

@@ -147,11 +147,13 @@ class Selector(ABC):
         wide.budget = min(1.0, scaled) if budget <= 1 else scaled  # type: ignore[attr-defined]  # a ratio, or tokens
         return wide
 
-    def select_widened(
+    def select_with_next(
         self, step: StepQuery, metadata: list[LayerMetadata], wide: Selector
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this selector's pick, the pick of `wide`, this selector `widened`), both as `select` returns them.
-        Two passes here; a selector that ranks once and cuts at two budgets overrides it (Quest)."""
+        """(this selector's pick, what `wide` (this selector `widened`) picks beyond it), both [B·H, k] positions,
+        -1 padded. Here two passes, and the second is `wide`'s whole pick: this pick's own entries in it are harmless
+        where it is used (SmartGen's hints skip what is local by then). A selector that ranks once and cuts at two
+        budgets overrides it (Quest): the entries past this budget only, likeliest first."""
         return self.select(step, metadata), wide.select(step, metadata)
 
     @abstractmethod

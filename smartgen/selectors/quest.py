@@ -195,17 +195,20 @@ class QuestSelector(Selector):
     def select(self, step: StepQuery, metadata: list[LayerMetadata]) -> torch.Tensor:
         return self._select(step, metadata, None)[0]
 
-    def select_widened(
+    def select_with_next(
         self, step: StepQuery, metadata: list[LayerMetadata], wide: Selector
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One ranking of the pages, cut at this budget and at `wide`'s: a page's bound does not depend on the
-        budget, so the wider pick is the narrower one plus the next pages in rank."""
+        budget, so the wider pick is the narrower one plus the next pages in rank. Under the even split the second
+        output is those next pages' tokens, in rank order (the likeliest next pick first: where SmartGen's hints
+        outrun the link, what crosses first is what the coming steps most likely select); where the wider pick is
+        every token (a short prompt), or under the adaptive split, it is the wider pick whole, ascending."""
         ranking = (self.page_size, self.gqa, self.split)
         if not isinstance(wide, QuestSelector) or (wide.page_size, wide.gqa, wide.split) != ranking:
-            return super().select_widened(step, metadata, wide)
-        picked, widened = self._select(step, metadata, wide)
-        assert widened is not None
-        return picked, widened
+            return super().select_with_next(step, metadata, wide)
+        picked, following = self._select(step, metadata, wide)
+        assert following is not None
+        return picked, following
 
     def _select(
         self, step: StepQuery, metadata: list[LayerMetadata], wide: QuestSelector | None
@@ -249,16 +252,19 @@ class QuestSelector(Selector):
             every_request = len(scored) == count  # the usual batch: no copy of the queries picked out
             queries = step.query if every_request else step.query[scored]
             ranked = self._rank_pages(queries, [metadata[b] for b in scored], [pages[b] for b in scored])
-            groups: dict[tuple[int, int, int], list[int]] = {}  # equal length and budgets: one _page_tokens call
+            # equal pages and budgets: one _page_tokens call (prompts a few tokens apart differ in the last page only)
+            groups: dict[tuple[int, int, int], list[int]] = {}
             for i, b in enumerate(scored):
-                groups.setdefault((step.prompt_lengths[b], *budgets[b]), []).append(i)
-            for (n, budget, wide_budget), members in groups.items():
-                num_pages = pages[scored[members[0]]]
+                groups.setdefault((pages[b], *budgets[b]), []).append(i)
+            for (num_pages, budget, wide_budget), members in groups.items():
+                lengths = [step.prompt_lengths[scored[i]] for i in members]
                 first, last = members[0], members[-1] + 1
                 picked = ranked[first:last] if last - first == len(members) else ranked[members]  # a slice: no copy
                 top = picked[:, :, : min(wide_budget, num_pages) - 1].reshape(len(members) * heads, -1)
-                own = self._page_tokens(top[:, : budget - 1], num_pages, n)
-                wider = self._page_tokens(top, num_pages, n) if wide is not None and num_pages > wide_budget else None
+                own = self._page_tokens(top[:, : budget - 1], num_pages, lengths)
+                wider = (
+                    self._band_tokens(top[:, budget - 1 :]) if wide is not None and num_pages > wide_budget else None
+                )
                 for j, i in enumerate(members):
                     b, part = scored[i], slice(j * heads, (j + 1) * heads)
                     rows[b] = own[part]
@@ -329,15 +335,26 @@ class QuestSelector(Selector):
             out[h, : len(row)] = row
         return out
 
-    def _page_tokens(self, top: torch.Tensor, num_pages: int, n: int) -> torch.Tensor:
-        """[H, k] prompt positions of pages `top` [H, k_p] (any order) and the last page, ascending."""
-        heads, device = top.shape[0], top.device
-        last = torch.full((heads, 1), num_pages - 1, dtype=top.dtype, device=device)
-        pages = torch.cat((top.sort(dim=-1).values, last), dim=-1)  # [H, budget], ascending
+    def _band_tokens(self, band: torch.Tensor) -> torch.Tensor:
+        """[H, k] prompt positions of ranked pages `band` [H, k_p] (never the last, so every page is whole), in the
+        pages' rank order: what a wider budget adds past this one, likeliest first."""
+        offsets = torch.arange(self.page_size, device=band.device)
+        return (band[:, :, None] * self.page_size + offsets).flatten(1)
+
+    def _page_tokens(self, top: torch.Tensor, num_pages: int, lengths: list[int]) -> torch.Tensor:
+        """[R, k] prompt positions of pages `top` [R, k_p] (any order) and the last page, ascending: rows of
+        `len(lengths)` requests of `num_pages` pages each, request j `lengths[j]` tokens long, its rows in turn."""
+        rows, device = top.shape[0], top.device
+        last = torch.full((rows, 1), num_pages - 1, dtype=top.dtype, device=device)
+        pages = torch.cat((top.sort(dim=-1).values, last), dim=-1)  # [R, budget], ascending
         tokens = pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=device)
-        # only the last page can run past n, and it is last in every row: trimming the
-        # tail drops exactly its missing tokens and leaves no -1 inside a request's row
-        return tokens.flatten(1)[:, : top.shape[1] * self.page_size + n - (num_pages - 1) * self.page_size]
+        # only the last page can run past a prompt, and it is last in every row: trimming the tail drops exactly
+        # its missing tokens and leaves no -1 inside a request's row; a shorter prompt of the group pads its tail
+        tokens = tokens.flatten(1)[:, : top.shape[1] * self.page_size + max(lengths) - (num_pages - 1) * self.page_size]
+        if min(lengths) < max(lengths):
+            ends = torch.tensor(lengths, device=device).repeat_interleave(rows // len(lengths)).unsqueeze(1)
+            tokens = tokens.masked_fill(tokens >= ends, -1)
+        return tokens
 
 
 def page_count(metadata: LayerMetadata) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartgen.engine.index_ops import IndexSplit
+from smartgen.engine.index_ops import IndexSplit, distinct_in_order
 from smartgen.engine.mask import REMOTE
 from smartgen.engine.policy import Policy
 
@@ -146,8 +146,10 @@ def hinted(
     noted: Sequence[tuple[int, torch.Tensor]], masks: torch.Tensor, slot: int, length: int, kept: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The distinct prompt entries, as flat ids (layer * length + token) * H + head, that a request's noted picks name
-    and that are still REMOTE, with `kept` (ids reduced earlier, every one named) added; sorted, on the CPU; None
-    when none. Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on
+    and that are still REMOTE, then those of `kept` (ids reduced earlier) not among them; on the CPU; None when none.
+    In the picks' column order: the rows' first entries of every noted layer and head, then their second, and so on,
+    so where the rows are likeliest first (`Selector.select_with_next`) the whole notice is, and a prefill node
+    that cannot push all of it before the next step pushes the likeliest part (`prefill.decide.take_hints`). Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on
     random:32's 2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for).
     `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
     `masks` [L, S, N, H]: every layer's mask, the request in `slot`, `length` prompt tokens. The status of every
@@ -158,7 +160,7 @@ def hinted(
     by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for layer, rows in noted:
         by_width.setdefault(rows.shape[1], []).append((layer, rows))
-    named = [] if kept is None else [kept]
+    named: list[torch.Tensor] = []
     flat_masks = masks.view(-1)
     for group in by_width.values():
         rows = torch.stack([r for _, r in group]).to(masks.device)  # [P, H, k]
@@ -168,10 +170,13 @@ def hinted(
         heads = torch.arange(num_heads, device=masks.device).view(1, -1, 1)
         flat = ((layers * num_slots + slot) * num_tokens + safe) * num_heads + heads  # into [L, S, N, H]
         remote = valid & (flat_masks.index_select(0, flat.view(-1)).view(rows.shape) == REMOTE)
-        named.append(((layers * length + rows) * num_heads + heads)[remote])
+        ids = (layers * length + rows) * num_heads + heads
+        named.append(ids.permute(2, 0, 1)[remote.permute(2, 0, 1)])  # column by column
+    if kept is not None:
+        named.append(kept)  # older than any noted pick: after them
     if not named:
         return None
-    entries = torch.cat(named).unique().cpu()
+    entries = distinct_in_order(torch.cat(named)).cpu()
     return entries if entries.numel() else None
 
 

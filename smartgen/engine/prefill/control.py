@@ -11,6 +11,7 @@ import torch
 
 from smartgen.engine import messages as msg
 from smartgen.engine.descriptors import held_blocks
+from smartgen.engine.index_ops import distinct_in_order
 from smartgen.engine.layout import KVLayout
 from smartgen.engine.planning import TransferPlanner, defer_proactive, prefix_blocks
 from smartgen.engine.policy import get_policy
@@ -315,8 +316,9 @@ def _unpack_last(messages: list[Message]) -> msg.EngineMessage:
 
 
 def _merged_idle(notices: list[Message]) -> msg.Idle:
-    """One request's idle notices as one: the last one's layer, every notice's hints."""
+    """One request's idle notices as one: the last one's layer, every notice's hints, the newest notice's first (each
+    notice's own order kept: likeliest first, `decode.decide.hinted`)."""
     unpacked = [msg.Idle.unpack(notice) for notice in notices]
-    hints = [notice.hints for notice in unpacked if notice.hints is not None]
-    merged = torch.cat(hints).unique() if hints else None
+    hints = [notice.hints for notice in reversed(unpacked) if notice.hints is not None]
+    merged = distinct_in_order(torch.cat(hints)) if hints else None
     return msg.Idle(unpacked[-1].request_id, unpacked[-1].layer, merged)
