@@ -174,18 +174,23 @@ def test_hints_read_every_noted_layer_and_width_and_never_padding_or_positions_p
 )
 def test_hints_read_at_once_are_what_each_layer_read_alone_names(heads, length, notes, seed):
     """Reading every noted layer's status in one pass names exactly the entries each note, read alone against its
-    own layer's mask, names as remote in their head."""
+    own layer's mask, names as remote in their head, each once (a layer noted twice included)."""
     generator = torch.Generator().manual_seed(seed)
     masks = torch.randint(0, 3, (4, 2, length + 2, heads), generator=generator, dtype=torch.int8)
-    noted = [(layer, torch.randint(-1, length + 1, (heads, width), generator=generator)) for layer, width in notes]
+
+    def rows(width: int) -> torch.Tensor:  # as a selector picks: each position at most once a row, -1 padded
+        picks = [torch.randperm(length + 2, generator=generator)[:width] - 1 for _ in range(heads)]
+        return torch.stack([torch.where(p >= 0, p, -1) for p in picks])
+
+    noted = [(layer, rows(width)) for layer, width in notes]
     expected = set()
     for layer, rows in noted:
         for h in range(heads):
             for t in rows[h].tolist():
                 if 0 <= t < length and masks[layer, 1, t, h] == REMOTE:
                     expected.add((layer * length + t) * heads + h)
-    got = decide.hinted(noted, masks, 1, length, None)
-    assert (set() if got is None else set(got.tolist())) == expected
+    got = [] if (ids := decide.hinted(noted, masks, 1, length, None)) is None else ids.tolist()
+    assert set(got) == expected and len(got) == len(expected)
 
 
 @settings(max_examples=60, deadline=None)

@@ -149,8 +149,9 @@ def hinted(
     and that are still REMOTE, then those of `kept` (ids reduced earlier) not among them; on the CPU; None when none.
     In the picks' column order: the rows' first entries of every noted layer and head, then their second, and so on,
     so where the rows are likeliest first (`Selector.select_with_next`) the whole notice is, and a prefill node
-    that cannot push all of it before the next step pushes the likeliest part (`prefill.decide.take_hints`). Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on
-    random:32's 2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for).
+    that cannot push all of it before the next step pushes the likeliest part (`prefill.decide.take_hints`).
+    Entries, not tokens: a pick names one KV head, and a hinted token pushed whole sent every head (on random:32's
+    2 KV heads a token's picks named 1.01 heads, so half of the hint bytes were never asked for).
     `noted`: (layer, rows [H, k]) a wider selection's picks of the request, -1 padded (`DecodePath.hint`);
     `masks` [L, S, N, H]: every layer's mask, the request in `slot`, `length` prompt tokens. The status of every
     noted layer is read in one pass per row width, at the notice rather than at each layer: the hints of four layers
@@ -176,7 +177,12 @@ def hinted(
         named.append(kept)  # older than any noted pick: after them
     if not named:
         return None
-    entries = distinct_in_order(torch.cat(named)).cpu()
+    entries = torch.cat(named)
+    # a row names each position once, and ids carry their layer and head: only a layer noted twice (a notice held
+    # back over a step) or the kept ids can repeat one
+    if kept is not None or len({layer for layer, _ in noted}) < len(noted):
+        entries = distinct_in_order(entries)
+    entries = entries.cpu()
     return entries if entries.numel() else None
 
 
