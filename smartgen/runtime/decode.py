@@ -238,7 +238,7 @@ class DecodeRunner:
                 rows.append(torch.arange(max(0, p - window + 1), p).expand(heads, -1))
             return pad_rows(rows), None
         dense = layer < DENSE_LAYERS or isinstance(self.selector, DenseSelector)
-        widened = None
+        following = None
         if dense:
             prompt = [torch.arange(n).expand(heads, n) for n in batch.prompt_lengths]
         else:
@@ -247,13 +247,13 @@ class DecodeRunner:
             if wide is None:
                 picked = self.selector.select(step, metadata).cpu()
             else:
-                picked, widened = self.selector.select_with_next(step, metadata, wide)
+                picked, following = self.selector.select_with_next(step, metadata, wide)
                 picked = picked.cpu()
             prompt = [picked[b * heads : (b + 1) * heads] for b in range(len(batch.request_ids))]
         for b, (n, p) in enumerate(zip(batch.prompt_lengths, positions)):
             generated = torch.arange(n, p).expand(heads, -1)
             rows.append(torch.cat([prompt[b], generated], dim=1))
-        return pad_rows(rows), widened
+        return pad_rows(rows), following
 
     def fetch_forecast(
         self, request_id: str, queries: dict[int, torch.Tensor], metadata: list[dict[str, torch.Tensor]], length: int
@@ -299,10 +299,10 @@ class DecodeRunner:
     def assemble(
         self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> Assembled:
-        index, widened = self._index(layer, batch, query, hidden, self._hint_selector(layer, batch))
+        index, following = self._index(layer, batch, query, hidden, self._hint_selector(layer, batch))
         assembled = self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
-        if widened is not None:  # after the layer's own entries are in: noting hints never delays them
-            self.engine.hint(layer, batch.request_ids, widened.cpu().to(self.engine.pool.k.device))
+        if following is not None:  # after the layer's own entries are in: noting hints never delays them
+            self.engine.hint(layer, batch.request_ids, following.cpu().to(self.engine.pool.k.device))
         return assembled
 
     def _hint_selector(self, layer: int, batch: DecodeBatch) -> Selector | None:

@@ -262,14 +262,14 @@ class QuestSelector(Selector):
                 picked = ranked[first:last] if last - first == len(members) else ranked[members]  # a slice: no copy
                 top = picked[:, :, : min(wide_budget, num_pages) - 1].reshape(len(members) * heads, -1)
                 own = self._page_tokens(top[:, : budget - 1], num_pages, lengths)
-                wider = (
+                following = (
                     self._band_tokens(top[:, budget - 1 :]) if wide is not None and num_pages > wide_budget else None
                 )
                 for j, i in enumerate(members):
                     b, part = scored[i], slice(j * heads, (j + 1) * heads)
                     rows[b] = own[part]
-                    if wider is not None:
-                        wide_rows[b] = wider[part]
+                    if following is not None:
+                        wide_rows[b] = following[part]
         picked = _stack_rows(rows)
         return picked, (_stack_rows(wide_rows) if wide is not None else None)  # [B·H, max k] each
 

@@ -291,9 +291,9 @@ def take_hints(
     """Takes up to `room` hinted entries still unsent (`unsent`, flat like the ids, bool) from the hint queue, newest
     notice first and each notice from its front, where its likeliest entries are (`decode.decide.hinted`); None:
     the newest notice's, whole; returns them and what stays queued (a notice's rest stays newest, for the next
-    window). A step's hints are what the next steps are likeliest to select, and a notice's
-    hints grow stale as decoding moves on: pushing every notice's hints at once queued more bytes than the link
-    moved between two steps, so the freshest waited behind the stale."""
+    window). A step's hints are what the next steps are likeliest to select, and a notice's hints grow stale as
+    decoding moves on: pushing every notice's hints at once queued more bytes than the link moved between two
+    steps, so the freshest waited behind the stale."""
     queue = list(queue)
     taken: list[torch.Tensor] = []
     while queue and (room is None or room > 0):
