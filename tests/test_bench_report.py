@@ -379,17 +379,18 @@ def test_bench_tasks_must_be_eval_suite_tasks() -> None:
 
 
 def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> None:
-    """The decode node counts each step's wall, its thread's CPU, the emulated compute and the link waits by batch
-    size; a group holds the difference over its round, the summary the mean per step and the rest as `other`."""
+    """The decode node counts each step's wall, its thread's CPU, the emulated compute, the link waits and the times
+    it was preempted by batch size; a group holds the difference over its round, the summary the mean per step and
+    the rest as `other`; a results file from before the preemption count still reads, with "-" for it."""
     from smartgen.engine.metrics import PathCounters
 
     counters = PathCounters()
-    counters.add_step(1, 0.5, 0.2, 0.1, 0.1)
+    counters.add_step(1, 0.5, 0.2, 0.1, 0.1, 3)
     before = {
         f"steps.{b}.{name}": value for b, parts in counters.snapshot()["steps"].items() for name, value in parts.items()
     }
-    counters.add_step(4, 0.6, 0.3, 0.1, 0.05)
-    counters.add_step(4, 0.4, 0.2, 0.1, 0.05)
+    counters.add_step(4, 0.6, 0.3, 0.1, 0.05, 7)
+    counters.add_step(4, 0.4, 0.2, 0.1, 0.05, 5)
     after = {
         f"steps.{b}.{name}": value for b, parts in counters.snapshot()["steps"].items() for name, value in parts.items()
     }
@@ -399,15 +400,15 @@ def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> No
     threads_before = {"threads.decode-scheduler": 5.0, "threads.http-api": 1.0, "threads.decode.push-rx": 3.0}
     threads_after = {"threads.decode-scheduler": 7.5, "threads.http-api": 1.0, "threads.decode.push-rx": 0.4}
     assert thread_deltas(threads_before, threads_after) == {"decode-scheduler": 2.5, "decode.push-rx": 0.4}
-    assert deltas["4"] == pytest.approx([2, 1.0, 0.5, 0.2, 0.1])
+    assert deltas["4"] == pytest.approx([2, 1.0, 0.5, 0.2, 0.1, 12])
     result = _rounds_result()
     for group in result.groups:
-        group.steps = {"4": [2, 1.0, 0.5, 0.2, 0.1]} if group.scheme == "smartgen" else {}
+        group.steps = {"4": [2, 1.0, 0.5, 0.2, 0.1, 12]} if group.scheme == "smartgen" else {}
     summaries = summarize(result)
     ours = next(s for s in summaries if s.scheme == "smartgen")
     # the measured rounds' steps (three rounds of two): means per step; other = wall - cpu - emulated - wait
     assert ours.step_by_batch["4"] == pytest.approx(
-        {"steps": 6, "wall_s": 0.5, "cpu_s": 0.25, "emulated_s": 0.1, "wait_s": 0.05, "other_s": 0.1}
+        {"steps": 6, "wall_s": 0.5, "cpu_s": 0.25, "emulated_s": 0.1, "wait_s": 0.05, "other_s": 0.1, "preempted": 6}
     )
     assert all(not s.step_by_batch for s in summaries if s.scheme != "smartgen")
     lines = _render((steps_table(summaries, 0),), 80)
@@ -421,7 +422,16 @@ def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> No
         "100",
         "50",
         "100",
+        "6",
     ]
+    for group in result.groups:  # an older results file: five fields a batch size, no preemption count
+        group.steps = {"4": [2, 1.0, 0.5, 0.2, 0.1]} if group.scheme == "smartgen" else {}
+    older = next(s for s in summarize(result) if s.scheme == "smartgen").step_by_batch["4"]
+    assert "preempted" not in older and older["other_s"] == pytest.approx(0.1)
+    assert (
+        next(line.split() for line in _render((steps_table(summarize(result), 0),), 80) if "smartgen" in line)[-1]
+        == "-"
+    )
     for group in result.groups:
         group.steps = {}
     assert steps_table(summarize(result), 0) is None  # nothing recorded (an older results file): no table

@@ -1,5 +1,9 @@
 """Sparse selectors in the runtime: lanes never change the numbers, top-k at full budget is dense, metadata is exact."""
 
+import os
+import sys
+import threading
+
 import pytest
 import torch
 from tiny_models import tiny_config
@@ -164,6 +168,16 @@ def test_query_proactive_set_keeps_the_numbers_and_is_used(llama, monkeypatch):
     assert {layer for layer, scored in seen if scored} == {2, 3}  # every layer past the always-sent ones
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies per thread are Linux's")
+def test_the_prefetch_worker_runs_batched_whoever_starts_it(llama, monkeypatch):
+    """The step thread starts the runner's worker (on its first prefetch); the worker must not preempt that step as
+    it wakes, so it batches itself (`thread_priority.batch_this_thread`) whatever policy it inherited."""
+    monkeypatch.delenv("SMARTGEN_BACKGROUND_NICE", raising=False)
+    with InprocPipeline(llama, get_policy("partial"), "quest", {"budget": 0.3, "page_size": 4}, num_blocks=16) as p:
+        policy = p.decode_runner.worker.submit(lambda: os.sched_getscheduler(threading.get_native_id())).result()
+    assert policy == os.SCHED_BATCH and os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+
+
 @pytest.mark.parametrize("floor", [False, True])
 def test_every_decode_step_is_counted_by_batch_size_with_its_parts(llama, floor):
     """The decode node's step breakdown (`PathCounters.add_step`, the bench's step table): each step's wall time,
@@ -184,3 +198,4 @@ def test_every_decode_step_is_counted_by_batch_size_with_its_parts(llama, floor)
             assert parts["emulated_s"] >= parts["steps"] * layers * 0.002  # every layer of every step slept
         assert parts["wall_s"] >= parts["cpu_s"] > 0 and parts["wall_s"] >= parts["emulated_s"] + parts["wait_s"]
     assert sum(parts["wait_s"] for parts in steps.values()) > 0  # partial fetches layers >= 2 at every step
+    assert all(parts["preempted"] >= 0 and parts["preempted"] == int(parts["preempted"]) for parts in steps.values())

@@ -72,6 +72,23 @@ def test_the_prefill_node_frees_a_finished_request(nodes):
     assert "smartgen:kv_crossed_twice_bytes_total" in metrics
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies per thread are Linux's")
+def test_the_decode_nodes_step_thread_alone_preempts_its_other_threads(nodes):
+    """`serve --role decode` batches its process before any thread starts (SCHED_BATCH: a thread that wakes never
+    preempts a running one); the step thread alone goes back to the default, so a frame landing on a lane's receiver
+    or a fetch worker's wake-up waits for the step to block rather than cut into it (lanes/thread_priority.py)."""
+    body = {"prompt": _prompt_ids(3, 64), "max_tokens": 4, "ignore_eos": True, "scheme": "smartgen"}
+    assert httpx.post(nodes.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    policies = get_json(nodes.url + "/status")["threads_policy"]
+    assert policies["decode-scheduler"] == "other"
+    assert policies.get("smartgen-fetch", "batch") == "batch"  # started (if at all) by the step thread, yet batched
+    lanes = [role for role in policies if role.startswith("decode.")]
+    assert lanes and all(policies[role] == "batch" for role in lanes), policies
+    assert policies["decode-listen"] == "batch" and policies["MainThread"] == "batch"
+    prefill = get_json(nodes.status_url)["threads_policy"]
+    assert prefill and "batch" not in prefill.values()  # left as it was: its threads that answer fetches preempt
+
+
 def test_a_client_that_disconnects_mid_stream_frees_both_nodes(nodes):
     body = {"prompt": _prompt_ids(3, 100), "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", nodes.url + "/v1/completions", json=body, timeout=60) as response:

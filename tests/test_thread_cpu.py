@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from smartgen.roles.thread_cpu import role_of, thread_cpu_seconds
+from smartgen.lanes.thread_priority import batch_this_thread
+from smartgen.roles.thread_cpu import role_of, thread_cpu_seconds, thread_policies
 
 
 def test_a_threads_role_drops_its_links_session_and_its_pool_number():
@@ -42,3 +43,34 @@ def test_a_busy_thread_is_counted_under_its_role_while_it_lives():
     assert seconds["decode.push-rx"] >= 0.15
     assert not any("1a2b3c4d" in role for role in seconds)
     assert all(value >= 0 for value in seconds.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies per thread are Linux's")
+def test_each_roles_policy_is_reported_and_a_role_whose_threads_differ_lists_both(monkeypatch):
+    monkeypatch.delenv("SMARTGEN_BACKGROUND_NICE", raising=False)
+    release = threading.Event()
+    ready = [threading.Event() for _ in range(3)]
+
+    def hold(index: int, batched: bool) -> None:
+        if batched:
+            assert batch_this_thread()
+        ready[index].set()
+        release.wait(30)
+
+    threads = [
+        threading.Thread(target=hold, args=(0, True), name="decode.push.1a2b3c4d-rx", daemon=True),
+        threading.Thread(target=hold, args=(1, False), name="decode.push.5e6f7a8b-rx", daemon=True),
+        threading.Thread(target=hold, args=(2, True), name="smartgen-fetch_0", daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        assert all(event.wait(30) for event in ready)
+        policies = thread_policies()
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
+    assert policies["decode.push-rx"] == "batch+other"
+    assert policies["smartgen-fetch"] == "batch"
+    assert policies["MainThread"] == "other"

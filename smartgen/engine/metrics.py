@@ -22,8 +22,9 @@ PATHS = ("proactive", "full", "on_demand", "speculative", "local", "metadata")
 # a decode node's fetches: a step's own (on its critical path), a look-ahead prefetch of the next layer, and a
 # forecast's (a joining request's first step, asked at low priority before it runs)
 FETCH_KINDS = ("step", "prefetch", "forecast")
-# a decode node's steps by batch size (`PathCounters.add_step`): how many, and their summed seconds of each part
-STEP_FIELDS = ("steps", "wall_s", "cpu_s", "emulated_s", "wait_s")
+# a decode node's steps by batch size (`PathCounters.add_step`): how many, their summed seconds of each part, and how
+# many times the step thread was preempted (another thread took its CPU as it woke)
+STEP_FIELDS = ("steps", "wall_s", "cpu_s", "emulated_s", "wait_s", "preempted")
 
 
 class RequestState(str, Enum):
@@ -249,13 +250,16 @@ class PathCounters:
             self.fetch_landed[kind] += 1
             self.fetch_seconds[kind] += seconds
 
-    def add_step(self, batch: int, wall_s: float, cpu_s: float, emulated_s: float, wait_s: float) -> None:
+    def add_step(
+        self, batch: int, wall_s: float, cpu_s: float, emulated_s: float, wait_s: float, preempted: int = 0
+    ) -> None:
         """One decode step of `batch` requests: its wall time, the step thread's own CPU, the emulated compute it
         slept (benchmarks) and its waits for the link (fetch replies, layers 0-1); the rest of the wall is the step
-        thread runnable but not running (other threads of the node on its CPU, the GIL)."""
+        thread runnable but not running (other threads of the node on its CPU, the GIL). `preempted`: the times
+        another thread took the step thread's CPU during the step (its involuntary context switches)."""
         with self._lock:
-            row = self.steps.setdefault(batch, [0, 0.0, 0.0, 0.0, 0.0])
-            for i, value in enumerate((1, wall_s, cpu_s, emulated_s, wait_s)):
+            row = self.steps.setdefault(batch, [0, 0.0, 0.0, 0.0, 0.0, 0])
+            for i, value in enumerate((1, wall_s, cpu_s, emulated_s, wait_s, preempted)):
                 row[i] += value
 
     def add_selection(self, selected: int, remote: int) -> None:

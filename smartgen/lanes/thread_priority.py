@@ -8,8 +8,16 @@ two: the prefill node's receive and serve wake-ups 0.55 and 0.44 ms on average, 
 compute threads at nice 10, 0.36 and 0.20, p90 0.54 and 0.25). Raising a thread's priority needs privileges;
 lowering one's own never does.
 
-`SMARTGEN_BACKGROUND_NICE` sets the niceness given (default 10; 0 leaves every thread as it is). Linux only: there a
-thread is its own schedulable task, where elsewhere `setpriority` would lower the whole process.
+Niceness sets a thread's share of a busy CPU, not whether it interrupts: a woken thread of any niceness may still
+preempt the running one at once. A decode node's process therefore runs under SCHED_BATCH (`batch_this_thread`, which
+the threads it starts inherit), its step thread alone under the default policy (`unbatch_this_thread`): the lanes'
+receivers, the prefetch worker and the HTTP server then run while the step blocks, sleeps or ends its time slice,
+and no longer cut into it each time a frame arrives (measured on this machine, random:32 at 2K in a burst of four:
+the step thread was preempted 106-147 times a step, 35-38 batched; its time runnable but not running at batch 3 fell
+from 8-21 to 2-4 ms a step; TBT moved less than the rounds' spread: docs/results/2026-12-07-step-thread-first.md).
+
+`SMARTGEN_BACKGROUND_NICE` sets the niceness given (default 10; 0 leaves every thread as it is, its policy too).
+Linux only: there a thread is its own schedulable task, where elsewhere `setpriority` would lower the whole process.
 """
 
 from __future__ import annotations
@@ -19,7 +27,19 @@ import os
 import sys
 import threading
 
-__all__ = ["BACKGROUND_NICE", "background_nice", "lower_this_thread"]
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
+
+__all__ = [
+    "BACKGROUND_NICE",
+    "background_nice",
+    "lower_this_thread",
+    "batch_this_thread",
+    "unbatch_this_thread",
+    "preemptions",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +78,46 @@ def lower_this_thread(nice: int | None = None) -> bool:
         log.debug("could not lower thread %s's priority: %s", threading.current_thread().name, exc)
         return False
     return True
+
+
+def batch_this_thread() -> bool:
+    """Puts the calling thread under SCHED_BATCH, and with it every thread it starts from now on (a Linux thread
+    inherits its creator's policy): it keeps its fair share of the CPU but no longer preempts a running thread as it
+    wakes. True when it did; never raises, and does nothing where `background_nice()` is 0."""
+    if background_nice() <= 0:
+        return False
+    return _set_policy("SCHED_BATCH")
+
+
+def unbatch_this_thread() -> bool:
+    """Puts the calling thread back under the default policy (SCHED_OTHER), so that it preempts batched ones as it
+    wakes: the latency-critical thread of a batched process (a decode node's step thread). True when it did."""
+    return _set_policy("SCHED_OTHER")
+
+
+def _set_policy(name: str) -> bool:
+    policy = getattr(os, name, None)
+    if policy is None or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        current = os.sched_getscheduler(tid)
+        if current == policy or current not in (os.SCHED_OTHER, os.SCHED_BATCH):
+            return False  # as asked already, or a policy someone chose on purpose (real-time, idle): left alone
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except OSError as exc:  # a sandbox that refuses
+        log.debug("could not put thread %s under %s: %s", threading.current_thread().name, name, exc)
+        return False
+    return True
+
+
+def preemptions() -> int:
+    """How many times another thread has taken the calling thread's CPU while it could run (its involuntary context
+    switches, `getrusage(RUSAGE_THREAD)`); 0 where the platform does not say. One system call: cheap per step."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    if who is None:
+        return 0
+    try:
+        return resource.getrusage(who).ru_nivcsw
+    except OSError:
+        return 0

@@ -42,7 +42,7 @@ from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import PrefillLimits
 from smartgen.roles.monitoring import prefill_monitoring
 from smartgen.roles.planner import NodePlanner
-from smartgen.roles.thread_cpu import thread_cpu_seconds
+from smartgen.roles.thread_cpu import thread_cpu_seconds, thread_policies
 from smartgen.runtime.prefill import PrefillRunner
 from smartgen.runtime.prefill_worker import PrefillWorker
 from smartgen.selectors.base import Selector
@@ -138,6 +138,7 @@ class PrefillNode:
             "paths": self.engine.counters.snapshot(),
             # CPU seconds of this node's threads by role: what shares its CPUs with prefill (`thread_cpu`)
             "threads_cpu": thread_cpu_seconds(),
+            "threads_policy": thread_policies(),  # none batched here: its threads that answer fetches must preempt
             # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
             "crossed_twice_bytes": sum(self.engine.crossed_twice.snapshot()["bytes"].values()),
             "decode_nodes": len(self.engine.links),

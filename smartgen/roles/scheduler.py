@@ -32,10 +32,11 @@ import torch
 from smartgen.engine.decode import DecodeEngine
 from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy, check_servable, get_policy, split_label
+from smartgen.lanes.thread_priority import unbatch_this_thread
 from smartgen.roles.admission import RequestLimits, check_request, oracle_counts
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.roles.text_pieces import text_piece
-from smartgen.roles.thread_cpu import thread_cpu_seconds
+from smartgen.roles.thread_cpu import thread_cpu_seconds, thread_policies
 from smartgen.runtime.decode import DecodeRunner
 from smartgen.runtime.driver import DecodeDriver, DriverRequest, Event, Finished, Token
 from smartgen.runtime.sampling import Sampler
@@ -233,6 +234,8 @@ class DecodeScheduler:
             "recent": list(self._recent),
             # CPU seconds of this node's threads by role: what shares its CPUs with the decode step (`thread_cpu`)
             "threads_cpu": thread_cpu_seconds(),
+            # and their scheduling policies: in `serve --role decode` the step thread alone "other" (thread_priority)
+            "threads_policy": thread_policies(),
         }
         for hook in self.status_hooks:
             hook(snapshot)
@@ -249,6 +252,8 @@ class DecodeScheduler:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        # the decode step: in a batched process (`serve --role decode`) the one thread that preempts the others
+        unbatch_this_thread()
         try:
             while not self._stop.is_set():
                 self._deliver(self._reap_cancelled())

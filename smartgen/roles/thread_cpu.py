@@ -1,4 +1,4 @@
-"""CPU seconds of each of this process's threads, by role: which threads share a node's CPUs with its decode step.
+"""CPU seconds and scheduling policy of this process's threads, by role: which threads share a node's CPUs with its decode step.
 
 A decode step's `other` time (runnable, not running) is the node's other threads on its CPU: the lanes' receivers
 landing pushes and replies, the prefetch worker, the HTTP server. The step table cannot say which; this can. Read
@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 
-__all__ = ["thread_cpu_seconds", "role_of"]
+__all__ = ["thread_cpu_seconds", "thread_policies", "role_of"]
 
 _SESSION = re.compile(r"\.[0-9a-f]{8}-")  # a lane thread's link session (tcp_link names lanes by it)
 _POOL_INDEX = re.compile(r"_\d+$")  # ThreadPoolExecutor's worker number
@@ -47,3 +47,31 @@ def thread_cpu_seconds() -> dict[str, float]:
         role = role_of(names.get(int(tid), "native"))
         seconds[role] = seconds.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return seconds
+
+
+_POLICY_NAMES = {
+    "SCHED_OTHER": "other",
+    "SCHED_BATCH": "batch",
+    "SCHED_IDLE": "idle",
+    "SCHED_FIFO": "fifo",
+    "SCHED_RR": "rr",
+}
+
+
+def thread_policies() -> dict[str, str]:
+    """The scheduling policy of each live Python thread of this process, by `role_of` its name: "other" (the default:
+    preempts as it wakes), "batch" (`thread_priority.batch_this_thread`: never does), "idle", "fifo", "rr"; a role
+    whose threads differ lists them joined by "+". {} off Linux."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "sched_getscheduler"):
+        return {}
+    names = {getattr(os, name): short for name, short in _POLICY_NAMES.items() if hasattr(os, name)}
+    found: dict[str, set[str]] = {}
+    for thread in threading.enumerate():
+        if thread.native_id is None:
+            continue
+        try:
+            policy = os.sched_getscheduler(thread.native_id)
+        except OSError:
+            continue  # the thread ended between the listing and the read
+        found.setdefault(role_of(thread.name), set()).add(names.get(policy, str(policy)))
+    return {role: "+".join(sorted(kinds)) for role, kinds in sorted(found.items())}

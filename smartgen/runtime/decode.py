@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from smartgen.engine.attention import span_decode_attention, sparse_decode_attention
 from smartgen.engine.decode import Assembled, DecodeEngine
 from smartgen.engine.layout import DENSE_LAYERS
+from smartgen.lanes.thread_priority import batch_this_thread, preemptions
 from smartgen.runtime.cache_kwarg import with_cache
 from smartgen.runtime.capture import HiddenCapture
 from smartgen.runtime.emulation import Emulation
@@ -203,7 +204,10 @@ class DecodeRunner:
         # every sparse selector: a policy that prefetches speculates layer l+1's query from layer l's input
         self.capture = HiddenCapture(model) if not isinstance(selector, DenseSelector) else None
         self._speculator: QuerySpeculator | None = None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartgen-fetch")
+        # started by the step thread, yet never to cut into its step as it wakes (thread_priority)
+        self.worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="smartgen-fetch", initializer=batch_this_thread
+        )
         self.side_stream = torch.cuda.Stream() if model.device.type == "cuda" else None
         self._widened: dict[float, Selector | None] = {}  # the selector at (1 + hints) x its budget
 
@@ -332,13 +336,15 @@ class DecodeRunner:
 
     def step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each request's last token; returns (next tokens [B], logits [B, V] float32). Counts the step's wall
-        time, its thread's CPU, the emulated compute and the link waits by batch size (`PathCounters.add_step`)."""
+        time, its thread's CPU, the emulated compute, the link waits and the times another thread preempted it, by
+        batch size (`PathCounters.add_step`)."""
         emulation = self.emulation
-        started, cpu, emulated, waited = (
+        started, cpu, emulated, waited, preempted = (
             time.monotonic(),
             time.thread_time(),
             emulation.slept_s,
             self.engine.link_wait_s,
+            preemptions(),
         )
         tokens, logits = self._step(batch)
         self.engine.counters.add_step(
@@ -347,6 +353,7 @@ class DecodeRunner:
             time.thread_time() - cpu,
             emulation.slept_s - emulated,
             self.engine.link_wait_s - waited,
+            preemptions() - preempted,
         )
         return tokens, logits
 

@@ -99,16 +99,17 @@ class Summary:
 def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
     """The decode step by batch size over these groups: how many steps, and per step the mean wall time, the step
     thread's CPU, the emulated compute, the link waits, and `other`, the wall none of those explain (the thread
-    runnable but not running: the node's other threads on its CPU, the GIL)."""
+    runnable but not running: the node's other threads on its CPU, the GIL), and `preempted`, the times a step another
+    thread took its CPU (None from a node that did not count them)."""
     sums: dict[str, list[float]] = {}
     for group in groups:
         for batch, row in group.steps.items():
             total = sums.setdefault(batch, [0.0] * len(row))
             for i, value in enumerate(row):
                 total[i] += value
-    parts = {}
+    parts: dict[str, dict[str, float]] = {}
     for batch in sorted(sums, key=int):
-        steps, wall, cpu, emulated, wait = sums[batch]
+        steps, wall, cpu, emulated, wait, *counted = sums[batch]
         parts[batch] = {
             "steps": steps,
             "wall_s": wall / steps,
@@ -117,6 +118,8 @@ def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
             "wait_s": wait / steps,
             "other_s": max(0.0, wall - cpu - emulated - wait) / steps,
         }
+        if counted:  # results of before the count keep five fields
+            parts[batch]["preempted"] = counted[0] / steps
     return parts
 
 

@@ -209,9 +209,9 @@ def steps_table(summaries: list[Summary], point: int) -> Table | None:
         "the decode step by batch size (ms per step, means over the measured rounds' steps): B: requests in the "
         "step; wall: the step's time; cpu: its thread's own CPU; emul: the emulated compute it slept; wait: its "
         "waits for the link (fetch replies, layers 0-1); other: the rest, its thread runnable but not running (the "
-        "node's other threads on its CPU, the GIL). A scheme's TBT over an all-local step of the same batch is "
-        "wait + other + the cpu beyond that step's",
-        ["scheme", "B", "steps", "wall", "cpu", "emul", "wait", "other"],
+        "node's other threads on its CPU, the GIL); pre: the times a step another thread took its CPU. A scheme's "
+        "TBT over an all-local step of the same batch is wait + other + the cpu beyond that step's",
+        ["scheme", "B", "steps", "wall", "cpu", "emul", "wait", "other", "pre"],
     )
     for s in rows:
         for batch, parts in s.step_by_batch.items():
@@ -224,6 +224,7 @@ def steps_table(summaries: list[Summary], point: int) -> Table | None:
                 _ms(parts["emulated_s"]),
                 _ms(parts["wait_s"]),
                 _ms(parts["other_s"]),
+                f"{parts['preempted']:.0f}" if "preempted" in parts else "-",
             )
     return table
 
