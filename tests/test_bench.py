@@ -132,8 +132,9 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         # (none where the prefill node's head start gave every token)
         if not all(r["prefill_tokens"] == len(r["node_ctl"]) for r in group["requests"]):
             assert list(group["steps"]) == ["1"], group["steps"]
-            steps, wall, cpu, emulated, wait = group["steps"]["1"]
+            steps, wall, cpu, emulated, wait, preempted = group["steps"]["1"]
             assert steps >= 1 and wall >= cpu > 0 and wall >= emulated + wait and emulated >= 0  # --quick: native
+            assert preempted >= 0 and preempted == int(preempted)  # the step thread's involuntary switches, counted
         else:
             assert group["steps"] == {} and group["scheme"].startswith("smartgen"), group
     assert step_seconds > 0 and prefill_seconds > 0  # the step and prefill threads' CPU, over every scheme's round
