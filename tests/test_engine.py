@@ -581,10 +581,14 @@ def test_a_chaining_policy_sends_an_idle_notice_every_few_layers(scheme, expecte
         layers = [2 + i % 2 for i in range(8)]  # eight layer starts over the sparse layers 2 and 3
         heads = LAYOUT.num_kv_heads  # one hinted token each, every head: entries (layer * n + token) * H + head
         hints = [(layer * 120 + i) * heads + h for i, layer in enumerate(layers) for h in range(heads)]
-        decode.pool.masks.values[:, request.slot, :120] = REMOTE  # every hinted token is still remote
-        for i, layer in enumerate(layers):
-            request.hints.append((layer, torch.full((LAYOUT.num_kv_heads, 1), i)))  # a wider pick of token i
-            decode.begin_layer(layer, [rid])
+        # every hinted token is still remote, and stays so: the prefill node's speculation lands nothing meanwhile
+        # (its pushes wait for the lane's apply lock; a streaming plan pushes these first tokens first, and a push
+        # that landed between two notices took its entries out of the second)
+        with request.link.push._apply_lock:
+            decode.pool.masks.values[:, request.slot, :120] = REMOTE
+            for i, layer in enumerate(layers):
+                request.hints.append((layer, torch.full((LAYOUT.num_kv_heads, 1), i)))  # a wider pick of token i
+                decode.begin_layer(layer, [rid])
         assert not request.metrics.error
         assert [m.meta["layer"] for m in sent] == [layers[i] for i in expected]
         hinted = torch.cat([Idle.unpack(m).hints for m in sent])
