@@ -114,7 +114,7 @@ def _set_policy(name: str) -> bool:
 def preemptions() -> int:
     """How many times another thread has taken the calling thread's CPU while it could run (its involuntary context
     switches, `getrusage(RUSAGE_THREAD)`); 0 where the platform does not say. One system call: cheap per step."""
-    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    who = getattr(resource, "RUSAGE_THREAD", None)  # None too where `resource` is missing
     if who is None:
         return 0
     try:

@@ -1,4 +1,4 @@
-"""CPU seconds and scheduling policy of this process's threads, by role: which threads share a node's CPUs with its decode step.
+"""CPU seconds and scheduling policy of this process's threads, by role: what shares a node's CPUs with its decode step.
 
 A decode step's `other` time (runnable, not running) is the node's other threads on its CPU: the lanes' receivers
 landing pushes and replies, the prefetch worker, the HTTP server. The step table cannot say which; this can. Read

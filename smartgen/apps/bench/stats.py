@@ -100,7 +100,7 @@ def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
     """The decode step by batch size over these groups: how many steps, and per step the mean wall time, the step
     thread's CPU, the emulated compute, the link waits, and `other`, the wall none of those explain (the thread
     runnable but not running: the node's other threads on its CPU, the GIL), and `preempted`, the times a step another
-    thread took its CPU (None from a node that did not count them)."""
+    thread took its CPU (left out for a node that did not count them)."""
     sums: dict[str, list[float]] = {}
     for group in groups:
         for batch, row in group.steps.items():

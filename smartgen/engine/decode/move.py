@@ -155,10 +155,10 @@ class DecodePath:
     def hint(self, layer: int, request_ids: list[str], wide: torch.Tensor) -> None:
         """Notes, for the next IDLE, the prompt entries of one layer that a wider selection (the selector at
         (1 + hints) x its budget) picks past the layer's own (`wide` [B·H, k'], `Selector.select_with_next`): what
-        the selector is likely to pick next. Only requests whose
-        policy hints. Each request keeps a view of its rows; the next notice reads which are still remote in some
-        head, every noted layer at once (`_hinted`): a status read per layer cost the step thread about 7 ms a step
-        on 32 layers (random:32, 2K tokens, most of the KV still remote), a few tensor operations each."""
+        the selector is likely to pick next. Only requests whose policy hints. Each request keeps a view of its rows;
+        the next notice reads which are still remote in some head, every noted layer at once (`_hinted`): a status
+        read per layer cost the step thread about 7 ms a step on 32 layers (random:32, 2K tokens, most of the KV
+        still remote), a few tensor operations each."""
         num_heads = self.layout.num_kv_heads
         for b, request_id in enumerate(request_ids):
             request = self._require_any(request_id)
