@@ -4,12 +4,13 @@
 
 Per measured round of each scheme, one line per request in the order they were sent: when it was sent (client's
 clock, from the round's start), then on the node's clock from its arrival there: its first token, its layers 0-1
-local, its forecast asked and landed, its join into the running batch, its first decoded token (the one its own
-first step computed), its whole cache local; and the link wait of its first step, of the rest, and the worst one.
-Under it, where a round's TBT went: the mean gap between tokens (from the third on, as TBT counts) and their link
-wait while some request of the round still awaited its first token (the burst's prefills) and after, and apart each
-request's wait for the first token its decode node's own step computed after the prefill node's (ms); and the
-decode node's CPU seconds over the round by thread role (what shared its CPU with the decode step).
+local, its forecast asked and landed and the entries it asked for, its join into the running batch, its first decoded
+token (the one its own first step computed), its whole cache local; and the link wait of its first step, of the
+rest, and the worst one. Under it, where a round's TBT went: the mean gap between tokens (from the third on, as TBT
+counts) and their link wait while another request's forecast picks crossed (a joiner's), while some request of the
+round still awaited its first token (the burst's prefills) and after, and apart each request's wait for the first
+token its decode node's own step computed after the prefill node's (ms); and the decode node's CPU seconds over the
+round by thread role (what shared its CPU with the decode step).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def request_line(request: dict[str, Any]) -> list[str]:
     return [
         _ms(request.get("sent")),
         _ms(ctl[0] if ctl else None),
-        *(_ms(milestones.get(name)) for name in MILESTONES),
+        *(_ms(milestones.get(name)) for name in MILESTONES[:3]),
+        "-" if request.get("forecast_entries") is None else str(request["forecast_entries"]),
+        *(_ms(milestones.get(name)) for name in MILESTONES[3:]),
         _ms(ctl[first] if len(ctl) > first else None),
         str(first),
         _ms(waits[0] if waits else None),
@@ -47,13 +50,15 @@ def request_line(request: dict[str, Any]) -> list[str]:
     ]
 
 
-# "from": the token index its own first step computed; "wait rest" and "max": its later steps' link waits
+# "fc ent": the (token, head) entries its forecast asked for (- in a run from before they were kept); "from": the token
+# index its own first step computed; "wait rest" and "max": its later steps' link waits
 HEADER = [
     "sent",
     "ttft",
     "dense",
     "fc ask",
     "fc land",
+    "fc ent",
     "joined",
     "all local",
     "first dec",
@@ -64,20 +69,37 @@ HEADER = [
 ]
 
 
+def forecast_windows(requests: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """(request's position, asked, landed) of every forecast that crossed while others ran, on the round's clock."""
+    windows = []
+    for i, r in enumerate(requests):
+        marks = r.get("milestones") or {}
+        if "forecast_asked" in marks and "forecast_landed" in marks:
+            sent = r.get("sent") or 0.0
+            windows.append((i, sent + marks["forecast_asked"], sent + marks["forecast_landed"]))
+    return windows
+
+
 def phases(requests: list[dict[str, Any]]) -> str:
     """Where the round's TBT went: the gaps between decoded tokens (from the third token on, as TBT counts) split by
-    phase, while any request still awaited its first token (the burst's prefills) and after (mean gap and mean link
-    wait, ms, with their count); apart, each request's first token of its own decode node's steps where the prefill
-    node gave the tokens before it (its wait to join). Times on the round's clock: each request's sending plus the
-    node's offsets (the node's arrival lags the sending by a few ms)."""
+    phase, while another request's forecast picks crossed (a joiner's: they take the link ahead of every push), while
+    any request still awaited its first token (the burst's prefills) and after (mean gap and mean link wait, ms, with
+    their count); apart, each request's first token of its own decode node's steps where the prefill node gave the
+    tokens before it (its wait to join). A gap counts in the first phase its end falls in. Times on the round's
+    clock: each request's sending plus the node's offsets (the node's arrival lags the sending by a few ms)."""
     done = [r for r in requests if not r.get("error") and r.get("node_ctl")]
     if not done:
         return "no request finished"
     prefills_end = max((r.get("sent") or 0.0) + r["node_ctl"][0] for r in done)
+    windows = forecast_windows(done)
     # a run from before the timeline (no token_waits) shows its waits as "-", not as none
-    split: dict[str, tuple[list[float], list[float]]] = {"during prefills": ([], []), "after": ([], [])}
+    split: dict[str, tuple[list[float], list[float]]] = {
+        "beside a joiner's forecast": ([], []),
+        "during prefills": ([], []),
+        "after": ([], []),
+    }
     own_first = []
-    for r in done:
+    for i, r in enumerate(done):
         times = [(r.get("sent") or 0.0) + t for t in r["node_ctl"]]
         waits = r.get("token_waits") or []
         first = int(r.get("prefill_tokens") or 1)
@@ -86,7 +108,11 @@ def phases(requests: list[dict[str, Any]]) -> str:
             if t == first:
                 own_first.append(gap)
                 continue
-            gaps, link = split["during prefills" if times[t] <= prefills_end else "after"]
+            if any(j != i and asked < times[t] <= landed for j, asked, landed in windows):
+                phase = "beside a joiner's forecast"
+            else:
+                phase = "during prefills" if times[t] <= prefills_end else "after"
+            gaps, link = split[phase]
             gaps.append(gap)
             if t < len(waits):
                 link.append(waits[t])

@@ -473,8 +473,9 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     }  # fmt: skip
     first = {"sent": 0.01, "node_ctl": [0.5, 0.6, 0.9], "prefill_tokens": 2, "token_waits": [0, 0, 0.1],
              "milestones": {"joined": 0.6}}  # fmt: skip
-    assert timeline.request_line(joiner) == ["20", "1000", "1500", "1500", "2300", "2300", "-", "2500", "2", "200",
-                                             "50", "50"]  # fmt: skip
+    assert timeline.request_line(joiner) == ["20", "1000", "1500", "1500", "2300", "-", "2300", "-", "2500", "2",
+                                             "200", "50", "50"]  # fmt: skip
+    assert timeline.request_line({**joiner, "forecast_entries": 96})[5] == "96"  # the entries its forecast asked for
     assert timeline.request_line({"sent": 0.0, "error": "timeout"})[1] == "failed: timeout"
     groups = [
         {"scheme": "smartgen", "point": 0, "rep": 0, "warmup": True, "requests": [first]},
@@ -502,6 +503,13 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     # where the TBT went: the joiner's one later gap (after every prefill), and each first own token apart
     assert "after: 1 gaps, mean 200, link wait 50; first own token: 300, 1400" in out
     assert "decode node CPU by thread (s): decode-scheduler 2.50, decode.push-rx 0.25" in out
+    # a gap that ends while another request's forecast picks cross counts apart (the joiner's window: 1.52-2.32 s)
+    running = {"sent": 0.0, "node_ctl": [0.5, 0.6, 0.9, 1.2, 1.9, 2.0, 2.6], "prefill_tokens": 2,
+               "token_waits": [0, 0, 0.1, 0.1, 0.3, 0.05, 0.0]}  # fmt: skip
+    assert timeline.phases([joiner, running]) == (
+        "beside a joiner's forecast: 2 gaps, mean 400, link wait 175; after: 3 gaps, mean 367, link wait 50; "
+        "first own token: 1400, 300"
+    )
     # a run from before the timeline has no waits: shown as unknown, not as none
     assert "link wait -" in timeline.phases([{k: v for k, v in joiner.items() if k != "token_waits"}])
     (tmp_path / "bad.json").write_text("[1]")  # not a bench run: the script says so, no traceback

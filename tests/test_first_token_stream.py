@@ -76,6 +76,7 @@ def test_the_forecast_steps_second_token_reaches_the_client_before_the_decode_no
         assert [e.index for e in events[:-1]] == [0, 1, 2, 3]  # each once, in order
         assert finish.usage["prefill_tokens"] == 2
         assert finish.usage["fetch_wait"] > 0, "the test must make the decode node's first step wait for the link"
+        assert finish.usage["forecast_entries"] > 0  # its first step's picks, asked for as the forecast came
         assert received[1] < node_times[2], (received, node_times)
         assert node_times[1] <= received[1]
 

@@ -364,6 +364,8 @@ class DecodeScheduler:
             "on_demand_ratio": metrics.on_demand_ratio if metrics else None,
             "fetched_tokens": metrics.fetched_tokens if metrics else None,
             "prefetched_entries": metrics.prefetched_entries if metrics else None,
+            # (token, head) entries the forecast's picks asked for before the first step, a joiner's wait to join
+            "forecast_entries": metrics.forecast_entries if metrics else None,
             # the first decode step's selection already local, and the time decoding waited for the link
             "first_step_coverage": metrics.first_step_coverage if metrics else None,
             "first_step_foreseen": metrics.first_step_foreseen if metrics else None,

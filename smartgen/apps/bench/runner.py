@@ -512,6 +512,7 @@ def _run_group(
                 "first_step_wait": usage.get("first_step_wait"),
                 "fetch_wait": usage.get("fetch_wait"),
                 "prefetched_entries": usage.get("prefetched_entries"),
+                "forecast_entries": usage.get("forecast_entries"),
                 "step_fetched": usage.get("step_fetched"),
                 "step_fetched_hinted": usage.get("step_fetched_hinted"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
