@@ -5,12 +5,13 @@
 Per measured round of each scheme, one line per request in the order they were sent: when it was sent (client's
 clock, from the round's start), then on the node's clock from its arrival there: its first token, its layers 0-1
 local, its forecast asked and landed and the entries it asked for, its join into the running batch, its first decoded
-token (the one its own first step computed), its whole cache local; and the link wait of its first step, of the
-rest, and the worst one. Under it, where a round's TBT went: the mean gap between tokens (from the third on, as TBT
-counts) and their link wait while another request's forecast picks crossed (a joiner's), while some request of the
-round still awaited its first token (the burst's prefills) and after, and apart each request's wait for the first
-token its decode node's own step computed after the prefill node's (ms); and the decode node's CPU seconds over the
-round by thread role (what shared its CPU with the decode step).
+token (the one its own first step computed), its whole cache local; the link wait of its first step, of the rest,
+and the worst one; and how many of its steps were taken back and redone. Under it, where a round's TBT went: the mean
+gap between tokens (from the third on, as TBT counts) and their link wait while another request's forecast picks
+crossed (a joiner's), while some request of the round still awaited its first token (the burst's prefills) and
+after, and apart each request's wait for the first token its decode node's own step computed after the prefill
+node's (ms); and the decode node's CPU seconds over the round by thread role (what shared its CPU with the decode
+step).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def request_line(request: dict[str, Any]) -> list[str]:
         _ms(waits[0] if waits else None),
         _ms(sum(waits[1:]) if len(waits) > 1 else None),
         _ms(max(waits[1:]) if len(waits) > 1 else None),
+        "-" if request.get("deferred_steps") is None else str(request["deferred_steps"]),
     ]
 
 
 # "fc ent": the (token, head) entries its forecast asked for (- in a run from before they were kept); "from": the token
-# index its own first step computed; "wait rest" and "max": its later steps' link waits
+# index its own first step computed; "wait rest" and "max": its later steps' link waits; "deferred": its steps taken
+# back and redone (a fetch past --fetch-stall-ms parked it)
 HEADER = [
     "sent",
     "ttft",
@@ -66,6 +69,7 @@ HEADER = [
     "wait1",
     "wait rest",
     "max",
+    "deferred",
 ]
 
 

@@ -474,8 +474,9 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     first = {"sent": 0.01, "node_ctl": [0.5, 0.6, 0.9], "prefill_tokens": 2, "token_waits": [0, 0, 0.1],
              "milestones": {"joined": 0.6}}  # fmt: skip
     assert timeline.request_line(joiner) == ["20", "1000", "1500", "1500", "2300", "-", "2300", "-", "2500", "2",
-                                             "200", "50", "50"]  # fmt: skip
-    assert timeline.request_line({**joiner, "forecast_entries": 96})[5] == "96"  # the entries its forecast asked for
+                                             "200", "50", "50", "-"]  # fmt: skip
+    line = timeline.request_line({**joiner, "forecast_entries": 96, "deferred_steps": 3})
+    assert line[5] == "96" and line[-1] == "3"  # the entries its forecast asked for; its steps taken back
     assert timeline.request_line({"sent": 0.0, "error": "timeout"})[1] == "failed: timeout"
     groups = [
         {"scheme": "smartgen", "point": 0, "rep": 0, "warmup": True, "requests": [first]},

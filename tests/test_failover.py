@@ -182,6 +182,7 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts, 
         gate.set()
         events = list(handles[on_stalled].events(timeout=60))
         assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
+        assert events[-1].usage["deferred_steps"] >= 1 and finish.usage["deferred_steps"] == 0  # taken back, redone
         tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) == 24
         reference = list(decode.scheduler.submit(_prompt(5 + on_stalled), params).events(timeout=60))

@@ -72,6 +72,8 @@ class RequestMetrics:
     # idle notice had hinted: hints the speculative push had not brought in time
     step_fetched: int = 0
     step_fetched_hinted: int = 0
+    # steps taken back and redone: a fetch of the step was not back within the stall bound (`--fetch-stall-ms`)
+    deferred_steps: int = 0
     fetch_wait_s: float = 0.0
     # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token
     # arrived: what the link had to have carried by then (the benchmark's CTL bound)
@@ -197,6 +199,7 @@ class RequestMetrics:
             "forecast_entries": self.forecast_entries,
             "step_fetched": self.step_fetched,
             "step_fetched_hinted": self.step_fetched_hinted,
+            "deferred_steps": self.deferred_steps,
             "prefill_tokens": self.prefill_tokens,
             "fetch_wait_s": self.fetch_wait_s,
             "selected_union_bytes": self.selected_union_bytes,

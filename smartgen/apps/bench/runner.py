@@ -513,6 +513,7 @@ def _run_group(
                 "fetch_wait": usage.get("fetch_wait"),
                 "prefetched_entries": usage.get("prefetched_entries"),
                 "forecast_entries": usage.get("forecast_entries"),
+                "deferred_steps": usage.get("deferred_steps"),
                 "step_fetched": usage.get("step_fetched"),
                 "step_fetched_hinted": usage.get("step_fetched_hinted"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),

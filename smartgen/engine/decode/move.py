@@ -470,6 +470,7 @@ class DecodePath:
                 if self.stall_timeout is not None and time.monotonic() - first < timeout:
                     request.deferred = True
                     request.deferred_since = first
+                    request.metrics.deferred_steps += 1
                     request.late.append((layer, entries, future, sent))
                     continue
                 self.counters.add_failure("on_demand")
