@@ -29,6 +29,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def request_line(request: dict[str, Any]) -> list[str]:
     """One request's cells: sent, ttft, each milestone, first decoded token, waits (ms)."""
     if request.get("error"):
@@ -41,14 +45,14 @@ def request_line(request: dict[str, Any]) -> list[str]:
         _ms(request.get("sent")),
         _ms(ctl[0] if ctl else None),
         *(_ms(milestones.get(name)) for name in MILESTONES[:3]),
-        "-" if request.get("forecast_entries") is None else str(request["forecast_entries"]),
+        _count(request.get("forecast_entries")),
         *(_ms(milestones.get(name)) for name in MILESTONES[3:]),
         _ms(ctl[first] if len(ctl) > first else None),
         str(first),
         _ms(waits[0] if waits else None),
         _ms(sum(waits[1:]) if len(waits) > 1 else None),
         _ms(max(waits[1:]) if len(waits) > 1 else None),
-        "-" if request.get("deferred_steps") is None else str(request["deferred_steps"]),
+        _count(request.get("deferred_steps")),
     ]
 
 
