@@ -22,6 +22,7 @@ __all__ = [
     "QueueTimeout",
     "FetchTimeout",
     "FetchStallMs",
+    "StepShare",
     "FlushTimeout",
     "Secret",
     "Insecure",
@@ -120,6 +121,17 @@ FetchStallMs = Annotated[
         "up requests that do not need it. 0 = wait up to --fetch-timeout.",
         min=0.0,
         callback=_finite,
+    ),
+]
+StepShare = Annotated[
+    bool,
+    option(
+        TIMEOUTS,
+        "Decode node, a batch of B: a step waits for one request's fetches, over the whole step, at most that "
+        "request's share of it (the last step's own time / B; a wait shared by several requests counts a part to "
+        "each); past it the request is held back: it stays in the batch, its step is redone in the next one while "
+        "its fetches land, so a request whose KV is still arriving (one that just joined) never holds up the "
+        "others for long. Alone, a request is never held back. --no-step-share waits up to --fetch-stall-ms.",
     ),
 ]
 FlushTimeout = Annotated[

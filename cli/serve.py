@@ -25,6 +25,7 @@ from .node_options import (
     Lease,
     QueueTimeout,
     Secret,
+    StepShare,
     TlsCa,
     TlsCert,
     TlsKey,
@@ -253,6 +254,7 @@ def serve(
     queue_timeout: QueueTimeout = 300.0,
     fetch_timeout: FetchTimeout = 30.0,
     fetch_stall_ms: FetchStallMs = 1000.0,
+    step_share: StepShare = True,
     flush_timeout: FlushTimeout = 120.0,
     secret: Secret = "",
     insecure: Insecure = False,
@@ -328,6 +330,7 @@ def serve(
             max_body_bytes,
             fetch_stall_s=fetch_stall_ms / 1e3 or None,
             queue_timeout_s=queue_timeout,
+            step_share=step_share,
             **timeouts,
         )
         prefill_limits = PrefillLimits(

@@ -137,6 +137,8 @@ def test_every_timeout_of_serve_is_an_option_with_help():
         "--queue-timeout",
         "--fetch-timeout",
         "--fetch-stall-ms",
+        "--step-share",
+        "--no-step-share",
         "--handshake-timeout",
         "--confirm-timeout",
         "--write-timeout",

@@ -650,6 +650,94 @@ def test_forecast_pieces_follow_the_link_rate():
     assert chunk(4096, 1.0) == 1  # at least one entry
 
 
+def test_a_batch_waits_for_one_members_fetches_no_longer_than_its_share_of_the_step():
+    """`step_share`: none alone, before any step or switched off, else the last step's own time over the batch size.
+    A member whose fetches alone hold a layer until its share is used up is held back (its rows assembled from what is
+    local, counted in `deferred_steps`) while the other's layer is assembled with its fetches; in the step's later
+    layers its remote picks are fetched ahead into `late`, for its redo, and waited for by no one; `undo_step` starts
+    its share afresh and the member is no longer held back."""
+    from smartgen.engine import messages as msg
+
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        policy = get_policy("smartgen-no-second-token", "streaming")
+        slow, _ = _prefilled(prefill, decode, policy, length=120)
+        fast, _ = _prefilled(prefill, decode, policy, length=120)
+        requests = [decode._require(slow), decode._require(fast)]
+        assert decode.step_share(requests) is None  # no step yet
+        decode.note_step(0.2)
+        assert decode.step_share(requests[:1]) is None and decode.step_share(requests) == pytest.approx(0.1)
+        decode.share_steps = False
+        assert decode.step_share(requests) is None
+        decode.share_steps = True
+        send = requests[0].link.control.send
+        held: list = []
+
+        def hold_slow_fetches(message, *args, **kwargs):  # the slow member's FETCHes never reach its prefill node
+            if message.kind == msg.Fetch.KIND and message.request_id == slow:
+                held.append(msg.unpack(message))
+                return None
+            return send(message, *args, **kwargs)
+
+        requests[0].link.control.send = hold_slow_fetches  # type: ignore[method-assign]
+        values = decode.pool.masks.values
+        for request in requests:
+            values[2:4, request.slot, :120] = REMOTE
+        heads = LAYOUT.num_kv_heads
+        index = torch.tensor([[4, 5]]).expand(2 * heads, 2).contiguous()  # tokens 4 and 5, every head, both
+        started = time.monotonic()
+        decode.assemble(2, [slow, fast], index)
+        assert time.monotonic() - started < 5  # held back at its share (0.1 s), not at the 30 s fetch timeout
+        assert requests[0].deferred and requests[0].held_back and decode.held_back(slow)
+        assert not requests[1].deferred and not requests[1].metrics.error
+        assert requests[0].metrics.deferred_steps == 1 and requests[0].step_wait_s >= 0.1
+        assert (values[2, requests[1].slot, 4:6] == LOCAL).all()  # the other member's fetch landed
+        assert decode.deferred([slow, fast]) == [0]
+        decode.assemble(3, [slow, fast], index)  # a later layer: the held member's picks fetched ahead, unwaited
+        assert [f.layer for f in held] == [2, 3]
+        assert [at for at, *_ in requests[0].late] == [2, 3] and requests[0].metrics.deferred_steps == 1
+        assert (values[3, requests[1].slot, 4:6] == LOCAL).all()
+        decode.undo_step(slow)
+        assert not requests[0].deferred and not requests[0].held_back and requests[0].step_wait_s == 0.0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_the_last_member_stepping_is_never_held_back_for_its_share():
+    """A step must move someone: in a batch whose other member is already deferred, a member waits for its fetch
+    (up to the fetch timeout) however long past its share, and is not held back."""
+    import threading
+
+    from smartgen.engine import messages as msg
+
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2))
+    try:
+        policy = get_policy("smartgen-no-second-token", "streaming")
+        late, other = (_prefilled(prefill, decode, policy, length=120)[0] for _ in range(2))
+        requests = [decode._require(late), decode._require(other)]
+        decode.note_step(0.02)  # a share of 10 ms
+        requests[1].deferred = requests[1].held_back = True
+        send = requests[0].link.control.send
+
+        def delay_fetches(message, *args, **kwargs):  # this member's FETCHes leave 0.2 s late: 20 shares
+            if message.kind == msg.Fetch.KIND and message.request_id == late:
+                threading.Timer(0.2, send, (message, *args), kwargs).start()
+                return None
+            return send(message, *args, **kwargs)
+
+        requests[0].link.control.send = delay_fetches  # type: ignore[method-assign]
+        values = decode.pool.masks.values
+        values[2, requests[0].slot, :120] = REMOTE
+        index = torch.tensor([[4, 5]]).expand(2 * LAYOUT.num_kv_heads, 2).contiguous()
+        decode.assemble(2, [late, other], index)
+        assert not requests[0].deferred and requests[0].metrics.deferred_steps == 0
+        assert (values[2, requests[0].slot, 4:6] == LOCAL).all()  # waited for and landed
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_a_step_counts_the_entries_it_fetched_that_a_notice_had_hinted():
     """`step_fetched_hinted`: of the entries a step fetched for itself, those an earlier idle notice had hinted (hints
     the speculative push had not brought in time), entry by entry; a step's own fetches only."""

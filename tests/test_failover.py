@@ -55,6 +55,15 @@ def _prompt(seed: int, n: int = 120) -> list[int]:
     return torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _assert_undisturbed(decode: DecodeNode, events: list, prompt: list[int], params: GenerationParams) -> None:
+    """A request's tokens (its `events`) are all there and exactly those the same prompt gets again on `decode`: its
+    steps taken back and redone lost nothing."""
+    tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert len(tokens) == params.max_tokens
+    reference = list(decode.scheduler.submit(prompt, params).events(timeout=60))
+    assert [e.token_id for e in reference if isinstance(e, TokenEvent)] == tokens
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_lost_prefill_node_fails_or_recomputes_its_requests_and_the_others_finish(parts, policy, lane):
     stuck, healthy = _prefill_node(parts, lane, prefills=False), _prefill_node(parts, lane)
@@ -183,15 +192,49 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts, 
         events = list(handles[on_stalled].events(timeout=60))
         assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
         assert events[-1].usage["deferred_steps"] >= 1 and finish.usage["deferred_steps"] == 0  # taken back, redone
-        tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
-        assert len(tokens) == 24
-        reference = list(decode.scheduler.submit(_prompt(5 + on_stalled), params).events(timeout=60))
-        assert [e.token_id for e in reference if isinstance(e, TokenEvent)] == tokens  # the redone steps lost nothing
+        _assert_undisturbed(decode, events, _prompt(5 + on_stalled), params)
     finally:
         gate.set()
         decode.stop()
         healthy.stop()
         stalled.stop()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["step-share", "no-step-share"])
+def test_a_slow_members_fetches_hold_the_batch_no_longer_than_its_share_and_its_redone_steps_lose_nothing(
+    parts, lane, share
+):
+    """A prefill node that answers fetches slowly (40 ms each, far past a tiny model's step) but never stalls: its
+    request is held back for its share of a step while sharing the batch (deferred_steps), stays in the batch (it
+    never parks: the stall bound is 30 s), redoes those steps, and ends with exactly the tokens an undisturbed run
+    gives. With --no-step-share the batch waits for it instead: no step is redone."""
+    slow, fast = _prefill_node(parts, lane), _prefill_node(parts, lane)
+    real_serve = slow.engine._serve_fetch
+
+    def slowly(link, message):
+        time.sleep(0.04)
+        real_serve(link, message)
+
+    slow.engine._serve_fetch = slowly  # type: ignore[method-assign]
+    decode = _decode_node(
+        parts, lane, [slow, fast], DecodeLimits(fetch_timeout_s=60, fetch_stall_s=30, step_share=share)
+    )
+    try:
+        params = GenerationParams(max_tokens=24, ignore_eos=True)
+        handles = [decode.scheduler.submit(_prompt(seed), params) for seed in (5, 6)]  # least loaded: one each
+        wait_until(lambda: slow.engine.num_open == 1, 30, "one request to open on each prefill node")
+        on_slow = next(i for i, h in enumerate(handles) if slow.engine._get(h.request_id) is not None)
+        runs = [list(handle.events(timeout=60)) for handle in handles]
+        for events in runs:
+            assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
+        deferred = runs[on_slow][-1].usage["deferred_steps"]
+        assert deferred >= 1 if share else deferred == 0, runs[on_slow][-1].usage  # held back and redone, or not
+        assert decode.scheduler.health()["parked"] == 0
+        _assert_undisturbed(decode, runs[on_slow], _prompt(5 + on_slow), params)
+    finally:
+        decode.stop()
+        fast.stop()
+        slow.stop()
 
 
 @pytest.fixture(scope="module")

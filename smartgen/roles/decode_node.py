@@ -83,6 +83,7 @@ class DecodeNode:
             device=str(model.device),
             fetch_timeout=limits.fetch_timeout_s,
             stall_timeout=limits.fetch_stall_s,
+            step_share=limits.step_share,
             recompute=limits.on_prefill_failure == "recompute",
             prefix_cache=prefix_cache,
             prefill_timeout=limits.first_token_timeout_s,

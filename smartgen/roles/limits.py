@@ -38,6 +38,9 @@ class DecodeLimits:
     confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S  # one-sided lanes: the peer's CONFIRM of ACCEPT/REVOKE
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # one-sided lanes: one write list completes
     queue_timeout_s: float = 300.0  # waiting for a free pool slot (then 503)
+    # in a batch, a request whose fetches have held a step for its share of it (last step's own time / B) is held
+    # back: it stays in the batch and redoes the step in the next (`DecodePath.step_share`)
+    step_share: bool = True
 
     @property
     def one_sided(self) -> OneSidedTimeouts:

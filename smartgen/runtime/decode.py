@@ -67,9 +67,16 @@ class DecodeBatch:
         if not (len(self.request_ids) == len(self.prompt_lengths) == len(self.metadata) == len(self.last_tokens)):
             raise ValueError("a decode batch needs one id, length, metadata list and last token per request")
 
-    def advance(self, tokens: torch.Tensor) -> None:
-        self.last_tokens = tokens
-        self.positions = self.positions + 1
+    def advance(self, tokens: torch.Tensor, rows: list[int] | None = None) -> None:
+        """The requests at `rows` (default: all) decoded `tokens`; the others (held back) feed theirs again."""
+        if rows is None:
+            self.last_tokens = tokens
+            self.positions = self.positions + 1
+            return
+        self.last_tokens = self.last_tokens.clone()
+        self.last_tokens[rows] = tokens
+        self.positions = self.positions.clone()
+        self.positions[rows] += 1
 
     def subset(self, rows: list[int]) -> DecodeBatch:
         """The requests at `rows` as a batch of their own (this one unchanged)."""
@@ -347,14 +354,16 @@ class DecodeRunner:
             preemptions(),
         )
         tokens, logits = self._step(batch)
+        wall, link_wait = time.monotonic() - started, self.engine.link_wait_s - waited
         self.engine.counters.add_step(
             len(batch.request_ids),
-            time.monotonic() - started,
+            wall,
             time.thread_time() - cpu,
             emulation.slept_s - emulated,
-            self.engine.link_wait_s - waited,
+            link_wait,
             preemptions() - preempted,
         )
+        self.engine.note_step(wall - link_wait)  # each member's share of the next step is a part of this
         return tokens, logits
 
     def _step(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ A request's life in the driver:
    own first step's) instead.
 3. `step()` runs one decode step over the running batch: one token per request (the first of
    them is TTST, unless the forecast brought it). Every policy decision inside the step is the request's own (DecodeEngine).
+   A request whose fetch stalled parks outside the batch until it lands; one whose fetches held the batch past its
+   share of the step is held back: no token this step, and it redoes the step in the next, in the batch.
 4. It ends when `stop(token)` says so, at `max_tokens`, on `cancel()`, or when it fails (its
    prefill node lost; before it joins the batch, nothing arriving for it for `prefill_timeout`): the engine
    finishes or aborts it (RELEASE or ABORT, slot freed) and a `Finished` event carries its metrics and why it
@@ -305,30 +307,41 @@ class DecodeDriver:
             if not self.running:
                 return events
             logits = logits[keep]
-        # Requests this step gave up waiting for (a fetch past the stall timeout): their step is taken back and
-        # they wait outside the batch until the fetch lands, so the others keep their pace.
+        # Requests this step gave up waiting for: their step is taken back. One whose fetch stalled (past the stall
+        # timeout) waits outside the batch until the fetch lands, so the others keep their pace; one held back for
+        # its share of the step stays and redoes it in the next, its fetches landing meanwhile.
+        held: set[str] = set()
         deferred = self.engine.deferred(batch.request_ids)
         if deferred:
-            gone = set(deferred)
-            keep = [b for b in range(len(self.running)) if b not in gone]
-            parked = [self.running[b] for b in deferred]
-            self._leave_batch(deferred)
-            for request in parked:
-                self.engine.undo_step(request.request_id)
-            self.parked += parked
-            if not self.running:
-                return events
-            logits = logits[keep]
-        self.engine.end_step(batch.request_ids)
-        tokens = torch.stack([request.sampler(logits[b : b + 1])[0] for b, request in enumerate(self.running)])
+            held = {batch.request_ids[b] for b in deferred if self.engine.held_back(batch.request_ids[b])}
+            for rid in held:
+                self.engine.undo_step(rid)
+            parking = [b for b in deferred if batch.request_ids[b] not in held]
+            if parking:
+                gone = set(parking)
+                keep = [b for b in range(len(self.running)) if b not in gone]
+                parked = [self.running[b] for b in parking]
+                self._leave_batch(parking)
+                for request in parked:
+                    self.engine.undo_step(request.request_id)
+                self.parked += parked
+                if not self.running:
+                    return events
+                logits = logits[keep]
+        stepped = [b for b, request in enumerate(self.running) if request.request_id not in held]
+        self.engine.end_step([self.running[b].request_id for b in stepped])
+        if not stepped:
+            return events
+        tokens = torch.stack([self.running[b].sampler(logits[b : b + 1])[0] for b in stepped])
         done = []
-        for b, request in enumerate(self.running):
+        for i, b in enumerate(stepped):
+            request = self.running[b]
             if request.keep_logits:
                 request.logits.append(logits[b])
-            events += self._emit(request, int(tokens[b]))
+            events += self._emit(request, int(tokens[i]))
             if isinstance(events[-1], Finished):
                 done.append(b)
-        batch.advance(tokens)
+        batch.advance(tokens, None if len(stepped) == len(self.running) else stepped)
         if done:
             self._leave_batch(done, finished=True)
         return events

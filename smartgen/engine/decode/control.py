@@ -52,6 +52,7 @@ class DecodeControl(DecodePath):
         fetch_timeout: float = 30.0,
         recompute: bool = False,
         stall_timeout: float | None = None,
+        step_share: bool = True,
         prefill_timeout: float = 120.0,
         prefix_cache: PrefixCache | None = None,
         staged: bool = False,
@@ -59,6 +60,8 @@ class DecodeControl(DecodePath):
     ) -> None:
         """`stall_timeout`: a step waits this long for one request's fetch, then goes on without it (its rows are
         padding and its step is redone once the fetch lands: see `deferred`); None waits up to `fetch_timeout`.
+        `step_share`: in a batch, a member whose fetches have held a step for its share of it is deferred the same
+        way, but stays in the batch and redoes the step in the next (`DecodePath.step_share`).
         `prefill_timeout`: a request opened again after decoding began (recompute) waits for the new prefill node
         while its KV (or that of the requests ahead of it there) keeps arriving, and fails once nothing has for
         this long (`stall`). `prefix_cache`: finished requests' prompt KV by token blocks; a new request whose prompt
@@ -75,6 +78,7 @@ class DecodeControl(DecodePath):
             prefix_cache=prefix_cache,
             fetch_timeout=fetch_timeout,
             stall_timeout=stall_timeout,
+            step_share=step_share,
         )
         self.recompute = recompute  # a prefill node lost: prefill its unfinished requests again elsewhere
         self.prefill_timeout = prefill_timeout
@@ -336,7 +340,13 @@ class DecodeControl(DecodePath):
         request = self._require_any(request_id)
         self.pool.drop_last(request.slot)
         request.step_selections = []  # the layers it got through are selected again when the step is redone
-        request.deferred = False
+        request.deferred = request.held_back = False
+        request.step_wait_s = 0.0
+
+    def held_back(self, request_id: str) -> bool:
+        """Whether a deferred request was deferred for holding the batch past its share of the step (it stays in
+        the batch and redoes the step in the next), not for a stalled fetch (it parks until the fetch lands)."""
+        return self._require_any(request_id).held_back
 
     def ready_to_resume(self, request_id: str) -> bool:
         """A deferred request may step again: its late fetches have landed (and, opened again after its prefill

@@ -310,6 +310,7 @@ class DecodeEngine(DecodeControl):
             self.count_step_selections(request)  # before the token: its union bytes are the step's
             request.metrics.record_token(now)
             request.deferred_since = None
+            request.step_wait_s = 0.0
             request.remote_layers = None  # pushes and fetches landed during the step: scan again next step
             request.remote_met_before, request.remote_met = request.remote_met, set()
         self.release_fully_local(request_ids)

@@ -7,7 +7,8 @@ import itertools
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -76,6 +77,7 @@ class DecodePath:
         prefix_cache: PrefixCache | None,
         fetch_timeout: float,
         stall_timeout: float | None,
+        step_share: bool = True,
     ) -> None:
         self.layout = layout
         self.prefix_cache = prefix_cache or PrefixCache(0)
@@ -85,6 +87,10 @@ class DecodePath:
         self.fetch_timeout = fetch_timeout  # seconds one step waits for a fetch before failing that request
         self.stall_timeout = stall_timeout
         self.link_wait_s = 0.0  # the step thread's waits for the link so far (fetch replies, layers 0-1's push)
+        self.share_steps = step_share
+        # the last decode step's own time (its wall less its link waits, `note_step`): a member of a batch of B holds
+        # a step for its fetches at most a B-th of it (`step_share`)
+        self.step_own_s: float | None = None
         self._requests: dict[str, DecodeRequest] = {}
         self._fetches: dict[int, tuple[Future, LinkEnd]] = {}  # fetch id -> its reply's future, the link it went on
         self._fetch_ids = itertools.count()
@@ -201,7 +207,9 @@ class DecodePath:
             lengths = torch.tensor([self.pool.lengths[r.slot] for r in requests], device=index.device)
             lengths = lengths.repeat_interleave(num_heads)
         split = split_reorder(index, self.pool.masks.layer(layer).to(index.device), slots, num_heads, lengths)
-        # a request this step already gave up on fetches nothing more: its step is redone anyway
+        # a request this step already gave up on waits for nothing more: its rows are assembled from what is local;
+        # one held back for its share has its picks here fetched for its redo (`_fetch_ahead`), a parked one not
+        self._fetch_ahead(layer, requests, split)
         plan = decide.plan_assembly(
             split,
             drop=[r.flags.drop_remote or r.deferred for r in requests],
@@ -233,7 +241,7 @@ class DecodePath:
             gather_kv(k_pool, v_pool, slots, split.index, num_remote, early_stop, k_out, v_out)
         early_s = time.monotonic() - started
         waited = time.monotonic()
-        self._land_fetches(layer, fetches, self.fetch_timeout if timeout is None else timeout)
+        self._land_fetches(layer, requests, fetches, self.fetch_timeout if timeout is None else timeout)
         self.link_wait_s += time.monotonic() - waited
         late_s = 0.0
         if not one_gather:
@@ -447,13 +455,49 @@ class DecodePath:
         if sent:
             _let_senders_run()
 
-    def _land_fetches(self, layer: int, fetches: list, timeout: float) -> None:
-        """Lands each fetch reply; a failure fails only its request.
+    def note_step(self, own_s: float) -> None:
+        """The decode step just run took `own_s` of its own (its wall less its link waits): the base of each
+        member's share of the next (`step_share`)."""
+        self.step_own_s = own_s
+
+    def step_share(self, requests: list[DecodeRequest]) -> float | None:
+        """How long, over a whole step, a batch of these requests waits for one member's fetches at most: that
+        member's share of the step, the last step's own time over the batch size. None alone (a request alone holds
+        no one up), before any step, or with `step_share` off."""
+        if not self.share_steps or len(requests) < 2 or self.step_own_s is None:
+            return None
+        return self.step_own_s / len(requests)
+
+    def _fetch_ahead(self, layer: int, requests: list[DecodeRequest], split: IndexSplit) -> None:
+        """For each request this step held back for its share: fetches, at once and without waiting, the remote
+        entries of its selection here (made from layers that attended to what was local: close to what its redo
+        selects), so that the redo in the next step finds them in or on their way (`late`) rather than asking
+        layer by layer, a round trip each."""
+        num_heads = self.layout.num_kv_heads
+        for b, request in enumerate(requests):
+            if not request.held_back or request.flags.drop_remote or request.resuming or not request.live:
+                continue
+            rows = slice(b * num_heads, (b + 1) * num_heads)
+            asked = [asked for at, asked, _, _ in request.late if at == layer]
+            entries = decide.remote_entries(split.index[rows], split.status[rows], asked)
+            if entries.numel():
+                request.late.append(
+                    (layer, entries, self._send_fetch(request, layer, entries, "prefetch"), time.monotonic())
+                )
+
+    def _land_fetches(self, layer: int, requests: list[DecodeRequest], fetches: list, timeout: float) -> None:
+        """Lands each fetch reply as it comes; a failure fails only its request.
 
         A request waits at most `timeout` from its fetch's sending (and its first late try) before it fails;
         with a `stall_timeout`, a fetch not back by then defers its request instead: the layer is assembled
-        for the rest of the batch, and the fetch lands when it arrives (`_land_late`).
+        for the rest of the batch, the fetch lands when it arrives (`_land_late`), and the request parks outside
+        the batch until it has. In a batch (`step_share`), each wait is shared out among the members whose fetches
+        it waits for, and a member whose part over the step reaches its share is held back: deferred the same way,
+        but it stays in the batch and redoes its step in the next. No member holds the others for longer than its
+        own share of the step, and the last member not deferred is never held back (a step must move someone).
         """
+        share = self.step_share(requests)
+        pending: list[tuple[DecodeRequest, torch.Tensor, Future, float, float, float]] = []
         for request, entries, future, sent in fetches:
             if request.deferred:
                 request.late.append((layer, entries, future, sent))
@@ -462,31 +506,71 @@ class DecodePath:
             limit = first + timeout
             if self.stall_timeout is not None:
                 limit = min(limit, sent + self.stall_timeout)
-            waited = time.monotonic()
-            try:
-                reply: msg.FetchReply = future.result(timeout=max(0.0, limit - time.monotonic()))
-            except TimeoutError:
-                request.metrics.count_fetch_wait(time.monotonic() - waited)
-                if self.stall_timeout is not None and time.monotonic() - first < timeout:
-                    request.deferred = True
-                    request.deferred_since = first
-                    request.metrics.deferred_steps += 1
+            pending.append((request, entries, future, sent, first, limit))
+        while pending:
+            now = time.monotonic()
+            holders = list({id(p[0]): p[0] for p in pending}.values())
+            deadline = min(p[5] for p in pending)
+            # each holder is charged 1/len(holders) of the wait: the first to use up its share is held back then
+            spent = [r.step_wait_s for r in holders if share is not None and self._may_hold_back(r, requests)]
+            if share is not None and spent:
+                deadline = min(deadline, now + max(0.0, share - max(spent)) * len(holders))
+            wait_futures([p[2] for p in pending], timeout=max(0.0, deadline - now), return_when=FIRST_COMPLETED)
+            elapsed = time.monotonic() - now
+            for request in holders:
+                request.metrics.count_fetch_wait(elapsed)
+                request.step_wait_s += elapsed / len(holders)
+            now = time.monotonic()
+            still = []
+            for request, entries, future, sent, first, limit in pending:
+                if request.deferred:  # deferred at another of its fetches this layer: this one lands late too
                     request.late.append((layer, entries, future, sent))
+                elif request.metrics.error:  # failed meanwhile (another fetch, its link): it leaves after the step
                     continue
-                self.counters.add_failure("on_demand")
-                self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
-                continue
-            except LinkLost as exc:
-                if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
-                    request.deferred = True
+                elif future.done():
+                    self._land_one(request, layer, entries, future, sent)
+                elif now >= limit:
+                    if self.stall_timeout is not None and now - first < timeout:
+                        self._defer(request, layer, entries, future, sent, first)
+                        continue
+                    self.counters.add_failure("on_demand")
+                    self._fail_request(request.request_id, f"fetch for layer {layer} timed out after {timeout:g} s")
+                elif share is not None and request.step_wait_s >= share and self._may_hold_back(request, requests):
+                    request.held_back = True
+                    self._defer(request, layer, entries, future, sent, first)
                 else:
-                    self._fail_request(request.request_id, str(exc), lost=True)
-                continue
-            except RequestFailed as exc:
-                self._fail_request(request.request_id, str(exc))
-                continue
-            request.metrics.count_fetch_wait(time.monotonic() - waited)
-            self._land_reply(request, layer, entries, reply, sent, _kind_of(future))
+                    still.append((request, entries, future, sent, first, limit))
+            pending = still
+
+    def _may_hold_back(self, request: DecodeRequest, requests: list[DecodeRequest]) -> bool:
+        """A batch member may be held back for its share: it can fetch again, and another member still steps."""
+        if not request.live or request.resuming or request.metrics.error:
+            return False
+        return any(other is not request and not other.deferred and not other.metrics.error for other in requests)
+
+    def _defer(
+        self, request: DecodeRequest, layer: int, entries: torch.Tensor, future: Future, sent: float, first: float
+    ) -> None:
+        """The step goes on without this request's fetch: it lands when it arrives, the request's step is redone."""
+        request.deferred = True
+        request.deferred_since = first
+        request.metrics.deferred_steps += 1
+        request.late.append((layer, entries, future, sent))
+
+    def _land_one(self, request: DecodeRequest, layer: int, entries: torch.Tensor, future: Future, sent: float) -> None:
+        """Lands one fetch whose future is done: its reply, or the failure it carries (for its request only)."""
+        try:
+            reply: msg.FetchReply = future.result()
+        except LinkLost as exc:
+            if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
+                request.deferred = True
+            else:
+                self._fail_request(request.request_id, str(exc), lost=True)
+            return
+        except RequestFailed as exc:
+            self._fail_request(request.request_id, str(exc))
+            return
+        self._land_reply(request, layer, entries, reply, sent, _kind_of(future))
 
     def _land_reply(
         self,

@@ -59,6 +59,10 @@ class DecodeRequest:
     # fetches a step gave up waiting for (stall_timeout), or prefetched: landed when they arrive
     late: list[LateFetch] = field(default_factory=list)
     deferred: bool = False  # this step waited too long for a fetch: its rows are padding, its step is redone
+    # deferred because its fetches held the batch past its share of the step (`DecodePath.step_share`): it stays in
+    # the batch and redoes the step in the next one (a stalled fetch parks its request outside the batch instead)
+    held_back: bool = False
+    step_wait_s: float = 0.0  # this step's waits for its fetches so far, its share of each wait it was part of
     # (layer, rows [H, k']) a wider selection's picks noted for the next IDLE (`decide.hinted` reads their status
     # then), and the tokens reduced from earlier notes while no notice went (`DecodePath.hint` keeps them bounded)
     hints: list[tuple[int, torch.Tensor]] = field(default_factory=list)
