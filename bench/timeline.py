@@ -58,7 +58,7 @@ def request_line(request: dict[str, Any]) -> list[str]:
 
 # "fc ent": the (token, head) entries its forecast asked for (- in a run from before they were kept); "from": the token
 # index its own first step computed; "wait rest" and "max": its later steps' link waits; "deferred": its steps taken
-# back and redone (a fetch past --fetch-stall-ms parked it)
+# back and redone (a fetch past --fetch-stall-ms parked it, or its fetches held the batch past its share, --step-share)
 HEADER = [
     "sent",
     "ttft",
