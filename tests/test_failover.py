@@ -192,6 +192,7 @@ def test_a_stalled_fetch_parks_its_request_and_never_holds_up_the_others(parts, 
         events = list(handles[on_stalled].events(timeout=60))
         assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
         assert events[-1].usage["deferred_steps"] >= 1 and finish.usage["deferred_steps"] == 0  # taken back, redone
+        assert decode.engine.counters.snapshot()["deferred_steps"]["stall"] >= 1
         _assert_undisturbed(decode, events, _prompt(5 + on_stalled), params)
     finally:
         gate.set()
@@ -229,6 +230,7 @@ def test_a_slow_members_fetches_hold_the_batch_no_longer_than_its_share_and_its_
             assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
         deferred = runs[on_slow][-1].usage["deferred_steps"]
         assert deferred >= 1 if share else deferred == 0, runs[on_slow][-1].usage  # held back and redone, or not
+        assert decode.engine.counters.snapshot()["deferred_steps"] == {"share": deferred, "stall": 0}
         assert decode.scheduler.health()["parked"] == 0
         _assert_undisturbed(decode, runs[on_slow], _prompt(5 + on_slow), params)
     finally:

@@ -55,6 +55,22 @@ def test_two_nodes_in_one_process_keep_separate_registries():
     assert parsed[1]["smartgen:kv_transfer_bytes_total[('path', 'proactive')]"] == 7
 
 
+def test_deferred_steps_are_counted_by_reason():
+    counters = PathCounters()
+    metrics = NodeMetrics(NodeSources("decode", "m", counters, lambda: [], dict))
+    counters.add_deferral("share")
+    counters.add_deferral("share")
+    counters.add_deferral("stall")
+    assert counters.snapshot()["deferred_steps"] == {"share": 2, "stall": 1}
+    samples = {
+        s.name + str(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(exposition(metrics.registry)[0].decode())
+        for s in f.samples
+    }
+    assert samples["smartgen:deferred_steps_total[('reason', 'share')]"] == 2
+    assert samples["smartgen:deferred_steps_total[('reason', 'stall')]"] == 1
+
+
 def test_a_recording_replays_frame_by_frame(tmp_path):
     path = tmp_path / "run.jsonl"
     n = {"i": 0}

@@ -207,6 +207,11 @@ class RequestMetrics:
         }
 
 
+# why a request's decode step was taken back: its fetches held the batch past its share of the step (it stays in the
+# batch, `--step-share`), or a fetch stalled past `--fetch-stall-ms` (it parks until the fetch lands)
+DEFERRAL_REASONS = ("share", "stall")
+
+
 class PathCounters:
     """Bytes, seconds and transfers per path, failed transfers, selected/remote entry counts (thread-safe)."""
 
@@ -218,6 +223,8 @@ class PathCounters:
         self.failed: dict[str, int] = defaultdict(int)
         self.selected_entries = 0
         self.remote_entries = 0
+        # decode steps taken back and redone, by why (DEFERRAL_REASONS): held back for its share, or a stalled fetch
+        self.deferred: dict[str, int] = defaultdict(int)
         # fetch replies landed by kind (FETCH_KINDS): how many, and their summed time from sending to landing
         self.fetch_landed: dict[str, int] = defaultdict(int)
         self.fetch_seconds: dict[str, float] = defaultdict(float)
@@ -246,6 +253,11 @@ class PathCounters:
         """A transfer on `path` that did not complete (timed out, malformed reply, link lost)."""
         with self._lock:
             self.failed[path] += 1
+
+    def add_deferral(self, reason: str) -> None:
+        """A request's decode step was taken back, to be redone (`reason`: one of DEFERRAL_REASONS)."""
+        with self._lock:
+            self.deferred[reason] += 1
 
     def add_fetch(self, kind: str, seconds: float) -> None:
         """A fetch reply of `kind` landed `seconds` after its FETCH was sent."""
@@ -285,6 +297,7 @@ class PathCounters:
                 "selected_entries": self.selected_entries,
                 "remote_entries": self.remote_entries,
                 "on_demand_ratio": self.remote_entries / self.selected_entries if self.selected_entries else 0.0,
+                "deferred_steps": {reason: self.deferred.get(reason, 0) for reason in DEFERRAL_REASONS},
                 "fetches": {
                     kind: {"landed": self.fetch_landed.get(kind, 0), "seconds": self.fetch_seconds.get(kind, 0.0)}
                     for kind in FETCH_KINDS

@@ -146,6 +146,15 @@ class _NodeCollector(Collector):
             "Selected KV entries that were remote and fetched.",
             value=snap["remote_entries"],
         )
+        deferred = CounterMetricFamily(
+            PREFIX + "deferred_steps",
+            "Decode steps taken back and redone (decode node), by why: share (its fetches held the batch past its "
+            "share of the step; it stays in the batch) or stall (a fetch not back within --fetch-stall-ms; it parks).",
+            labels=["reason"],
+        )
+        for reason, count in snap["deferred_steps"].items():
+            deferred.add_metric([reason], count)
+        yield deferred
         yield GaugeMetricFamily(
             PREFIX + "on_demand_ratio",
             "Share of selected entries fetched remotely, since start.",

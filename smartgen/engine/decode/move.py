@@ -555,6 +555,7 @@ class DecodePath:
         request.deferred = True
         request.deferred_since = first
         request.metrics.deferred_steps += 1
+        self.counters.add_deferral("share" if request.held_back else "stall")
         request.late.append((layer, entries, future, sent))
 
     def _land_one(self, request: DecodeRequest, layer: int, entries: torch.Tensor, future: Future, sent: float) -> None:
