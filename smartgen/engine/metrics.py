@@ -72,7 +72,7 @@ class RequestMetrics:
     # idle notice had hinted: hints the speculative push had not brought in time
     step_fetched: int = 0
     step_fetched_hinted: int = 0
-    # steps taken back and redone: a fetch of the step was not back within the stall bound (`--fetch-stall-ms`)
+    # steps taken back and redone: a fetch past the stall bound (`--fetch-stall-ms`) or its share (`--step-share`)
     deferred_steps: int = 0
     fetch_wait_s: float = 0.0
     # bytes of the distinct (layer >= 2, token, head) entries selected so far, and that figure as each token

@@ -376,7 +376,7 @@ class DecodeScheduler:
             # entries decode steps fetched themselves, and of those the ones an earlier idle notice had hinted
             "step_fetched": metrics.step_fetched if metrics else None,
             "step_fetched_hinted": metrics.step_fetched_hinted if metrics else None,
-            # steps taken back and redone: a fetch of the step was not back within --fetch-stall-ms (the request parked)
+            # steps taken back and redone: a fetch past --fetch-stall-ms parked it, or it was held back for its share
             "deferred_steps": metrics.deferred_steps if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had
             "prompt_tokens_details": {"cached_tokens": metrics.prefill_cached_tokens} if metrics else None,

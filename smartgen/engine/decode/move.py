@@ -442,14 +442,10 @@ class DecodePath:
             rows = slice(b * num_heads, (b + 1) * num_heads)
             if not bool((status[rows] == REMOTE).any()):
                 continue
-            asked = [asked for at, asked, _, _ in request.late if at == layer]
-            entries = decide.remote_entries(index[rows], status[rows], asked)
-            if not entries.numel():
+            asked = self._ask_ahead(request, layer, index[rows], status[rows])
+            if not asked:
                 continue
-            request.late.append(
-                (layer, entries, self._send_fetch(request, layer, entries, "prefetch"), time.monotonic())
-            )
-            request.metrics.prefetched_entries += int(entries.numel())
+            request.metrics.prefetched_entries += asked
             request.remote_met.add(layer)
             sent = True
         if sent:
@@ -478,12 +474,18 @@ class DecodePath:
             if not request.held_back or request.flags.drop_remote or request.resuming or not request.live:
                 continue
             rows = slice(b * num_heads, (b + 1) * num_heads)
-            asked = [asked for at, asked, _, _ in request.late if at == layer]
-            entries = decide.remote_entries(split.index[rows], split.status[rows], asked)
-            if entries.numel():
-                request.late.append(
-                    (layer, entries, self._send_fetch(request, layer, entries, "prefetch"), time.monotonic())
-                )
+            self._ask_ahead(request, layer, split.index[rows], split.status[rows])
+
+    def _ask_ahead(self, request: DecodeRequest, layer: int, index: torch.Tensor, status: torch.Tensor) -> int:
+        """Fetches the remote entries of one request's index rows of a layer ([H, k] and their status) not already
+        asked for, at once and without waiting: the reply lands with `late`. Returns the entries asked."""
+        asked = [entries for at, entries, _, _ in request.late if at == layer]
+        entries = decide.remote_entries(index, status, asked)
+        if entries.numel():
+            request.late.append(
+                (layer, entries, self._send_fetch(request, layer, entries, "prefetch"), time.monotonic())
+            )
+        return int(entries.numel())
 
     def _land_fetches(self, layer: int, requests: list[DecodeRequest], fetches: list, timeout: float) -> None:
         """Lands each fetch reply as it comes; a failure fails only its request.
@@ -512,7 +514,7 @@ class DecodePath:
             holders = list({id(p[0]): p[0] for p in pending}.values())
             deadline = min(p[5] for p in pending)
             # each holder is charged 1/len(holders) of the wait: the first to use up its share is held back then
-            spent = [r.step_wait_s for r in holders if share is not None and self._may_hold_back(r, requests)]
+            spent = [r.step_wait_s for r in holders if self._may_hold_back(r, requests)] if share is not None else []
             if share is not None and spent:
                 deadline = min(deadline, now + max(0.0, share - max(spent)) * len(holders))
             wait_futures([p[2] for p in pending], timeout=max(0.0, deadline - now), return_when=FIRST_COMPLETED)
