@@ -319,6 +319,7 @@ def bench(
     from smartgen.apps.bench.output import write_outputs
     from smartgen.apps.bench.stats import summarize
     from smartgen.apps.bench.tables import (
+        fetch_waits_table,
         latency_table,
         load_table,
         nodes_table,
@@ -421,6 +422,8 @@ def bench(
             tables = [*tables, placement]
         if not result.loads and (steps := steps_table(summaries, index)) is not None:
             tables = [*tables, steps]
+        if not result.loads and (waits := fetch_waits_table(summaries, index)) is not None:
+            tables = [*tables, waits]
         for table in tables:
             console.print(table)
     if (sweep := prefix_table(result, summaries)) is not None:

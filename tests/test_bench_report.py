@@ -22,7 +22,7 @@ from smartgen.apps.bench.output import write_outputs
 from smartgen.apps.bench.phases import Phases
 from smartgen.apps.bench.runner import BenchResult, Group, Regime, step_deltas, thread_deltas
 from smartgen.apps.bench.stats import summarize
-from smartgen.apps.bench.tables import load_table, point_tables, regime_line, steps_table
+from smartgen.apps.bench.tables import fetch_waits_table, load_table, point_tables, regime_line, steps_table
 from smartgen.cli.app import app
 
 runner = CliRunner()
@@ -435,6 +435,37 @@ def test_the_decode_step_by_batch_size_reaches_the_summary_and_its_table() -> No
     for group in result.groups:
         group.steps = {}
     assert steps_table(summarize(result), 0) is None  # nothing recorded (an older results file): no table
+
+
+def test_a_steps_fetch_waits_by_kind_reach_the_summary_the_table_and_the_files(tmp_path: Path) -> None:
+    """fetch_wait_by_kind: the decode steps' waits for fetch replies, by the kind waited for, per step over the
+    measured rounds (the warm-up left out); none from results that predate the waits, nor where no step ran."""
+    result = _rounds_result()
+    for group in result.groups:
+        if group.scheme == "smartgen":
+            group.steps = {"3": [4, 1.0, 0.5, 0.2, 0.1, 0]}
+            group.fetch_kinds = {"step": [10, 0.05, 0.08], "prefetch": [5, 0.04, 0.02], "forecast": [1, 0.5, 0.0]}
+    summaries = {s.scheme: s for s in summarize(result)}
+    # three measured rounds of four steps: 3 x 0.08 s over 12 steps is 20 ms a step
+    assert summaries["smartgen"].fetch_wait_by_kind == pytest.approx({"step": 0.02, "prefetch": 0.005, "forecast": 0})
+    assert summaries["full"].fetch_wait_by_kind == {}
+    lines = _render((fetch_waits_table(list(summaries.values()), 0),), 80)
+    assert next(line.split() for line in lines if line.split()[:1] == ["smartgen"]) == [
+        "smartgen",
+        "20.0",
+        "5.0",
+        "0.0",
+    ]
+    assert not any(line.split()[:1] == ["full"] for line in lines)
+    write_outputs(result, list(summaries.values()), tmp_path)
+    with (tmp_path / "summary.csv").open() as handle:
+        rows = {r["scheme"]: r for r in csv.DictReader(handle)}
+    assert float(rows["smartgen"]["fetch_wait_step_s"]) == pytest.approx(0.02)
+    assert rows["full"]["fetch_wait_prefetch_s"] == ""
+    for group in result.groups:  # an older results file: two fields a kind, no waits
+        group.fetch_kinds = {kind: values[:2] for kind, values in group.fetch_kinds.items()}
+    older = summarize(result)
+    assert all(s.fetch_wait_by_kind == {} for s in older) and fetch_waits_table(older, 0) is None
 
 
 def test_late_hints_reach_the_summary_and_the_files(tmp_path: Path) -> None:

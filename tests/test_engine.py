@@ -1028,3 +1028,30 @@ def test_a_requests_timeline_keeps_each_milestones_first_time_and_each_tokens_li
     assert metrics.timeline() == pytest.approx({"dense_local": 0.7, "joined": 0.9})
     assert list(metrics.timeline()) == ["dense_local", "joined"]
     assert metrics.token_waits == pytest.approx([0.0, 0.3, 0.0])
+
+
+def test_a_fetchs_round_trip_ends_at_its_replys_arrival_and_steps_count_their_waits_by_kind():
+    """A prefetch's reply may wait in `late` until the step reaches its layer: its round trip (`fetches.<kind>`) is
+    counted to the reply's arrival, not to that landing; a step's waits for replies are counted by the kind of
+    reply waited for (`waited`): here its own fetch's, none for the prefetch that had arrived."""
+    prefill, decode, _ = _engines(Planner(LAYOUT.num_layers, LAYOUT.num_blocks, None, 1e-6, 1e-2), gbps=0.01)
+    try:
+        rid, _ = _prefilled(prefill, decode, get_policy("smartgen-no-second-token", "streaming"), length=120)
+        request = decode._require(rid)
+        values = decode.pool.masks.values
+        values[2, request.slot, :120] = REMOTE
+        heads = LAYOUT.num_kv_heads
+        ahead = torch.tensor([4 * heads + h for h in range(heads)])  # token 4, every head: asked a layer ahead
+        request.late.append((2, ahead, decode._send_fetch(request, 2, ahead, "prefetch"), time.monotonic()))
+        time.sleep(0.3)  # its reply arrives meanwhile; the step lands it only when it reaches layer 2
+        index = torch.tensor([[4, 5]]).expand(heads, 2).contiguous()  # tokens 4 (asked ahead) and 5 (not)
+        decode.assemble(2, [rid], index)
+        assert (values[2, request.slot, 4:6] == LOCAL).all()
+        fetches = decode.counters.snapshot()["fetches"]
+        assert fetches["prefetch"]["landed"] == 1 and fetches["step"]["landed"] == 1
+        assert fetches["prefetch"]["seconds"] < 0.25  # to its arrival, not to the landing 0.3 s later
+        assert fetches["step"]["waited"] > 0 and fetches["prefetch"]["waited"] < 0.05
+        assert fetches["forecast"] == {"landed": 0, "seconds": 0.0, "waited": 0.0}
+    finally:
+        decode.close()
+        prefill.close()

@@ -55,6 +55,15 @@ def test_two_nodes_in_one_process_keep_separate_registries():
     assert parsed[1]["smartgen:kv_transfer_bytes_total[('path', 'proactive')]"] == 7
 
 
+def _samples(metrics: NodeMetrics) -> dict[str, float]:
+    """Every sample the node's registry exposes, by its name and sorted labels."""
+    return {
+        s.name + str(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(exposition(metrics.registry)[0].decode())
+        for s in f.samples
+    }
+
+
 def test_deferred_steps_are_counted_by_reason():
     counters = PathCounters()
     metrics = NodeMetrics(NodeSources("decode", "m", counters, lambda: [], dict))
@@ -62,13 +71,23 @@ def test_deferred_steps_are_counted_by_reason():
     counters.add_deferral("share")
     counters.add_deferral("stall")
     assert counters.snapshot()["deferred_steps"] == {"share": 2, "stall": 1}
-    samples = {
-        s.name + str(sorted(s.labels.items())): s.value
-        for f in text_string_to_metric_families(exposition(metrics.registry)[0].decode())
-        for s in f.samples
-    }
+    samples = _samples(metrics)
     assert samples["smartgen:deferred_steps_total[('reason', 'share')]"] == 2
     assert samples["smartgen:deferred_steps_total[('reason', 'stall')]"] == 1
+
+
+def test_fetch_waits_are_counted_by_the_kind_waited_for():
+    counters = PathCounters()
+    metrics = NodeMetrics(NodeSources("decode", "m", counters, lambda: [], dict))
+    counters.add_fetch_wait("step", 0.25)
+    counters.add_fetch_wait("step", 0.5)
+    counters.add_fetch_wait("prefetch", 0.125)
+    fetches = counters.snapshot()["fetches"]
+    assert {kind: f["waited"] for kind, f in fetches.items()} == {"step": 0.75, "prefetch": 0.125, "forecast": 0.0}
+    samples = _samples(metrics)
+    assert samples["smartgen:fetch_wait_seconds_total[('kind', 'step')]"] == 0.75
+    assert samples["smartgen:fetch_wait_seconds_total[('kind', 'prefetch')]"] == 0.125
+    assert samples["smartgen:fetch_wait_seconds_total[('kind', 'forecast')]"] == 0.0
 
 
 def test_a_recording_replays_frame_by_frame(tmp_path):

@@ -225,9 +225,13 @@ class PathCounters:
         self.remote_entries = 0
         # decode steps taken back and redone, by why (DEFERRAL_REASONS): held back for its share, or a stalled fetch
         self.deferred: dict[str, int] = defaultdict(int)
-        # fetch replies landed by kind (FETCH_KINDS): how many, and their summed time from sending to landing
+        # fetch replies landed by kind (FETCH_KINDS): how many, and their summed time from sending to the reply's
+        # arrival
         self.fetch_landed: dict[str, int] = defaultdict(int)
         self.fetch_seconds: dict[str, float] = defaultdict(float)
+        # decode steps' waits for fetch replies by the kind of reply waited for (a step's own, a prefetch's, a
+        # forecast's): where a step's link waits go
+        self.fetch_waited: dict[str, float] = defaultdict(float)
         # decode steps by batch size: [steps, wall, the step thread's CPU, emulated compute, link waits] (seconds)
         self.steps: dict[int, list[float]] = {}
         self._observers: list[Callable[[str, int, float], None]] = []
@@ -260,10 +264,16 @@ class PathCounters:
             self.deferred[reason] += 1
 
     def add_fetch(self, kind: str, seconds: float) -> None:
-        """A fetch reply of `kind` landed `seconds` after its FETCH was sent."""
+        """A fetch reply of `kind` arrived `seconds` after its FETCH was sent (and has landed)."""
         with self._lock:
             self.fetch_landed[kind] += 1
             self.fetch_seconds[kind] += seconds
+
+    def add_fetch_wait(self, kind: str, seconds: float) -> None:
+        """A decode step waited `seconds` for a fetch reply of `kind` (one that arrived then, or the first still
+        out when the wait ended without one)."""
+        with self._lock:
+            self.fetch_waited[kind] += seconds
 
     def add_step(
         self, batch: int, wall_s: float, cpu_s: float, emulated_s: float, wait_s: float, preempted: int = 0
@@ -299,7 +309,11 @@ class PathCounters:
                 "on_demand_ratio": self.remote_entries / self.selected_entries if self.selected_entries else 0.0,
                 "deferred_steps": {reason: self.deferred.get(reason, 0) for reason in DEFERRAL_REASONS},
                 "fetches": {
-                    kind: {"landed": self.fetch_landed.get(kind, 0), "seconds": self.fetch_seconds.get(kind, 0.0)}
+                    kind: {
+                        "landed": self.fetch_landed.get(kind, 0),
+                        "seconds": self.fetch_seconds.get(kind, 0.0),
+                        "waited": self.fetch_waited.get(kind, 0.0),
+                    }
                     for kind in FETCH_KINDS
                 },
                 "steps": {str(batch): dict(zip(STEP_FIELDS, row)) for batch, row in sorted(self.steps.items())},

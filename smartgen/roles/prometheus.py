@@ -36,6 +36,14 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
+def _by_label(name: str, documentation: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    """A counter family with one sample per value of `label`."""
+    family = CounterMetricFamily(PREFIX + name, documentation, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
 @dataclass(slots=True)
 class Peer:
     """One link of this node and the name it is shown under (the prefill node's address, or the decode node's)."""
@@ -146,15 +154,20 @@ class _NodeCollector(Collector):
             "Selected KV entries that were remote and fetched.",
             value=snap["remote_entries"],
         )
-        deferred = CounterMetricFamily(
-            PREFIX + "deferred_steps",
+        yield _by_label(
+            "deferred_steps",
             "Decode steps taken back and redone (decode node), by why: share (its fetches held the batch past its "
             "share of the step; it stays in the batch) or stall (a fetch not back within --fetch-stall-ms; it parks).",
-            labels=["reason"],
+            "reason",
+            snap["deferred_steps"],
         )
-        for reason, count in snap["deferred_steps"].items():
-            deferred.add_metric([reason], count)
-        yield deferred
+        yield _by_label(
+            "fetch_wait_seconds",
+            "Decode steps' time waiting for fetch replies (decode node), by the kind waited for: step (its own "
+            "fetch), prefetch (asked a layer ahead) or forecast (a joining request's first step).",
+            "kind",
+            {kind: fetches["waited"] for kind, fetches in snap["fetches"].items()},
+        )
         yield GaugeMetricFamily(
             PREFIX + "on_demand_ratio",
             "Share of selected entries fetched remotely, since start.",

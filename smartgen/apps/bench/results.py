@@ -49,7 +49,8 @@ class Group:
     link_bytes_back: int = 0  # sent by the decode node (fetch requests, idle notices): the other direction
     fetches: int = 0  # fetch replies the decode node landed (on demand and prefetched)
     fetch_s: float = 0.0  # their summed time from sending the FETCH to landing the reply
-    # by kind (metrics.FETCH_KINDS: a step's own, prefetch, forecast): [replies landed, their summed time]
+    # by kind (metrics.FETCH_KINDS: a step's own, prefetch, forecast): [replies landed, their summed time from
+    # sending to arrival, the decode steps' summed waits for replies of the kind] (results before the third keep two)
     fetch_kinds: dict[str, list[float]] = field(default_factory=dict)
     # the decode node's steps by batch size: [steps, wall, its thread's CPU, emulated compute, link waits] (seconds)
     steps: dict[str, list[float]] = field(default_factory=dict)

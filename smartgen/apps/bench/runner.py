@@ -417,7 +417,8 @@ def _is_optimal(scheme: str) -> bool:
 def _totals(status: dict[str, Any]) -> dict[str, float]:
     """Sums over the prefill nodes: bytes per path, descriptors posted, time posting, bytes on the links; and the
     bytes the decode node sent back over its links (`link_bytes_back`), its fetch replies landed and their summed
-    time from sending to landing (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`), and its
+    time from sending to the reply's arrival (`fetches`, `fetch_s`; by kind, `fetches.<kind>` and `fetch_s.<kind>`, and
+    the decode steps' waits for replies of that kind, `fetch_wait_s.<kind>`), and its
     decode steps by batch size (`steps.<batch>.<part>`, metrics.STEP_FIELDS) and its threads' CPU seconds by role
     (`threads.<role>`, roles/thread_cpu.py; the prefill nodes' summed, `prefill_threads.<role>`)."""
     totals: dict[str, float] = {f"bytes.{p}": 0 for p in TRANSFER_PATHS}
@@ -428,6 +429,7 @@ def _totals(status: dict[str, Any]) -> dict[str, float]:
     for kind, landed in paths.get("fetches", {}).items():
         totals[f"fetches.{kind}"] = landed["landed"]
         totals[f"fetch_s.{kind}"] = landed["seconds"]
+        totals[f"fetch_wait_s.{kind}"] = landed.get("waited", 0.0)
     for batch, parts in paths.get("steps", {}).items():
         for name in STEP_FIELDS:
             totals[f"steps.{batch}.{name}"] = parts[name]
@@ -541,6 +543,7 @@ def _run_group(
             kind: [
                 int(after.get(f"fetches.{kind}", 0) - before.get(f"fetches.{kind}", 0)),
                 after.get(f"fetch_s.{kind}", 0.0) - before.get(f"fetch_s.{kind}", 0.0),
+                after.get(f"fetch_wait_s.{kind}", 0.0) - before.get(f"fetch_wait_s.{kind}", 0.0),
             ]
             for kind in FETCH_KINDS
         },

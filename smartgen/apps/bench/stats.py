@@ -88,12 +88,28 @@ class Summary:
     fetch_round_trip: float | None = None
     fetch_link: float | None = None
     fetch_round_trip_by_kind: dict[str, float | None] = field(default_factory=dict)  # metrics.FETCH_KINDS
+    # a decode step's waits for fetch replies by the kind it waited for (seconds a step, over the measured rounds'
+    # steps; `fetch_wait_by_kind`); {} where no step was counted or the results predate it
+    fetch_wait_by_kind: dict[str, float] = field(default_factory=dict)
     # the decode node's step by batch size over the measured rounds (`step_parts`): steps, and the mean seconds of
     # its wall, its thread's CPU, the emulated compute, the link waits and the rest (the thread runnable, not running)
     step_by_batch: dict[str, dict[str, float]] = field(default_factory=dict)
     # of the entries decode steps fetched for themselves, the share an earlier idle notice had hinted: hints the
     # speculative push had not brought in time (None: no step fetched)
     late_hint_share: float | None = None
+
+
+def fetch_wait_by_kind(groups: list[Group]) -> dict[str, float]:
+    """A decode step's waits for fetch replies by the kind of reply waited for (metrics.FETCH_KINDS: its own
+    fetch, a prefetch asked a layer ahead, a joiner's forecast), seconds a step over these groups' steps; {} with no
+    step counted, or from results without the waits."""
+    steps = sum(row[0] for group in groups for row in group.steps.values())
+    if not steps or not any(len(row) > 2 for group in groups for row in group.fetch_kinds.values()):
+        return {}
+    return {
+        kind: sum(float(g.fetch_kinds[kind][2]) for g in groups if len(g.fetch_kinds.get(kind, ())) > 2) / steps
+        for kind in FETCH_KINDS
+    }
 
 
 def step_parts(groups: list[Group]) -> dict[str, dict[str, float]]:
@@ -231,6 +247,7 @@ def _summarize_groups(point: int, scheme: str, groups: list[Group], regime: Regi
             for kind in FETCH_KINDS
         },
         step_by_batch=step_parts(groups),
+        fetch_wait_by_kind=fetch_wait_by_kind(groups),
         fetch_link=_ratio(
             sum(g.path_bytes.get("on_demand", 0) for g in groups) / rate if rate else None,
             sum(g.fetches for g in groups),

@@ -14,8 +14,18 @@ from smartgen.apps.bench.results import Regime
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 from smartgen.apps.regime import emulation_words
+from smartgen.engine.metrics import FETCH_KINDS
 
-__all__ = ["point_tables", "steps_table", "regime_line", "load_table", "latency_table", "nodes_table", "prefix_table"]
+__all__ = [
+    "point_tables",
+    "steps_table",
+    "fetch_waits_table",
+    "regime_line",
+    "load_table",
+    "latency_table",
+    "nodes_table",
+    "prefix_table",
+]
 
 MIB = 2**20
 
@@ -226,6 +236,23 @@ def steps_table(summaries: list[Summary], point: int) -> Table | None:
                 _ms(parts["other_s"]),
                 f"{parts['preempted']:.0f}" if "preempted" in parts else "-",
             )
+    return table
+
+
+def fetch_waits_table(summaries: list[Summary], point: int) -> Table | None:
+    """Each scheme's decode step link waits by the fetch reply waited for, for one point (None when no scheme
+    fetched)."""
+    rows = [s for s in summaries if s.point == point and any(s.fetch_wait_by_kind.values())]
+    if not rows:
+        return None
+    table = _table(
+        "what a decode step's waits for fetch replies waited for (ms a step, means over the measured rounds' steps; "
+        "the step table's wait less layers 0-1): step: the step's own fetch of what it selected and found remote; "
+        "prefetch: one asked a layer ahead from a speculated query; forecast: a joiner's fetch of its forecast picks",
+        ["scheme", *FETCH_KINDS],
+    )
+    for s in rows:
+        table.add_row(Text(s.scheme), *(_ms1(s.fetch_wait_by_kind.get(kind)) for kind in FETCH_KINDS))
     return table
 
 

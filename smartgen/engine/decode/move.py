@@ -32,6 +32,17 @@ def _kind_of(future: Future) -> str:
     return future.kind if isinstance(future, _KindFuture) else "step"
 
 
+def _waited_for(done: set[Future], futures: list[Future]) -> str:
+    """The kind of fetch a wait was for: of a reply that ended it, else (it timed out) of the first still out."""
+    return _kind_of(next(iter(done)) if done else futures[0])
+
+
+def _arrival_of(future: Future) -> float:
+    """When a done fetch's reply arrived (now, for a future that does not say)."""
+    arrived = future.arrived if isinstance(future, _KindFuture) else None
+    return time.monotonic() if arrived is None else arrived
+
+
 def fetch_message(request_id: str, layer: int, fetch_id: int, entries: torch.Tensor, num_heads: int) -> msg.Fetch:
     """FETCH for flat (token, head) ids token * H + head, sorted: positions and the [T, H] heads wanted."""
     positions, token_of = torch.unique_consecutive(entries // num_heads, return_inverse=True)
@@ -49,11 +60,22 @@ def _let_senders_run() -> None:
 
 
 class _KindFuture(Future):
-    """A fetch's future, knowing what kind of fetch it is (`metrics.FETCH_KINDS`)."""
+    """A fetch's future, knowing what kind of fetch it is (`metrics.FETCH_KINDS`) and when its reply arrived: a
+    prefetch's reply may wait a layer or more before the step lands it, and timing it to the landing counted that
+    wait as the link's."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
+        self.arrived: float | None = None
+
+    def set_result(self, result: object) -> None:
+        self.arrived = time.monotonic()
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self.arrived = time.monotonic()
+        super().set_exception(exception)
 
 
 class DecodePath:
@@ -517,8 +539,10 @@ class DecodePath:
             spent = [r.step_wait_s for r in holders if self._may_hold_back(r, requests)] if share is not None else []
             if share is not None and spent:
                 deadline = min(deadline, now + max(0.0, share - max(spent)) * len(holders))
-            wait_futures([p[2] for p in pending], timeout=max(0.0, deadline - now), return_when=FIRST_COMPLETED)
+            futures = [p[2] for p in pending]
+            done, _ = wait_futures(futures, timeout=max(0.0, deadline - now), return_when=FIRST_COMPLETED)
             elapsed = time.monotonic() - now
+            self.counters.add_fetch_wait(_waited_for(done, futures), elapsed)
             for request in holders:
                 request.metrics.count_fetch_wait(elapsed)
                 request.step_wait_s += elapsed / len(holders)
@@ -573,7 +597,7 @@ class DecodePath:
         except RequestFailed as exc:
             self._fail_request(request.request_id, str(exc))
             return
-        self._land_reply(request, layer, entries, reply, sent, _kind_of(future))
+        self._land_reply(request, layer, entries, reply, sent, _kind_of(future), _arrival_of(future))
 
     def _land_reply(
         self,
@@ -583,7 +607,10 @@ class DecodePath:
         reply: msg.FetchReply,
         sent: float,
         kind: str = "step",
+        arrived: float | None = None,
     ) -> None:
+        """Puts a fetch reply's K/V in the pool (or checks the lane put them there) and counts it; `arrived`: when
+        the reply came (default now), so its round trip is the link's and the prefill node's, not the step's."""
         expected = (entries.numel(), self.layout.head_dim)
         if reply.k is None or reply.v is None:  # the lane put it in place, where the FETCH's landing said
             if reply.landed != 2 * entries.numel() * self.layout.head_dim * self.layout.dtype.itemsize:
@@ -599,8 +626,9 @@ class DecodePath:
             self.pool.write_entries(layer, request.slot, entries, reply.k, reply.v)
         request.fetch_counts[layer].view(-1).index_add_(0, entries, torch.ones_like(entries, dtype=torch.int32))
         request.metrics.fetched_tokens += int(torch.unique_consecutive(entries // self.layout.num_kv_heads).numel())
-        self.counters.add("on_demand", reply.num_bytes, time.monotonic() - sent)
-        self.counters.add_fetch(kind, time.monotonic() - sent)
+        round_trip = max(0.0, (time.monotonic() if arrived is None else arrived) - sent)
+        self.counters.add("on_demand", reply.num_bytes, round_trip)
+        self.counters.add_fetch(kind, round_trip)
 
     def _land_late(self, requests: list[DecodeRequest]) -> None:
         """Lands the replies of fetches an earlier step gave up waiting for, as far as they have arrived."""
@@ -611,7 +639,8 @@ class DecodePath:
                     waiting.append((layer, entries, future, sent))
                     continue
                 try:
-                    self._land_reply(request, layer, entries, future.result(), sent, _kind_of(future))
+                    reply = future.result()
+                    self._land_reply(request, layer, entries, reply, sent, _kind_of(future), _arrival_of(future))
                 except LinkLost as exc:
                     if not self.recompute:  # else asked again of the node it is opened on next
                         self._fail_request(request.request_id, str(exc), lost=True)
