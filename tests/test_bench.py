@@ -46,7 +46,7 @@ def test_quick_bench_writes_every_file(quick_run: tuple[Path, str]) -> None:
     assert data["machine"]["versions"] and data["config"]["schemes"]
     with (out / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    for name in ("ctl.png", "steps.png", "ttst_tbt.png"):
+    for name in ("ctl.png", "steps.png", "ttst_tbt.png", "link.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     expected = [*SCHEMES.split(","), "smartgen[random]", "smartgen[optimal]"]
     assert [row["scheme"] for row in rows] == expected
@@ -127,7 +127,15 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         # the decode node counts each fetch it landed: none without on-demand bytes, and a reply takes time
         assert (group["fetches"] > 0) == (group["path_bytes"]["on_demand"] > 0)
         assert (group["fetch_s"] > 0) == (group["fetches"] > 0)
-        assert sum(landed for landed, _ in group["fetch_kinds"].values()) == group["fetches"]  # every kind counted
+        assert sum(k[0] for k in group["fetch_kinds"].values()) == group["fetches"]  # every kind counted
+        # the link's timeline over the round: every byte the prefill node's pacer booked toward the decode node, by
+        # what it was (pushes, replies, messages), a second at a time
+        timeline = group["link_timeline"]
+        assert len({len(series) for series in timeline.values()}) == 1, timeline  # one length: the round's seconds
+        booked = {tag: sum(series) for tag, series in timeline.items()}
+        # each path's bytes and their frames' (a late speculative push may still be queued when the round ends)
+        for path in ("full", "proactive", "on_demand"):
+            assert booked.get(path, 0) >= group["path_bytes"][path], (path, booked, group["path_bytes"])
         # the decode node's steps by batch size (batch 1 here): emulated compute and link waits within the wall
         # (none where the prefill node's head start gave every token)
         if not all(r["prefill_tokens"] == len(r["node_ctl"]) for r in group["requests"]):

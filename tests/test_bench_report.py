@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from smartgen.apps.bench.config import BenchConfig, Point
-from smartgen.apps.bench.figures import bandwidth_series
+from smartgen.apps.bench.figures import bandwidth_series, link_panels
 from smartgen.apps.bench.joins import find_joins
 from smartgen.apps.bench.load import LoadRun
 from smartgen.apps.bench.output import write_outputs
@@ -552,3 +552,17 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     finally:
         sys.argv = argv
     assert exited.value.code == 2 and "not a `smartgen bench` results.json" in capsys.readouterr().err
+
+
+def test_link_png_draws_each_schemes_first_measured_round_as_shares_of_the_link():
+    """link_panels: the first measured round of each scheme (not the warm-up, not later rounds), each tag's bytes a
+    second over the point's link rate (0.03 Gbit/s: 3.75 MB/s), busiest tag first; rounds without a timeline none."""
+    result = _rounds_result()
+    for group in result.groups:
+        if group.scheme == "smartgen":
+            group.link_timeline = {"proactive": [375_000, 0], "on_demand": [1_875_000, 3_750_000]}
+    panels = link_panels(result)
+    assert [title.split(":")[0] for title, _ in panels] == ["smartgen"]  # rep 1 only; full had no timeline
+    (_, shares), *_ = panels
+    assert list(shares) == ["on_demand", "proactive"]
+    assert shares["on_demand"] == pytest.approx([50.0, 100.0]) and shares["proactive"] == pytest.approx([10.0, 0.0])

@@ -89,6 +89,8 @@ class Message:
     # the sender's queue only, never on the wire: a lane sends a message of a higher number after every queued
     # one of a lower (0, the default, in order): a forecast's fetch replies wait behind running requests' fetches
     priority: int = 0
+    # the sender's only, never on the wire: what the message is, for its link's timeline (set by the lane's `send`)
+    tag: str = ""
 
     @property
     def payload_bytes(self) -> int:

@@ -30,6 +30,7 @@ class _WriteBatch:
     ops: list[WriteOp]
     completion: Completion
     num_bytes: int
+    tag: str = ""  # what it is, for the link's timeline
 
 
 @dataclass(slots=True)
@@ -82,7 +83,7 @@ class InprocLane(QueuedLane):
         merged, completion, num_bytes = self._new_batch(ops, tag)
         if completion.done():
             return completion
-        self._outbox.put(_WriteBatch(request_id, sources, merged, completion, num_bytes))
+        self._outbox.put(_WriteBatch(request_id, sources, merged, completion, num_bytes, tag))
         return completion
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -122,7 +123,7 @@ class InprocLane(QueuedLane):
             while True:
                 if self.bulk:
                     self._pacer.wait_no_urgent(timeout=1.0)
-                sent_at = self._pacer.reserve(min(remaining, chunk))
+                sent_at = self._pacer.reserve(min(remaining, chunk), getattr(item, "tag", ""))
                 if urgent:
                     self._pacer.urgent_booked()
                     urgent = False

@@ -78,6 +78,7 @@ class _Batch:
     completion: Completion
     num_chunks: int
     applied: bool = True
+    tag: str = ""  # what it is, for the link's timeline
 
 
 @dataclass(slots=True)
@@ -204,7 +205,7 @@ class OneSidedLane(QueuedLane):
         if completion.done():
             return completion
         chunks = chunk_ops(merged, self._pacer.chunk_bytes())
-        batch = _Batch(request_id, sources, completion, len(chunks))
+        batch = _Batch(request_id, sources, completion, len(chunks), tag=tag)
         for i, chunk in enumerate(chunks):
             self._outbox.put(_Chunk(batch, chunk, i == len(chunks) - 1))
         return completion
@@ -225,15 +226,15 @@ class OneSidedLane(QueuedLane):
             if isinstance(item, _Chunk):
                 if self.bulk:
                     self._pacer.wait_no_urgent(timeout=1.0)
-                due = self._pacer.reserve(sum(op.length for op in item.ops))
+                due = self._pacer.reserve(sum(op.length for op in item.ops), item.batch.tag)
             elif isinstance(item, Message):
                 size = self._pacer.chunk_bytes()
                 remaining = item.payload_bytes
-                due = self._pacer.reserve(min(remaining, size))
+                due = self._pacer.reserve(min(remaining, size), item.tag)
                 if not self.bulk:
                     self._pacer.urgent_booked()
                 while (remaining := remaining - size) > 0:
-                    due = self._pacer.reserve(min(remaining, size))
+                    due = self._pacer.reserve(min(remaining, size), item.tag)
             self._sleep_until(due)  # the link is busy until the bytes are out
             self.counters.add_busy(time.monotonic() - started)
             self._in_flight.put((due + self._pacer.delay_s, item))

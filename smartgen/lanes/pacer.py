@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+from smartgen.lanes.link_timeline import LinkTimeline
 from smartgen.lanes.rate import bytes_per_second
 
 __all__ = ["Pacer"]
@@ -38,6 +39,8 @@ class Pacer:
         self._lock = threading.Lock()
         self._num_urgent = 0
         self._urgent_changed = threading.Condition()
+        # what the link carried, second by second and by tag (paced links only: an unpaced one books nothing)
+        self.timeline = LinkTimeline()
 
     def urgent_enqueued(self) -> None:
         """An on-demand transfer is waiting for the link: bulk chunks hold back until it is booked."""
@@ -77,20 +80,22 @@ class Pacer:
         rate = self.bytes_per_second
         return 0.0 if rate is None else num_bytes / rate
 
-    def reserve(self, num_bytes: int) -> float:
-        """Books the link for num_bytes; returns the monotonic time they have been sent."""
+    def reserve(self, num_bytes: int, tag: str = "") -> float:
+        """Books the link for num_bytes; returns the monotonic time they have been sent. `tag`: what they are, for
+        the link's timeline (`link_timeline`)."""
         now = time.monotonic()
         if self.gbps is None:
             return now
         with self._lock:
             # An idle link starts now; a busy one continues its clock, even slightly in the past.
             start = self._next_free if self._next_free > now - CATCH_UP_SECONDS else now
-            self._next_free = start + self.transfer_seconds(num_bytes)
-            return self._next_free
+            self._next_free = done = start + self.transfer_seconds(num_bytes)
+        self.timeline.add(done, num_bytes, tag)
+        return done
 
-    def arrival(self, num_bytes: int) -> float:
+    def arrival(self, num_bytes: int, tag: str = "") -> float:
         """Books the link and adds the one-way delay: when the bytes reach the peer."""
-        return self.reserve(num_bytes) + self.delay_s
+        return self.reserve(num_bytes, tag) + self.delay_s
 
 
 def sleep_until(deadline: float) -> None:

@@ -106,6 +106,7 @@ class QueuedLane(Lane):
         if self._closed.is_set():
             return
         self.counters.add_message(tag, message.payload_bytes)
+        message.tag = f"{tag}/low" if message.priority > 0 else tag  # queued after the others: say so on the link
         if not self.bulk:
             self._pacer.urgent_enqueued()
         self._outbox.put(message)

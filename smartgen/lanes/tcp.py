@@ -49,6 +49,7 @@ class _Batch:
     sources: Mapping[str, torch.Tensor]
     ops: list[WriteOp]
     num_bytes: int
+    tag: str = ""  # what it is, for the link's timeline (a gathered run of batches books as its first's)
 
 
 class TcpLane(QueuedLane):
@@ -96,7 +97,7 @@ class TcpLane(QueuedLane):
             self._seq += 1
             seq = self._seq
             self._pending[seq] = completion
-        self._outbox.put(_Batch(seq, request_id, sources, merged, num_bytes))
+        self._outbox.put(_Batch(seq, request_id, sources, merged, num_bytes, tag))
         return completion
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -133,7 +134,7 @@ class TcpLane(QueuedLane):
             completion.set(False)
 
     # -- threads ----------------------------------------------------------------------
-    def _paced_send(self, parts: list[memoryview]) -> float:
+    def _paced_send(self, parts: list[memoryview], tag: str = "") -> float:
         """Sends frames (headers and payload parts, in order) a chunk at a time, booking the pacer before each chunk;
         the parts of a chunk (headers, scattered blocks, several small frames) go out in one system call. Returns
         the seconds spent in those calls (the pacer's waits left out)."""
@@ -141,7 +142,7 @@ class TcpLane(QueuedLane):
         for chunk in _chunks(parts, self._pacer.chunk_bytes()):
             if self.bulk:
                 self._pacer.wait_no_urgent(timeout=1.0)
-            due = self._pacer.reserve(sum(view.nbytes for view in chunk))
+            due = self._pacer.reserve(sum(view.nbytes for view in chunk), tag)
             remaining = due - time.monotonic()
             if remaining > 0:
                 self._closed.wait(remaining)
@@ -166,7 +167,7 @@ class TcpLane(QueuedLane):
                     framing = time.monotonic() - started
                     # The send lock covers whole frames: ACKs from the receive thread share the socket.
                     with self._send_lock:
-                        self.counters.add_posting(framing + self._paced_send(parts))
+                        self.counters.add_posting(framing + self._paced_send(parts, item.tag))
                 elif isinstance(item, Message):
                     self._send_message(item, stamp)
                 self.counters.add_busy(time.monotonic() - started)
@@ -214,7 +215,8 @@ class TcpLane(QueuedLane):
         try:
             head = header_bytes(FrameType.MESSAGE, message.request_id, {**meta, **stamp}, message.payload_bytes)
             with self._send_lock:
-                self._paced_send([memoryview(head), *parts])  # a fetch reply's KV pays the link like a push does
+                # a fetch reply's KV pays the link like a push does
+                self._paced_send([memoryview(head), *parts], message.tag)
         finally:
             if urgent:
                 self._pacer.urgent_booked()

@@ -148,6 +148,8 @@ class PrefillNode:
                 "pacing": "unpaced" if self.link_gbps is None else "per prefill node",
                 "egress_gbps": self.link_gbps,
                 "delay_ms": self.delay_s * 1e3,
+                # what the link carried second by second, by tag (a paced link's; `lanes/link_timeline.py`)
+                "timeline": self.listener.pacer.timeline.snapshot() if self.listener is not None else {},
             },
             "links": [
                 {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}

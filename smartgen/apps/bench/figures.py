@@ -12,11 +12,12 @@ from smartgen.apps.bench.config import Point
 from smartgen.apps.bench.runner import BenchResult
 from smartgen.apps.bench.stats import Summary
 
-__all__ = ["figures", "bandwidth_series", "goodput_figure", "goodput_series"]
+__all__ = ["figures", "bandwidth_series", "goodput_figure", "goodput_series", "link_panels"]
 
 
 def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Path]:
-    """Draws ctl.png, steps.png, ttst_tbt.png and, with several link rates, bandwidth.png under `out`; none
+    """Draws ctl.png, steps.png, ttst_tbt.png, link.png (each scheme's link use by what crossed, over its first
+    measured round) and, with several link rates, bandwidth.png under `out`; none
     without matplotlib (smartgen[plot]). Returns the files written."""
     try:
         import matplotlib
@@ -125,7 +126,37 @@ def figures(result: BenchResult, summaries: list[Summary], out: Path) -> list[Pa
             ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, out / "bandwidth.png", plt))
+    panels = link_panels(result)
+    if panels:
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), squeeze=False)
+        for ax, (title, shares) in zip(axes[:, 0], panels):
+            seconds = range(len(next(iter(shares.values()))))
+            ax.stackplot(seconds, *shares.values(), labels=list(shares), step="post")
+            ax.set_title(title, fontsize=8)
+            ax.set_xlabel("second of the round")
+            ax.set_ylabel("% of the link")
+            ax.set_ylim(0, 110)
+            ax.legend(fontsize=6, loc="upper right", ncol=3)
+        fig.tight_layout()
+        written.append(_save(fig, out / "link.png", plt))
     return written
+
+
+def link_panels(result: BenchResult) -> list[tuple[str, dict[str, list[float]]]]:
+    """link.png's data: for each point and scheme, its first measured round's link use, each tag's bytes a second
+    as a percentage of the point's link rate (busiest tag first); none for rounds without a timeline."""
+    panels = []
+    for group in result.groups:
+        if group.warmup or not group.link_timeline or group.rep != result.config.warmup:
+            continue
+        rate = result.regimes[group.point].link_gbps * 1e9 / 8 if group.point < len(result.regimes) else 0.0
+        if rate <= 0:
+            continue
+        tags = sorted(group.link_timeline, key=lambda tag: -sum(group.link_timeline[tag]))
+        shares = {tag: [100 * b / rate for b in group.link_timeline[tag]] for tag in tags}
+        label = result.points[group.point].label(result.config.link_mode)
+        panels.append((f"{group.scheme}: {label}", shares))
+    return panels
 
 
 def goodput_series(result: BenchResult) -> dict[int, dict[str, list[tuple[float, float]]]]:

@@ -60,6 +60,9 @@ class Group:
     decode_threads: dict[str, float] = field(default_factory=dict)
     # the same for the prefill nodes (summed by role): what shared their CPUs with prefill and forecast steps
     prefill_threads: dict[str, float] = field(default_factory=dict)
+    # what the prefill nodes' links carried toward the decode node, by tag, bytes in each second of the pacers' clock
+    # from the one the round started in to the one it settled in (lanes/link_timeline.py; {} unpaced): link.png
+    link_timeline: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ from smartgen.apps.bench.watch import NodeWatch, num_links, read_link
 from smartgen.apps.cluster import ClusterSpec, LocalCluster, node_cpus
 from smartgen.apps.regime import decode_side, emulate_flags, emulation_words, link_for, step_selected_bytes
 from smartgen.engine.metrics import FETCH_KINDS, STEP_FIELDS
+from smartgen.lanes.link_timeline import between
 
 __all__ = ["BenchResult", "Group", "Regime", "run_bench"]
 
@@ -484,13 +485,16 @@ def _run_group(
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(samples))]
     started = time.perf_counter()  # the clock the client stamps with: each request's `sent` is from here
+    link_from = time.monotonic()  # the pacers' clock (the nodes run on this machine)
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
     _settle(cluster)
-    after = _totals(cluster.status())
+    status = cluster.status()
+    after = _totals(status)
+    timelines = [node.get("link", {}).get("timeline") or {} for node in status["prefill"]]
     requests = []
     for sample, answer, error in zip(samples, answers, errors):
         if answer is None:
@@ -551,6 +555,10 @@ def _run_group(
         decode_threads=thread_deltas(before, after),
         prefill_threads=thread_deltas(before, after, "prefill_threads."),
         joins=[asdict(join) for join in find_joins(requests)],
+        # to the last bin booked: bytes still crossing when the round settled were posted in it
+        link_timeline=between(
+            timelines, link_from, max([time.monotonic(), *(b[0] for t in timelines for b in t.get("bins", []))])
+        ),
     ), counts
 
 

@@ -356,7 +356,8 @@ class PrefillPath:
         if not ops:
             return 0
         sources = {**request.kv.byte_views(), ONES_SOURCE: request.ones}
-        completion = request.link.push.post_writes(request.request_id, sources, ops, tag=tag)
+        # the lane's tag is the path: the link's timeline tells a full transfer's pushes from a chosen set's
+        completion = request.link.push.post_writes(request.request_id, sources, ops, tag=path)
         with self._lock:
             request.pushes_in_flight += 1
 
@@ -512,7 +513,7 @@ class PrefillPath:
         ]
         self.counters.add("full", packed.numel())  # before posting: a status read after the request ends counts it
         completion = request.link.push.post_writes(
-            request.request_id, {"packed": packed, ONES_SOURCE: request.ones}, ops, tag="proactive"
+            request.request_id, {"packed": packed, ONES_SOURCE: request.ones}, ops, tag="full"
         )
         posted = time.monotonic()
 

@@ -1,0 +1,79 @@
+"""Bytes a paced link carried over time, by what they were (a lane's tag): where a link's time went, second by second.
+
+The pacer books every chunk a lane sends; each booking is counted here in the bin of the moment its bytes have
+crossed, under the tag the lane posted it with (`proactive`, `speculative`, `on_demand`, `metadata`, `control`, ...;
+a fetch reply a forecast asked for, queued after the others, as `on_demand/low`). Bins are one second of the
+monotonic clock, the last hour kept, so a bench on the same machine can cut a round's seconds out of a node's
+`/status`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from typing import Any
+
+__all__ = ["LinkTimeline", "between", "OTHER_TAG"]
+
+OTHER_TAG = "other"  # bytes booked without a tag (lanes that do not say what they send)
+
+
+class LinkTimeline:
+    """Per `bin_s` of the monotonic clock, the bytes booked on a link by tag; the last `keep_bins` bins."""
+
+    def __init__(self, bin_s: float = 1.0, keep_bins: int = 3600) -> None:
+        if bin_s <= 0 or keep_bins <= 0:
+            raise ValueError("a link timeline needs positive bins")
+        self.bin_s = bin_s
+        self._bins: deque[tuple[int, dict[str, int]]] = deque(maxlen=keep_bins)
+        self._lock = threading.Lock()
+
+    def add(self, at: float, num_bytes: int, tag: str = "") -> None:
+        """`num_bytes` crossed by monotonic time `at` (a booking's end; bookings come in order of it, or nearly)."""
+        index = math.floor(at / self.bin_s)
+        tag = tag or OTHER_TAG
+        with self._lock:
+            if self._bins and self._bins[-1][0] >= index:
+                for start, counts in reversed(self._bins):  # a late booking: its bin is at most a few back
+                    if start == index:
+                        counts[tag] = counts.get(tag, 0) + num_bytes
+                        return
+                    if start < index:
+                        break
+                if index < self._bins[0][0]:
+                    return  # older than what is kept
+                # a bin skipped while idle, now booked late: rare enough to rebuild the order
+                bins = sorted([*self._bins, (index, {tag: num_bytes})])
+                self._bins.clear()
+                self._bins.extend(bins)
+                return
+            self._bins.append((index, {tag: num_bytes}))
+
+    def snapshot(self) -> dict[str, Any]:
+        """{"bin_s": seconds a bin, "bins": [[bin start (monotonic s), {tag: bytes}], ...]} in time order."""
+        with self._lock:
+            return {"bin_s": self.bin_s, "bins": [[start * self.bin_s, dict(c)] for start, c in self._bins]}
+
+
+def between(snapshots: list[dict[str, Any]], start: float, end: float) -> dict[str, list[int]]:
+    """The bytes of one or more links' timelines (`LinkTimeline.snapshot`, same bin width) in each bin from the
+    one holding `start` to the one holding `end` (monotonic seconds), summed over the links, by tag: {tag: [bytes of
+    bin 0, bin 1, ...]}. {} without bins."""
+    widths = {s["bin_s"] for s in snapshots if s.get("bins")}
+    if not widths:
+        return {}
+    if len(widths) > 1:
+        raise ValueError(f"link timelines of different bin widths: {sorted(widths)}")
+    (width,) = widths
+    first, last = math.floor(start / width), math.floor(end / width)
+    if last < first:
+        return {}
+    series: dict[str, list[int]] = {}
+    for snapshot in snapshots:
+        for bin_start, counts in snapshot.get("bins", []):
+            index = round(bin_start / width)
+            if first <= index <= last:
+                for tag, num_bytes in counts.items():
+                    series.setdefault(tag, [0] * (last - first + 1))[index - first] += int(num_bytes)
+    return series

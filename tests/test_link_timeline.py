@@ -1,0 +1,85 @@
+"""The link's timeline: bytes a paced link carried, second by second, by what the lanes said they were."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import make_link
+
+from smartgen.lanes import Message, MessageKind, Pacer, WriteOp
+from smartgen.lanes.link_timeline import OTHER_TAG, LinkTimeline, between
+
+
+def test_bookings_count_in_the_bin_they_end_in_by_tag():
+    timeline = LinkTimeline(bin_s=1.0, keep_bins=3)
+    timeline.add(10.2, 100, "proactive")
+    timeline.add(10.9, 50, "on_demand")
+    timeline.add(12.5, 7, "")
+    timeline.add(11.1, 30, "proactive")  # a late booking of a bin skipped while idle
+    timeline.add(10.5, 1, "proactive")  # and one of an earlier bin, still kept
+    assert timeline.snapshot() == {
+        "bin_s": 1.0,
+        "bins": [
+            [10.0, {"proactive": 101, "on_demand": 50}],
+            [11.0, {"proactive": 30}],
+            [12.0, {OTHER_TAG: 7}],
+        ],
+    }
+    timeline.add(13.0, 5, "speculative")  # the oldest bin goes: three kept
+    timeline.add(10.0, 9, "proactive")  # older than what is kept: dropped
+    assert [start for start, _ in timeline.snapshot()["bins"]] == [11.0, 12.0, 13.0]
+    with pytest.raises(ValueError):
+        LinkTimeline(bin_s=0)
+
+
+def test_a_rounds_seconds_are_cut_out_of_several_links_and_summed():
+    a = {"bin_s": 1.0, "bins": [[9.0, {"proactive": 5}], [10.0, {"proactive": 100}], [12.0, {"on_demand": 3}]]}
+    b = {"bin_s": 1.0, "bins": [[10.0, {"proactive": 1, "speculative": 2}], [14.0, {"speculative": 8}]]}
+    # from the bin holding 10.4 to the one holding 12.9: three bins, the idle one zero
+    assert between([a, b], 10.4, 12.9) == {"proactive": [101, 0, 0], "speculative": [2, 0, 0], "on_demand": [0, 0, 3]}
+    assert between([a, {}], 20.0, 21.0) == {} and between([], 0.0, 1.0) == {}
+    with pytest.raises(ValueError, match="bin widths"):
+        between([a, {"bin_s": 0.5, "bins": [[10.0, {"x": 1}]]}], 10.0, 11.0)
+
+
+def test_a_paced_link_books_its_timeline_and_an_unpaced_one_does_not():
+    pacer = Pacer(gbps=8.0)  # 1 GB/s
+    done = pacer.reserve(10**6, "proactive")
+    pacer.arrival(10**6, "on_demand")
+    (start, counts), *_ = pacer.timeline.snapshot()["bins"]
+    assert start <= done and counts == {"proactive": 10**6, "on_demand": 10**6}
+    unpaced = Pacer(None)
+    unpaced.reserve(10**6, "proactive")
+    assert unpaced.timeline.snapshot()["bins"] == []
+
+
+def test_every_lane_books_what_it_sends_under_its_tag(lane_kind):
+    """A push under its tag, a message under the one it was sent with, a low-priority one marked `/low`."""
+    prefill, decode = make_link(lane_kind, gbps=0.8)  # 100 MB/s
+    try:
+        region = torch.zeros(40_000, dtype=torch.uint8)
+        decode.push.register_region("x", region)
+        decode.push.accept("r")
+        prefill.push.post_writes(
+            "r", {"s": torch.ones(40_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 40_000)], tag="proactive"
+        ).wait(10)
+        prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(5_000)}), tag="on_demand")
+        low = Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(2_500)}, priority=1)
+        prefill.control.send(low, tag="on_demand")
+        assert decode.control.recv(timeout=10) is not None and decode.control.recv(timeout=10) is not None
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            booked: dict[str, int] = {}
+            for _, counts in prefill.pacer.timeline.snapshot()["bins"]:
+                for tag, num_bytes in counts.items():
+                    booked[tag] = booked.get(tag, 0) + num_bytes
+            if {"proactive", "on_demand", "on_demand/low"} <= set(booked):
+                break
+            time.sleep(0.01)
+        assert booked["proactive"] >= 40_000  # the payload, and on some lanes its frame's header
+        assert 20_000 <= booked["on_demand"] < 40_000 and 10_000 <= booked["on_demand/low"] < 20_000
+    finally:
+        prefill.close()
+        decode.close()
