@@ -212,3 +212,33 @@ def test_close_wakes_receivers_and_drops_pending_work(lane_kind):
     assert all(p.wait(10) for p in pending)
     prefill.close()
     decode.close()
+
+
+def test_every_lane_books_what_it_sends_under_its_tag(lane_kind):
+    """A push under its tag, a message under the one it was sent with, a low-priority one marked `/low`."""
+    prefill, decode = make_link(lane_kind, gbps=0.8)  # 100 MB/s
+    try:
+        region = torch.zeros(40_000, dtype=torch.uint8)
+        decode.push.register_region("x", region)
+        decode.push.accept("r")
+        prefill.push.post_writes(
+            "r", {"s": torch.ones(40_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 40_000)], tag="proactive"
+        ).wait(10)
+        prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(5_000)}), tag="on_demand")
+        low = Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(2_500)}, priority=1)
+        prefill.control.send(low, tag="on_demand")
+        assert decode.control.recv(timeout=10) is not None and decode.control.recv(timeout=10) is not None
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            booked: dict[str, int] = {}
+            for _, counts in prefill.pacer.timeline.snapshot()["bins"]:
+                for tag, num_bytes in counts.items():
+                    booked[tag] = booked.get(tag, 0) + num_bytes
+            if {"proactive", "on_demand", "on_demand/low"} <= set(booked):
+                break
+            time.sleep(0.01)
+        assert booked["proactive"] >= 40_000  # the payload, and on some lanes its frame's header
+        assert 20_000 <= booked["on_demand"] < 40_000 and 10_000 <= booked["on_demand/low"] < 20_000
+    finally:
+        prefill.close()
+        decode.close()
