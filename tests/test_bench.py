@@ -138,7 +138,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         assert len({len(series) for series in timeline.values()}) == 1, timeline  # one length: the round's seconds
         booked = {tag: sum(series) for tag, series in timeline.items()}
         assert sum(booked.values()) > 0 and set(booked) <= LINK_TAGS, booked
-        # a path counts what was posted, and a released request's queued pushes never cross; a full transfer's
+        # a path counts what was posted, pushes still queued on a lane when the round ends included; a full transfer's
         # every byte crosses before its first decode step, so the round's timeline holds all of them and their frames'
         # (its first second may also hold the tail of the round before: the bins are whole seconds)
         if group["scheme"] in ("full", "quant2"):
