@@ -152,16 +152,22 @@ def test_pacer_books_the_link_like_a_virtual_clock():
         Pacer(0)
 
 
+def _write_ones(prefill, decode, num_bytes: int, tag: str) -> torch.Tensor:
+    """One push of `num_bytes` ones under `tag` into a fresh region of request "r" on the decode end, waited for;
+    returns the region."""
+    region = torch.zeros(num_bytes, dtype=torch.uint8)
+    decode.push.register_region("x", region)
+    decode.push.accept("r")
+    ones = torch.ones(num_bytes, dtype=torch.uint8)
+    prefill.push.post_writes("r", {"s": ones}, [WriteOp("s", "x", 0, 0, num_bytes)], tag=tag).wait(10)
+    return region
+
+
 def test_paced_lane_takes_at_least_the_wire_time(lane_kind):
     prefill, decode = make_link(lane_kind, gbps=0.08)  # 10 MB/s
     try:
-        region = torch.zeros(200_000, dtype=torch.uint8)
-        decode.push.register_region("x", region)
-        decode.push.accept("r")
         started = time.monotonic()
-        prefill.push.post_writes(
-            "r", {"s": torch.ones(200_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 200_000)], tag="t"
-        ).wait(10)
+        region = _write_ones(prefill, decode, 200_000, "t")
         # functional lower bound (20 ms of wire time), never an upper bound: the machine is shared
         assert time.monotonic() - started >= 0.019
         assert int(region.sum()) == 200_000
@@ -218,12 +224,7 @@ def test_every_lane_books_what_it_sends_under_its_tag(lane_kind):
     """A push under its tag, a message under the one it was sent with, a low-priority one marked `/low`."""
     prefill, decode = make_link(lane_kind, gbps=0.8)  # 100 MB/s
     try:
-        region = torch.zeros(40_000, dtype=torch.uint8)
-        decode.push.register_region("x", region)
-        decode.push.accept("r")
-        prefill.push.post_writes(
-            "r", {"s": torch.ones(40_000, dtype=torch.uint8)}, [WriteOp("s", "x", 0, 0, 40_000)], tag="proactive"
-        ).wait(10)
+        _write_ones(prefill, decode, 40_000, "proactive")
         prefill.control.send(Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(5_000)}), tag="on_demand")
         low = Message(MessageKind.FETCH_REPLY, "r", {}, {"k": torch.ones(2_500)}, priority=1)
         prefill.control.send(low, tag="on_demand")

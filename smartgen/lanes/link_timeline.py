@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
 from typing import Any
 
 __all__ = ["LinkTimeline", "between", "OTHER_TAG"]
@@ -26,34 +25,28 @@ class LinkTimeline:
         if bin_s <= 0 or keep_bins <= 0:
             raise ValueError("a link timeline needs positive bins")
         self.bin_s = bin_s
-        self._bins: deque[tuple[int, dict[str, int]]] = deque(maxlen=keep_bins)
+        self.keep_bins = keep_bins
+        self._bins: dict[int, dict[str, int]] = {}  # bin index -> {tag: bytes}
         self._lock = threading.Lock()
 
     def add(self, at: float, num_bytes: int, tag: str = "") -> None:
-        """`num_bytes` crossed by monotonic time `at` (a booking's end; bookings come in order of it, or nearly)."""
+        """`num_bytes` crossed by monotonic time `at` (a booking's end; bookings come nearly in order of it)."""
         index = math.floor(at / self.bin_s)
         tag = tag or OTHER_TAG
         with self._lock:
-            if self._bins and self._bins[-1][0] >= index:
-                for start, counts in reversed(self._bins):  # a late booking: its bin is at most a few back
-                    if start == index:
-                        counts[tag] = counts.get(tag, 0) + num_bytes
-                        return
-                    if start < index:
-                        break
-                if index < self._bins[0][0]:
-                    return  # older than what is kept
-                # a bin skipped while idle, now booked late: rare enough to rebuild the order
-                bins = sorted([*self._bins, (index, {tag: num_bytes})])
-                self._bins.clear()
-                self._bins.extend(bins)
-                return
-            self._bins.append((index, {tag: num_bytes}))
+            counts = self._bins.get(index)
+            if counts is None:
+                counts = self._bins[index] = {}
+                if len(self._bins) > self.keep_bins:  # a new bin: the oldest goes (once a second at most)
+                    del self._bins[min(self._bins)]
+                    if index not in self._bins:
+                        return  # older than what is kept
+            counts[tag] = counts.get(tag, 0) + num_bytes
 
     def snapshot(self) -> dict[str, Any]:
         """{"bin_s": seconds a bin, "bins": [[bin start (monotonic s), {tag: bytes}], ...]} in time order."""
         with self._lock:
-            return {"bin_s": self.bin_s, "bins": [[start * self.bin_s, dict(c)] for start, c in self._bins]}
+            return {"bin_s": self.bin_s, "bins": [[i * self.bin_s, dict(self._bins[i])] for i in sorted(self._bins)]}
 
 
 def between(snapshots: list[dict[str, Any]], start: float, end: float) -> dict[str, list[int]]:
