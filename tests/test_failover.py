@@ -230,7 +230,9 @@ def test_a_slow_members_fetches_hold_the_batch_no_longer_than_its_share_and_its_
             assert isinstance(events[-1], FinishEvent) and events[-1].reason == "length", events[-1]
         deferred = runs[on_slow][-1].usage["deferred_steps"]
         assert deferred >= 1 if share else deferred == 0, runs[on_slow][-1].usage  # held back and redone, or not
-        assert decode.engine.counters.snapshot()["deferred_steps"] == {"share": deferred, "stall": 0}
+        # the fast node's request may be held back too on a loaded machine (CI saw one): the counter sums both
+        every = sum(events[-1].usage["deferred_steps"] for events in runs)
+        assert decode.engine.counters.snapshot()["deferred_steps"] == {"share": every, "stall": 0}
         assert decode.scheduler.health()["parked"] == 0
         _assert_undisturbed(decode, runs[on_slow], _prompt(5 + on_slow), params)
     finally:
