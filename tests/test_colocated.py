@@ -60,6 +60,9 @@ def test_one_process_serves_the_in_process_pipeline_tokens_frees_them_and_stops_
         assert status["role"] == "prefill" and status["prefilled"] == 1 and status["decode_nodes"] == 1
         link = status["links"][0]
         assert link["push"]["bytes_sent"] > 0 and link["push"]["busy_seconds"] > 0  # paced: the link took time
+        # the in-process link's timeline, as a prefill node's listener shows its own
+        tags = {tag for _, counts in status["link"]["timeline"]["bins"] for tag in counts}
+        assert {"proactive", "metadata"} <= tags, status["link"]
 
         # --record: every frame holds both halves, as the monitor's own recordings do
         def recorded() -> list[dict] | None:

@@ -243,3 +243,32 @@ def test_every_lane_books_what_it_sends_under_its_tag(lane_kind):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_writes_of_several_tags_queued_back_to_back_each_book_under_their_own(lane_kind):
+    """The TCP lane sends queued WRITEs in one call; a run keeps to one tag, so each path's bytes are its own."""
+    prefill, decode = make_link(lane_kind, gbps=0.08)  # 10 MB/s: the first write holds the sender for 10 ms
+    try:
+        region = torch.zeros(200_000, dtype=torch.uint8)
+        decode.push.register_region("x", region)
+        decode.push.accept("r")
+        ones = torch.ones(100_000, dtype=torch.uint8)
+        tags = ["proactive"] + ["speculative", "proactive"] * 3  # the six behind the first queue while it crosses
+        sizes = [100_000] + [10_000] * 6
+        pending, offset = [], 0
+        for tag, size in zip(tags, sizes, strict=True):
+            op = WriteOp("s", "x", 0, offset, size)
+            pending.append(prefill.push.post_writes("r", {"s": ones}, [op], tag=tag))
+            offset += size
+        assert all(p.wait(10) for p in pending)
+        booked: dict[str, int] = {}
+        for _, counts in prefill.pacer.timeline.snapshot()["bins"]:
+            for tag, num_bytes in counts.items():
+                booked[tag] = booked.get(tag, 0) + num_bytes
+        # the payloads, and on some lanes their frames' headers (a few hundred bytes each)
+        assert 130_000 <= booked["proactive"] < 135_000, booked
+        assert 30_000 <= booked["speculative"] < 35_000, booked
+        assert int(region.sum()) == 160_000
+    finally:
+        prefill.close()
+        decode.close()

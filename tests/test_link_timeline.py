@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from smartgen.lanes import Pacer
-from smartgen.lanes.link_timeline import OTHER_TAG, LinkTimeline, between
+from smartgen.lanes.link_timeline import OTHER_TAG, LinkTimeline, between, merged
 
 
 def test_bookings_count_in_the_bin_they_end_in_by_tag():
@@ -38,6 +38,18 @@ def test_a_rounds_seconds_are_cut_out_of_several_links_and_summed():
     assert between([a, {}], 20.0, 21.0) == {} and between([], 0.0, 1.0) == {}
     with pytest.raises(ValueError, match="bin widths"):
         between([a, {"bin_s": 0.5, "bins": [[10.0, {"x": 1}]]}], 10.0, 11.0)
+
+
+def test_several_links_merge_into_one_timeline_bin_by_bin():
+    a = {"bin_s": 1.0, "bins": [[9.0, {"proactive": 5}], [10.0, {"proactive": 100}]]}
+    b = {"bin_s": 1.0, "bins": [[10.0, {"proactive": 1, "speculative": 2}], [14.0, {"speculative": 8}]]}
+    assert merged([a, b, {}]) == {
+        "bin_s": 1.0,
+        "bins": [[9.0, {"proactive": 5}], [10.0, {"proactive": 101, "speculative": 2}], [14.0, {"speculative": 8}]],
+    }
+    assert merged([]) == {"bin_s": 1.0, "bins": []}
+    with pytest.raises(ValueError, match="bin widths"):
+        merged([a, {"bin_s": 0.5, "bins": [[10.0, {"x": 1}]]}])
 
 
 def test_a_paced_link_books_its_timeline_and_an_unpaced_one_does_not():

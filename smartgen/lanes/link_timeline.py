@@ -13,7 +13,7 @@ import math
 import threading
 from typing import Any
 
-__all__ = ["LinkTimeline", "between", "OTHER_TAG"]
+__all__ = ["LinkTimeline", "between", "merged", "OTHER_TAG"]
 
 OTHER_TAG = "other"  # bytes booked without a tag (lanes that do not say what they send)
 
@@ -47,6 +47,22 @@ class LinkTimeline:
         """{"bin_s": seconds a bin, "bins": [[bin start (monotonic s), {tag: bytes}], ...]} in time order."""
         with self._lock:
             return {"bin_s": self.bin_s, "bins": [[i * self.bin_s, dict(self._bins[i])] for i in sorted(self._bins)]}
+
+
+def merged(snapshots: list[dict[str, Any]], bin_s: float = 1.0) -> dict[str, Any]:
+    """Several links' timelines (same bin width) as one snapshot of their sums, bin by bin and tag by tag: what a
+    node's links carried together (a colocated node's in-process links, one per connection)."""
+    widths = {s["bin_s"] for s in snapshots if s.get("bins")}
+    if len(widths) > 1:
+        raise ValueError(f"link timelines of different bin widths: {sorted(widths)}")
+    width = widths.pop() if widths else bin_s
+    bins: dict[int, dict[str, int]] = {}
+    for snapshot in snapshots:
+        for bin_start, counts in snapshot.get("bins", []):
+            summed = bins.setdefault(round(bin_start / width), {})
+            for tag, num_bytes in counts.items():
+                summed[tag] = summed.get(tag, 0) + int(num_bytes)
+    return {"bin_s": width, "bins": [[i * width, bins[i]] for i in sorted(bins)]}
 
 
 def between(snapshots: list[dict[str, Any]], start: float, end: float) -> dict[str, list[int]]:

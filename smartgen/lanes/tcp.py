@@ -177,8 +177,9 @@ class TcpLane(QueuedLane):
             self._on_broken(f"send failed: {exc}")
 
     def _gather(self, first: _Batch) -> tuple[list[_Batch], object]:
-        """`first` and the WRITEs queued right behind it, up to a chunk of bytes: one system call sends them all.
-        Returns them and the item that ended the run (a message, STOP), or None."""
+        """`first` and the WRITEs of its tag queued right behind it, up to a chunk of bytes: one system call sends
+        them all. Returns them and the item that ended the run (a message, STOP, a WRITE of another tag), or None. A
+        run keeps to one tag so that the link's timeline books each path's bytes under its own."""
         batches = [first]
         room = self._pacer.chunk_bytes() - first.num_bytes
         while room > 0 and len(batches) < MAX_GATHERED:
@@ -186,7 +187,7 @@ class TcpLane(QueuedLane):
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return batches, None
-            if not isinstance(item, _Batch):
+            if not isinstance(item, _Batch) or item.tag != first.tag:
                 return batches, item
             batches.append(item)
             room -= item.num_bytes

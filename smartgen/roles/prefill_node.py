@@ -32,6 +32,7 @@ from smartgen.engine.prefill import PrefillEngine
 from smartgen.engine.prefix_cache import PrefixCache
 from smartgen.lanes.backends import lane_factory
 from smartgen.lanes.link import LinkEnd
+from smartgen.lanes.link_timeline import merged
 from smartgen.lanes.liveness import Lease
 from smartgen.lanes.pacer import Pacer
 from smartgen.lanes.rdma.select import RdmaOptions
@@ -149,7 +150,7 @@ class PrefillNode:
                 "egress_gbps": self.link_gbps,
                 "delay_ms": self.delay_s * 1e3,
                 # what the link carried second by second, by tag (a paced link's; `lanes/link_timeline.py`)
-                "timeline": self.listener.pacer.timeline.snapshot() if self.listener is not None else {},
+                "timeline": self._link_timeline(),
             },
             "links": [
                 {"push": link.push.counters.snapshot(), "control": link.control.counters.snapshot()}
@@ -160,6 +161,14 @@ class PrefillNode:
         for hook in self.status_hooks:
             hook(snapshot)
         return snapshot
+
+    def _link_timeline(self) -> dict[str, Any]:
+        """What this node's link carried, second by second: its listener's pacer (one for every decode node it sends
+        to), or without a listener (`serve --role both`) its in-process links' pacers together."""
+        if self.listener is not None:
+            return self.listener.pacer.timeline.snapshot()
+        pacers = {id(link.pacer): link.pacer for link in self.engine.links}
+        return merged([pacer.timeline.snapshot() for pacer in pacers.values()])
 
     def stop(self) -> None:
         """Stops accepting and prefilling; connected decode nodes see their links close."""
