@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import urllib.request
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from smartgen.lanes.backends import INPROC
-from smartgen.roles.processes import die_with_parent, read_ready_file, stop_processes
+from smartgen.roles.processes import die_with_parent, read_ready_file, smartgen_command, smartgen_env, stop_processes
 
 __all__ = ["ClusterSpec", "LocalCluster", "post_json", "get_json", "node_cpus", "node_process", "split_cpus"]
 
@@ -186,7 +185,7 @@ class LocalCluster:
             env["SMARTGEN_DB"] = str(self.spec.db)
         split = self.cpus
         cpus = None if split is None else split[1] if name.startswith("decode") else split[0]
-        env, prepare = node_process(env, cpus)
+        env, prepare = node_process(smartgen_env(env), cpus)
 
         ready = self.run_dir / f"{name}.json"
         ready.unlink(missing_ok=True)  # a restarted node writes it again
@@ -195,7 +194,7 @@ class LocalCluster:
             log_path.unlink()  # a kept run folder used again: this run's log only
         log = log_path.open("a")  # a restarted node adds to its log
         self._logs.append(log)
-        command = [sys.executable, "-m", "smartgen", "serve", *args, "--ready-file", str(ready), *self._common()]
+        command = smartgen_command("serve", *args, "--ready-file", str(ready), *self._common())
         # the nodes die with this process, even when it is killed (a timeout, kill -9) and cannot stop them itself
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, preexec_fn=prepare)
         self._processes.append(process)

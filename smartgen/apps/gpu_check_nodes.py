@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from smartgen.apps.gpu_check_base import Context, Row
-from smartgen.roles.processes import die_with_parent, read_ready_file
+from smartgen.roles.processes import die_with_parent, read_ready_file, smartgen_command, smartgen_env
 
 __all__ = ["check_serve", "check_serve_tcp", "check_bench", "check_gpudirect"]
 
@@ -28,12 +27,13 @@ EXACT_BUT_NOT = ("quant2", "proactive-only")
 
 
 def _smartgen(*args: str) -> list[str]:
-    return [sys.executable, "-m", "smartgen", *args]
+    return smartgen_command(*args)
 
 
 def _env(ctx: Context) -> dict[str, str]:
     """The nodes' environment: a profile database of this run only (nothing is added to the user's)."""
-    return {**os.environ, "SMARTGEN_DB": str(ctx.workdir / "profiles.db"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "SMARTGEN_DB": str(ctx.workdir / "profiles.db"), "TOKENIZERS_PARALLELISM": "false"}
+    return smartgen_env(env)
 
 
 def _tail(path: Path, lines: int = 2) -> str:
