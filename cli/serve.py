@@ -274,7 +274,7 @@ def serve(
 ) -> None:
     """Run a prefill node, a decode node, or both in one process (--role both), until Ctrl-C (or SIGTERM)."""
     from smartgen.lanes.backends import INPROC
-    from smartgen.lanes.thread_priority import batch_this_thread
+    from smartgen.lanes.thread_priority import batch_this_thread, unbatch_this_thread
     from smartgen.lanes.tls import TlsFiles
     from smartgen.lanes.wire import HandshakeError
     from smartgen.roles.colocated import DecodeSettings
@@ -362,10 +362,13 @@ def serve(
             ingress_gbps=ingress_gbps or None,
         )
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-        if role == Role.decode:
-            # before any thread starts: they inherit SCHED_BATCH, and the step thread alone goes back (thread_priority)
-            batch_this_thread()
-        run_node(settings, say=lambda line: typer.echo(line, err=True))
+        # before any thread starts: they inherit SCHED_BATCH, and the step thread alone goes back (thread_priority)
+        batched = role == Role.decode and batch_this_thread()
+        try:
+            run_node(settings, say=lambda line: typer.echo(line, err=True))
+        finally:
+            if batched:  # a caller in this process (a test's CliRunner) gets its thread back as it was
+                unbatch_this_thread()
     except (ModelLoadError, ValueError, HandshakeError, ConnectionError) as exc:
         fail(str(exc))
     except OSError as exc:

@@ -117,6 +117,10 @@ def test_lane_and_role_mistakes_are_one_line_errors(args, says):
     assert result.exit_code != 0, result.output
     assert says in result.stderr and "Traceback" not in result.output + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    if hasattr(os, "sched_getscheduler"):
+        # `serve --role decode` batches the thread it runs on; an in-process caller gets it back as it was (else
+        # every node this test process starts later inherits SCHED_BATCH: test_serve's policy test failed after it)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_serve_help_explains_the_colocated_node():
