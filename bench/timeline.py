@@ -11,7 +11,7 @@ gap between tokens (from the third on, as TBT counts) and their link wait while 
 crossed (a joiner's), while some request of the round still awaited its first token (the burst's prefills) and
 after, and apart each request's wait for the first token its decode node's own step computed after the prefill
 node's (ms); and the decode node's CPU seconds over the round by thread role (what shared its CPU with the decode
-step).
+step), then each node's CPU by thread role during the burst's prefills and after, in ms a second (`cpu_timeline`).
 """
 
 from __future__ import annotations
@@ -134,6 +134,29 @@ def phases(requests: list[dict[str, Any]]) -> str:
     return "; ".join(cells)
 
 
+def prefills_end(requests: list[dict[str, Any]]) -> float | None:
+    """When the round's last first token came (s on the round's clock): the end of the burst's prefills."""
+    done = [r for r in requests if not r.get("error") and r.get("node_ctl")]
+    return max((r.get("sent") or 0.0) + r["node_ctl"][0] for r in done) if done else None
+
+
+def cpu_phases(timeline: dict[str, list[int]], end: float) -> str:
+    """A node's CPU by thread role while some request awaited its first token and after, in ms a second (means over
+    the round's seconds of the `cpu_timeline`; its first second holds the round's start, so a phase's edge is good to
+    a second): roles that used 10 ms a second in either, busiest first."""
+    length = max((len(series) for series in timeline.values()), default=0)
+    cut = min(length, int(end) + 1)
+    spans = {"during prefills": (0, cut), "after": (cut, length)}
+    cells = []
+    for name, (first, stop) in spans.items():
+        if stop <= first:
+            continue
+        means = {role: sum(series[first:stop]) / (stop - first) for role, series in timeline.items()}
+        shown = sorted((role for role, ms in means.items() if ms >= 10), key=lambda role: -means[role])
+        cells.append(f"{name} ({stop - first} s): " + ", ".join(f"{role} {means[role]:.0f}" for role in shown))
+    return "; ".join(cells)
+
+
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(widths[i]) for i, cell in enumerate(row)) for row in rows)
@@ -164,6 +187,10 @@ def main() -> None:
             print("decode node CPU by thread (s): " + ", ".join(f"{role} {sec:.2f}" for role, sec in threads.items()))
         if threads := group.get("prefill_threads"):  # what shared the prefill nodes' CPUs with prefill
             print("prefill node CPU by thread (s): " + ", ".join(f"{role} {sec:.2f}" for role, sec in threads.items()))
+        end = prefills_end(requests)
+        for node, timeline in (group.get("cpu_timeline") or {}).items():  # the same, by phase
+            if timeline and end is not None:
+                print(f"{node} node CPU by thread (ms a second): " + cpu_phases(timeline, end))
         shown += 1
     if not shown:
         print("no measured round of those schemes (--all-rounds shows the warm-ups)")

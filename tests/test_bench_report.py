@@ -518,6 +518,8 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
             "warmup": False,
             "requests": [joiner, first],
             "decode_threads": {"decode-scheduler": 2.5, "decode.push-rx": 0.25},
+            # the last first token at 1.02 s: seconds 0-1 are the prefills', 2-3 after
+            "cpu_timeline": {"prefill": {"prefill-work": [900, 850, 300, 100], "prefill-serve": [60, 40, 0, 5]}},
         },
         {"scheme": "full", "point": 0, "rep": 1, "warmup": False, "requests": [first]},
     ]
@@ -535,6 +537,11 @@ def test_bench_timeline_prints_each_requests_milestones_in_the_order_they_were_s
     # where the TBT went: the joiner's one later gap (after every prefill), and each first own token apart
     assert "after: 1 gaps, mean 200, link wait 50; first own token: 300, 1400" in out
     assert "decode node CPU by thread (s): decode-scheduler 2.50, decode.push-rx 0.25" in out
+    # each node's CPU by phase, ms a second; a role under 10 ms a second in a phase is left out of it
+    assert (
+        "prefill node CPU by thread (ms a second): during prefills (2 s): prefill-work 875, prefill-serve 50; "
+        "after (2 s): prefill-work 200" in out
+    )
     # a gap that ends while another request's forecast picks cross counts apart (the joiner's window: 1.52-2.32 s)
     running = {"sent": 0.0, "node_ctl": [0.5, 0.6, 0.9, 1.2, 1.9, 2.0, 2.6], "prefill_tokens": 2,
                "token_waits": [0, 0, 0.1, 0.1, 0.3, 0.05, 0.0]}  # fmt: skip

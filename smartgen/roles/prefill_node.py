@@ -39,6 +39,7 @@ from smartgen.lanes.rdma.select import RdmaOptions
 from smartgen.lanes.tcp_link import TcpListener
 from smartgen.lanes.thread_priority import lower_this_thread
 from smartgen.lanes.tls import TlsFiles
+from smartgen.roles.cpu_timeline import process_cpu_timeline
 from smartgen.roles.identity import node_identity
 from smartgen.roles.limits import PrefillLimits
 from smartgen.roles.monitoring import prefill_monitoring
@@ -120,6 +121,7 @@ class PrefillNode:
             self._threads.append(threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True))
 
     def start(self) -> None:
+        process_cpu_timeline()  # its threads' CPU, second by second, from now (`cpu_timeline`)
         for thread in self._threads:
             thread.start()
 
@@ -139,7 +141,8 @@ class PrefillNode:
             "paths": self.engine.counters.snapshot(),
             # CPU seconds of this node's threads by role: what shares its CPUs with prefill (`thread_cpu`)
             "threads_cpu": thread_cpu_seconds(),
-            "threads_policy": thread_policies(),  # none batched here: its threads that answer fetches must preempt
+            "threads_policy": thread_policies(),
+            "cpu_timeline": process_cpu_timeline().snapshot(),  # the same, second by second, in ms (`cpu_timeline`)  # none batched here: its threads that answer fetches must preempt
             # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
             "crossed_twice_bytes": sum(self.engine.crossed_twice.snapshot()["bytes"].values()),
             "decode_nodes": len(self.engine.links),

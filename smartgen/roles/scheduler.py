@@ -34,6 +34,7 @@ from smartgen.engine.metrics import RequestMetrics
 from smartgen.engine.policy import Policy, check_servable, get_policy, split_label
 from smartgen.lanes.thread_priority import unbatch_this_thread
 from smartgen.roles.admission import RequestLimits, check_request, oracle_counts
+from smartgen.roles.cpu_timeline import process_cpu_timeline
 from smartgen.roles.service import FinishEvent, GenerationParams, RequestHandle, ServiceError, TokenEvent
 from smartgen.roles.text_pieces import text_piece
 from smartgen.roles.thread_cpu import thread_cpu_seconds, thread_policies
@@ -113,6 +114,7 @@ class DecodeScheduler:
     def start(self) -> None:
         self.ready = True
         sys.setswitchinterval(min(sys.getswitchinterval(), STEP_SWITCH_INTERVAL_S))
+        process_cpu_timeline()  # its threads' CPU, second by second, from now (`cpu_timeline`)
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> RequestHandle:
@@ -236,6 +238,8 @@ class DecodeScheduler:
             "threads_cpu": thread_cpu_seconds(),
             # and their scheduling policies: in `serve --role decode` the step thread alone "other" (thread_priority)
             "threads_policy": thread_policies(),
+            # the same, second by second, in milliseconds (`cpu_timeline`; sampled from the node's start)
+            "cpu_timeline": process_cpu_timeline().snapshot(),
         }
         for hook in self.status_hooks:
             hook(snapshot)

@@ -63,6 +63,10 @@ class Group:
     # what the prefill nodes' links carried toward the decode node, by tag, bytes in each second of the pacers' clock
     # from the one the round started in to the one it settled in (lanes/link_timeline.py; {} unpaced): link.png
     link_timeline: dict[str, list[int]] = field(default_factory=dict)
+    # the nodes' CPU milliseconds by thread role in each second of the round, the same seconds as link_timeline:
+    # {"decode": {role: [ms, ...]}, "prefill": {...}} (the prefill nodes summed; roles/cpu_timeline.py; one process
+    # under --lane inproc, shown under both)
+    cpu_timeline: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -495,6 +495,7 @@ def _run_group(
     status = cluster.status()
     after = _totals(status)
     timelines = [node.get("link", {}).get("timeline") or {} for node in status["prefill"]]
+    link_to = max([time.monotonic(), *(b[0] for t in timelines for b in t.get("bins", []))])
     requests = []
     for sample, answer, error in zip(samples, answers, errors):
         if answer is None:
@@ -556,9 +557,11 @@ def _run_group(
         prefill_threads=thread_deltas(before, after, "prefill_threads."),
         joins=[asdict(join) for join in find_joins(requests)],
         # to the last bin booked: bytes still crossing when the round settled were posted in it
-        link_timeline=between(
-            timelines, link_from, max([time.monotonic(), *(b[0] for t in timelines for b in t.get("bins", []))])
-        ),
+        link_timeline=between(timelines, link_from, link_to),
+        cpu_timeline={
+            "decode": between([status["decode"].get("cpu_timeline") or {}], link_from, link_to),
+            "prefill": between([node.get("cpu_timeline") or {} for node in status["prefill"]], link_from, link_to),
+        },
     ), counts
 
 
