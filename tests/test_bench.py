@@ -70,6 +70,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
     measured = [g for g in data["groups"] if not g["warmup"]]
     assert measured
     step_seconds = prefill_seconds = 0.0
+    prefill_ms = 0  # the prefill thread's CPU in the rounds' cpu_timeline
     for group in measured:
         for request in group["requests"]:
             assert request["error"] is None
@@ -143,6 +144,14 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         # (its first second may also hold the tail of the round before: the bins are whole seconds)
         if group["scheme"] in ("full", "quant2"):
             assert booked["full"] >= group["path_bytes"]["full"], (booked, group["path_bytes"])
+        # each node's CPU over the same seconds, by thread role (sampled once a second: a short round may show its
+        # prefill in the next round's first second, so only its length and the roles' names are certain)
+        cpu = group["cpu_timeline"]
+        assert set(cpu) == {"decode", "prefill"}, cpu
+        for node, roles in cpu.items():
+            assert all(len(series) == len(next(iter(timeline.values()))) for series in roles.values()), (node, roles)
+            assert all(ms >= 0 for series in roles.values() for ms in series)
+        prefill_ms += sum(cpu["prefill"].get("prefill-work", []))
         # the decode node's steps by batch size (batch 1 here): emulated compute and link waits within the wall
         # (none where the prefill node's head start gave every token)
         if not all(r["prefill_tokens"] == len(r["node_ctl"]) for r in group["requests"]):
@@ -153,6 +162,7 @@ def test_quick_bench_numbers_are_consistent(quick_run: tuple[Path, str]) -> None
         else:
             assert group["steps"] == {} and group["scheme"].startswith("smartgen"), group
     assert step_seconds > 0 and prefill_seconds > 0  # the step and prefill threads' CPU, over every scheme's round
+    assert prefill_ms > 0  # and second by second
     for group in measured:  # the decode node's requests and notices back to the prefill node are counted
         assert group["link_bytes_back"] > 0 and group["link_bytes"] > group["link_bytes_back"]
     # every phase reports its progress: the model's without a count, the pilot per request, the rounds per group
