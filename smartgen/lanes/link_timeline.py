@@ -67,22 +67,17 @@ def merged(snapshots: list[dict[str, Any]], bin_s: float = 1.0) -> dict[str, Any
 
 def between(snapshots: list[dict[str, Any]], start: float, end: float) -> dict[str, list[int]]:
     """The bytes of one or more links' timelines (`LinkTimeline.snapshot`, same bin width) in each bin from the
-    one holding `start` to the one holding `end` (monotonic seconds), summed over the links, by tag: {tag: [bytes of
-    bin 0, bin 1, ...]}. {} without bins."""
-    widths = {s["bin_s"] for s in snapshots if s.get("bins")}
-    if not widths:
-        return {}
-    if len(widths) > 1:
-        raise ValueError(f"link timelines of different bin widths: {sorted(widths)}")
-    (width,) = widths
+    one holding `start` to the one holding `end` (monotonic seconds), summed over the links (`merged`), by tag:
+    {tag: [bytes of bin 0, bin 1, ...]}. {} without bins."""
+    summed = merged(snapshots)
+    width = summed["bin_s"]
     first, last = math.floor(start / width), math.floor(end / width)
-    if last < first:
-        return {}
     series: dict[str, list[int]] = {}
-    for snapshot in snapshots:
-        for bin_start, counts in snapshot.get("bins", []):
-            index = round(bin_start / width)
-            if first <= index <= last:
-                for tag, num_bytes in counts.items():
-                    series.setdefault(tag, [0] * (last - first + 1))[index - first] += int(num_bytes)
+    if not summed["bins"] or last < first:
+        return series
+    for bin_start, counts in summed["bins"]:
+        index = round(bin_start / width)
+        if first <= index <= last:
+            for tag, num_bytes in counts.items():
+                series.setdefault(tag, [0] * (last - first + 1))[index - first] += num_bytes
     return series

@@ -141,8 +141,8 @@ class PrefillNode:
             "paths": self.engine.counters.snapshot(),
             # CPU seconds of this node's threads by role: what shares its CPUs with prefill (`thread_cpu`)
             "threads_cpu": thread_cpu_seconds(),
-            "threads_policy": thread_policies(),
-            "cpu_timeline": process_cpu_timeline().snapshot(),  # the same, second by second, in ms (`cpu_timeline`)  # none batched here: its threads that answer fetches must preempt
+            "threads_policy": thread_policies(),  # none batched here: its threads that answer fetches must preempt
+            "cpu_timeline": process_cpu_timeline().snapshot(),  # the same, second by second, in ms (`cpu_timeline`)
             # KV bytes fetches sent that a push had sent already (on the link when the step asked): what crossed twice
             "crossed_twice_bytes": sum(self.engine.crossed_twice.snapshot()["bytes"].values()),
             "decode_nodes": len(self.engine.links),
