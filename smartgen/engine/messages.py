@@ -27,6 +27,8 @@ __all__ = [
     "FirstToken",
     "Fetch",
     "FetchReply",
+    "Attend",
+    "AttendReply",
     "Idle",
     "Forecast",
     "SecondToken",
@@ -291,6 +293,84 @@ class FetchReply:
 
 
 @dataclass(frozen=True, slots=True)
+class Attend:
+    """Decode -> prefill: attend to these (token, KV head) entries of one layer with the step's query and send the
+    partial result (an urgent message): the decode node merges it with its own attention over what is local, so
+    the entries never cross the link (`Policy.attend_remote`). `positions` and `heads` name the entries as a
+    FETCH's do; query [Hq, d] fp32, post-RoPE; `scale` and `softcap` as the model's attention applies them."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ATTEND
+    request_id: str
+    layer: int
+    fetch_id: int
+    positions: torch.Tensor  # [p] int64
+    heads: torch.Tensor  # [p, H] bool
+    query: torch.Tensor  # [Hq, d] float32
+    scale: float
+    softcap: float | None = None
+
+    def pack(self) -> Message:
+        meta: dict[str, Any] = {"layer": self.layer, "fetch_id": self.fetch_id, "scale": self.scale}
+        if self.softcap is not None:
+            meta["softcap"] = self.softcap
+        payload = {
+            "positions": self.positions,
+            "heads": self.heads.to(torch.uint8).contiguous(),
+            "query": self.query.float().contiguous(),
+        }
+        return Message(self.KIND, self.request_id, meta, payload)
+
+    @classmethod
+    def unpack(cls, message: Message) -> Attend:
+        meta, what = message.meta, "ATTEND"
+        fetch = Fetch.unpack(message)  # the entries, checked as a FETCH's
+        if fetch.heads is None:
+            raise MessageError(f"{what}: heads are required")
+        query = _tensor(message.payload, "query", what)
+        if query.dtype != torch.float32 or query.dim() != 2:
+            raise MessageError(f"{what}: query must be a [Hq, d] float32 tensor")
+        scale = _field(meta, "scale", float, what)
+        softcap = _field(meta, "softcap", float, what) if "softcap" in meta else None
+        return cls(
+            message.request_id,
+            fetch.layer,
+            fetch.fetch_id,
+            fetch.positions,
+            fetch.heads,
+            query,
+            scale,
+            softcap,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttendReply:
+    """Prefill -> decode: the attention an ATTEND asked for, over its entries only: output [Hq, d] and [Hq, 2] the
+    softmax's max and sum, fp32 (`engine.attention.partial_attention`)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ATTEND_REPLY
+    request_id: str
+    fetch_id: int
+    out: torch.Tensor
+    stats: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.out.numel() * self.out.element_size() + self.stats.numel() * self.stats.element_size()
+
+    def pack(self) -> Message:
+        return Message(self.KIND, self.request_id, {"fetch_id": self.fetch_id}, {"out": self.out, "stats": self.stats})
+
+    @classmethod
+    def unpack(cls, message: Message) -> AttendReply:
+        what = "ATTEND_REPLY"
+        out, stats = _tensor(message.payload, "out", what), _tensor(message.payload, "stats", what)
+        if out.dim() != 2 or tuple(stats.shape) != (out.shape[0], 2):
+            raise MessageError(f"{what}: out must be [Hq, d] and stats [Hq, 2]")
+        return cls(message.request_id, _field(message.meta, "fetch_id", int, what), out, stats)
+
+
+@dataclass(frozen=True, slots=True)
 class Idle:
     """Decode -> prefill: the link is idle while this layer computes (a chance to push speculatively); `hints`
     names the remote entries the selector ranked just past its budget in the layers since the last notice, to
@@ -428,9 +508,25 @@ class Error(_Reasoned):
         return cls(message.request_id, _reason(message), message.meta.get("overloaded") is True)
 
 
-EngineMessage = Open | Metadata | FirstToken | Fetch | FetchReply | Idle | Forecast | Release | Abort | Error
+EngineMessage = (
+    Open | Metadata | FirstToken | Fetch | FetchReply | Attend | AttendReply | Idle | Forecast | Release | Abort | Error
+)
 _BY_KIND: dict[MessageKind, Any] = {
-    cls.KIND: cls for cls in (Open, Metadata, FirstToken, Fetch, FetchReply, Idle, Forecast, Release, Abort, Error)
+    cls.KIND: cls
+    for cls in (
+        Open,
+        Metadata,
+        FirstToken,
+        Fetch,
+        FetchReply,
+        Attend,
+        AttendReply,
+        Idle,
+        Forecast,
+        Release,
+        Abort,
+        Error,
+    )
 }
 
 

@@ -72,6 +72,7 @@ class RequestMetrics:
     # idle notice had hinted: hints the speculative push had not brought in time
     step_fetched: int = 0
     step_fetched_hinted: int = 0
+    step_attended: int = 0  # entries decode steps had attended where they are instead (Policy.attend_remote)
     # steps taken back and redone: a fetch past the stall bound (`--fetch-stall-ms`) or its share (`--step-share`)
     deferred_steps: int = 0
     fetch_wait_s: float = 0.0
@@ -199,6 +200,7 @@ class RequestMetrics:
             "forecast_entries": self.forecast_entries,
             "step_fetched": self.step_fetched,
             "step_fetched_hinted": self.step_fetched_hinted,
+            "step_attended": self.step_attended,
             "deferred_steps": self.deferred_steps,
             "prefill_tokens": self.prefill_tokens,
             "fetch_wait_s": self.fetch_wait_s,

@@ -99,6 +99,13 @@ class Policy:
     proactive set buys it nothing, and their speculation gets the prefill window's link instead. The blocks its
     K_r would have pushed lead its speculative order, which waits for theirs (`head_start`); a prompt arriving
     mid-prefill restores its proactive set (no head start will follow). Exact.
+    attend_remote: a decode step's remote picks of a sparse layer are not fetched: the step sends its query and the
+    entries to the prefill node (ATTEND), which attends to them where they are and sends back, per query head, the
+    output and its softmax's max and sum; the step merges that with its attention over what is local (the
+    log-sum-exp merge of split attention). A miss then costs a round trip of about a kilobyte, not its entries'
+    bytes; the entries stay remote, hinted (with hints) so that speculation brings them next, and a joining request
+    steps at once, its layers 0-1 and its forecast's picks attended where they are until they land. Exact up to
+    float rounding.
     schedule: with speculation, the prefill node lets the request's speculative slices onto a link only while the
     pushes in flight there (every request's, proactive sets first) leave room, and requests waiting for room take
     turns (`engine.prefill.gate`): a new request's proactive set waits behind at most 20 ms of others'
@@ -124,6 +131,7 @@ class Policy:
     head_start: bool = False
     schedule: bool = False
     defer_proactive: bool = False
+    attend_remote: bool = False
 
     def __post_init__(self) -> None:
         if self.proactive not in PROACTIVE_MODES:
@@ -152,6 +160,8 @@ class Policy:
             raise ValueError("the prefill node decodes on from the second token: head_start needs second_token")
         if self.defer_proactive and not (self.head_start and self.schedule):
             raise ValueError("deferring a proactive set to a head start needs head_start and schedule")
+        if self.attend_remote and (self.drop_remote or self.wait_for_all):
+            raise ValueError("attending to remote entries in place needs a policy that attends to remote entries")
         if self.drop_remote and self.speculative:
             raise ValueError("a policy that drops remote entries cannot also push them speculatively")
         if self.quantize_bits and not (self.proactive == ProactiveMode.ALL and self.wait_for_all):
@@ -215,6 +225,9 @@ POLICIES: dict[str, Policy] = {
         replace(SMARTGEN, name="smartgen-unscheduled", schedule=False, defer_proactive=False),
         replace(SMARTGEN, name="smartgen-no-prefetch", prefetch=False),
         replace(SMARTGEN, name="smartgen-no-hints", hints=0.0),
+        # a step's remote picks attended on the prefill node instead of fetched (docs/results/2026-12-08-*)
+        # (no prefetch: a miss costs a round trip, and a prefetch's reply would hold up the replies steps wait for)
+        replace(SMARTGEN, name="smartgen-attend", attend_remote=True, prefetch=False),
         Policy("proactive-only", proactive=ProactiveMode.BUDGET, parallel=True, speculative=False, drop_remote=True),
         Policy(
             "quant2", proactive=ProactiveMode.ALL, parallel=False, speculative=False, wait_for_all=True, quantize_bits=2

@@ -76,6 +76,8 @@ class MessageKind(IntEnum):
     ERROR = 8  # prefill -> decode: a request-level failure with a reason
     METADATA = 9  # prefill -> decode: one layer's selector metadata, as soon as that layer is prefilled
     FORECAST = 10  # prefill -> decode: the first decode step's query per layer, computed on the prefill node
+    ATTEND = 11  # decode -> prefill: attend to these entries of this layer with this query, now
+    ATTEND_REPLY = 12  # prefill -> decode: that attention's output and its softmax's max and sum
 
 
 @dataclass(slots=True)

@@ -380,6 +380,8 @@ class DecodeScheduler:
             # entries decode steps fetched themselves, and of those the ones an earlier idle notice had hinted
             "step_fetched": metrics.step_fetched if metrics else None,
             "step_fetched_hinted": metrics.step_fetched_hinted if metrics else None,
+            # entries decode steps attended where they were instead of fetching them (smartgen-attend)
+            "step_attended": metrics.step_attended if metrics else None,
             # steps taken back and redone: a fetch past --fetch-stall-ms parked it, or it was held back for its share
             "deferred_steps": metrics.deferred_steps if metrics else None,
             # OpenAI's field: prompt tokens whose prefill a cache saved; held_tokens: KV the decode node already had

@@ -24,8 +24,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from smartgen.engine.attention import span_decode_attention, sparse_decode_attention
+from smartgen.engine.attention import merge_partials, span_decode_attention, sparse_decode_attention
 from smartgen.engine.decode import Assembled, DecodeEngine
+from smartgen.engine.decode.request import AttendAsk
 from smartgen.engine.layout import DENSE_LAYERS
 from smartgen.lanes.thread_priority import batch_this_thread, preemptions
 from smartgen.runtime.cache_kwarg import with_cache
@@ -142,7 +143,9 @@ class _DecodeHandler:
             if runner.side_stream is not None:
                 torch.cuda.current_stream().wait_stream(runner.side_stream)
         else:
-            assembled = runner.assemble(layer, batch, query[:, :, -1], None)
+            scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+            ask = AttendAsk(query[:, :, -1], scale, None if softcap is None else float(softcap))
+            assembled = runner.assemble(layer, batch, query[:, :, -1], None, attend=ask)
         batch_size, num_kv_heads, _, head_dim = key.shape
         out = sparse_decode_attention(
             query[:, :, -1],
@@ -153,7 +156,13 @@ class _DecodeHandler:
             extra_key=key[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
             extra_value=value[:, :, -1].reshape(batch_size * num_kv_heads, head_dim),
             softcap=softcap,
+            with_stats=bool(assembled.attended),
         )
+        if assembled.attended:  # the local part, kept in fp32 with its max and sum, then each remote part merged in
+            out, stats = out
+            for b, part, part_stats in runner.engine.land_attended(layer, batch.request_ids, assembled.attended):
+                out[b] = merge_partials([(out[b], stats[b]), (part.to(out.device), part_stats.to(out.device))])
+            out = out.to(query.dtype)
         self._look_ahead(layer)
         if self.emulated is not None:  # benchmarks: a slower decode device's compute, overlapping the look-ahead fetch
             self.emulated.layer()
@@ -308,10 +317,17 @@ class DecodeRunner:
         return self.engine.local_spans(layer, batch.request_ids, starts, [stop + 1 for stop in stops])
 
     def assemble(
-        self, layer: int, batch: DecodeBatch, query: torch.Tensor | None, hidden: torch.Tensor | None
+        self,
+        layer: int,
+        batch: DecodeBatch,
+        query: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        attend: AttendAsk | None = None,
     ) -> Assembled:
+        """The layer's selection (from `query`, or speculated from `hidden`) gathered by the engine; with `attend`,
+        the requests that attend to remote entries in place send them with the query instead (`Assembled.attended`)."""
         index, following = self._index(layer, batch, query, hidden, self._hint_selector(layer, batch))
-        assembled = self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device))
+        assembled = self.engine.assemble(layer, batch.request_ids, index.to(self.engine.pool.k.device), attend=attend)
         if following is not None:  # after the layer's own entries are in: noting hints never delays them
             self.engine.hint(layer, batch.request_ids, following.cpu().to(self.engine.pool.k.device))
         return assembled

@@ -220,8 +220,11 @@ class DecodeDriver:
                 # full transfer: decoding starts when every block is here; any other request joins a running batch
                 # once its layers 0-1 are (its first step would wait for them, and every request in the batch with
                 # it), both under the same bound as the first token: on progress, not on the transfer's length
+                # (a request that attends to misses in place steps at once: the prefill node attends to what is
+                # not here yet, layers 0-1 and the forecast's picks included)
+                attends = request.policy.attend_remote
                 waiting = (request.policy.wait_for_all and not self.engine.is_all_local(rid)) or (
-                    self.running and not self.engine.dense_layers_local(rid)
+                    bool(self.running) and not attends and not self.engine.dense_layers_local(rid)
                 )
                 # the first step's forecast, while others run or when it brings the second token: wait for it and
                 # fetch its picks (a joiner that took the second token: those of the next step's forecast, its own
@@ -237,7 +240,7 @@ class DecodeDriver:
                         if (queries := self.engine.take_forecast(rid, after_second=after)) is not None:
                             metadata = self.engine.request_metadata(rid)
                             self.runner.fetch_forecast(rid, queries, metadata, request.prompt_ids.numel())
-                        waiting = bool(self.running) and not self.engine.forecast_landed(rid)
+                        waiting = bool(self.running) and not attends and not self.engine.forecast_landed(rid)
                 if waiting:
                     if stall := self.engine.stall(rid, self.prefill_timeout):
                         reason = f"its KV stalled: {stall.describe(self.prefill_timeout)}"

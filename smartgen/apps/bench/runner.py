@@ -523,6 +523,7 @@ def _run_group(
                 "deferred_steps": usage.get("deferred_steps"),
                 "step_fetched": usage.get("step_fetched"),
                 "step_fetched_hinted": usage.get("step_fetched_hinted"),
+                "step_attended": usage.get("step_attended"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                 "held_tokens": usage.get("held_tokens"),
                 "score": prompts.score(sample, answer.text) if trained else None,

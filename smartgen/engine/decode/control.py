@@ -130,7 +130,7 @@ class DecodeControl(DecodePath):
 
     def _handle(self, message: msg.EngineMessage) -> None:
         match message:
-            case msg.FetchReply():
+            case msg.FetchReply() | msg.AttendReply():  # one id space: a step's fetches and attends
                 self._note_arrival(message.request_id)
                 with self._lock:
                     waiting = self._fetches.pop(message.fetch_id, None)

@@ -48,6 +48,7 @@ class DecodeFlags:
     prefetch: bool = False  # a speculated selection's remote entries are fetched a layer ahead
     hints: float = 0.0  # (1 + hints) x the budget is ranked; its remote entries are hinted on the next notice
     quantized: bool = False  # full transfer in quantized layers, dequantized into the pool as they arrive
+    attend_remote: bool = False  # remote picks are attended on the prefill node (ATTEND), not fetched
 
     def __post_init__(self) -> None:
         if self.hints < 0 or (self.hints and not self.speculative):
@@ -67,6 +68,7 @@ class DecodeFlags:
             prefetch=policy.prefetch,
             hints=policy.hints,
             quantized=bool(policy.quantize_bits),
+            attend_remote=policy.attend_remote,
         )
 
 

@@ -157,6 +157,10 @@ class DecodeEngine(DecodeControl):
         entries = decide.remote_entries(index, status)
         if not entries.numel():
             return 0
+        if request.flags.attend_remote:  # its step attends to what has not come: the push brings the picks next
+            self.hint_entries(request, layer, entries)
+            request.metrics.forecast_entries += int(entries.numel())
+            return int(entries.numel())
         entry_bytes = 2 * self.layout.token_bytes // self.layout.num_kv_heads
         for chunk in entries.split(decide.forecast_chunk(entry_bytes, request.link.pacer.bytes_per_second)):
             request.late.append((layer, chunk, self._send_fetch(request, layer, chunk, "forecast"), time.monotonic()))

@@ -9,12 +9,20 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
+from typing import Any
 
 import torch
 
 import smartgen.engine.decode.decide as decide
 from smartgen.engine import messages as msg
-from smartgen.engine.decode.request import Assembled, DecodeRequest, LateFetch, LinkLost, RequestFailed
+from smartgen.engine.decode.request import (
+    Assembled,
+    AttendAsk,
+    DecodeRequest,
+    LateFetch,
+    LinkLost,
+    RequestFailed,
+)
 from smartgen.engine.index_ops import IndexSplit, entry_status, gather_kv, gather_valid, split_reorder
 from smartgen.engine.kernels import use_triton
 from smartgen.engine.layout import DENSE_LAYERS, KVLayout
@@ -195,6 +203,16 @@ class DecodePath:
                 if len(request.hints) > 2 * self.layout.num_layers:  # no notice for a while: keep its size bounded
                     request.hints_kept = self._hinted(request)
 
+    def hint_entries(self, request: DecodeRequest, layer: int, entries: torch.Tensor) -> None:
+        """Names remote (token, head) entries of one layer (flat ids token * H + head) on the request's next idle
+        notice, after what its selections note there: for a policy with hints, the speculative push sends them
+        next. Picks attended where they are, and a forecast's for a request that attends to its misses in place."""
+        if not (request.flags.hints and request.live) or not entries.numel():
+            return
+        ids = entries.cpu() + layer * request.length * self.layout.num_kv_heads
+        kept = request.hints_kept
+        request.hints_kept = ids if kept is None else torch.cat([kept, ids])
+
     def _hinted(self, request: DecodeRequest) -> torch.Tensor | None:
         """The request's noted hints still remote, as distinct (layer, token, head) entries; the notes are cleared."""
         noted, kept = request.hints, request.hints_kept
@@ -204,7 +222,12 @@ class DecodePath:
         return decide.hinted(noted, self.pool.masks.values, request.slot, request.length, kept)
 
     def assemble(
-        self, layer: int, request_ids: list[str], index: torch.Tensor, timeout: float | None = None
+        self,
+        layer: int,
+        request_ids: list[str],
+        index: torch.Tensor,
+        timeout: float | None = None,
+        attend: AttendAsk | None = None,
     ) -> Assembled:
         """Gathers the selected KV of one layer: index [B·H, k] -> K, V [B·H, k, d], remote-first rows.
 
@@ -213,12 +236,16 @@ class DecodePath:
         request gathers its local entries while the fetches are in flight, a sequential one after.
         A fetch that fails or outlasts `timeout` (default: the engine's fetch_timeout) fails its own
         request only (marked, not raised): the layer is assembled for the rest of the batch.
+        With `attend` (the step's query), a request whose policy attends to remote entries in place sends them
+        with its query (ATTEND) instead of fetching them: its rows hold only what is local, and the replies'
+        futures come back in `Assembled.attended` for `land_attended`.
         """
         requests = [self._require_any(rid) for rid in request_ids]
         self._land_late(requests)
         self.pool.sync_staged(layer, [r.slot for r in requests])
-        if layer < DENSE_LAYERS:
-            self._await_pushed(layer, requests, self.fetch_timeout if timeout is None else timeout)
+        if layer < DENSE_LAYERS:  # a request that attends to misses in place does not wait for the push
+            waiting = [r for r in requests if not self._attends(r, attend)]
+            self._await_pushed(layer, waiting, self.fetch_timeout if timeout is None else timeout)
         num_heads = self.layout.num_kv_heads
         slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=index.device)
         # a layer whose prompt KV has all landed for every request (full transfer's, and SmartGen's once whole) is
@@ -232,9 +259,10 @@ class DecodePath:
         # a request this step already gave up on waits for nothing more: its rows are assembled from what is local;
         # one held back for its share has its picks here fetched for its redo (`_fetch_ahead`), a parked one not
         self._fetch_ahead(layer, requests, split)
+        attended, attended_of = self._send_attends(layer, requests, split, attend)
         plan = decide.plan_assembly(
             split,
-            drop=[r.flags.drop_remote or r.deferred for r in requests],
+            drop=[r.flags.drop_remote or r.deferred or b in attended_of for b, r in enumerate(requests)],
             parallel=[r.flags.parallel for r in requests],
         )
         split, num_remote, local_stop, early_stop = plan.split, plan.split.num_remote, plan.num_valid, plan.early_stop
@@ -286,8 +314,10 @@ class DecodePath:
         for b, request in enumerate(requests):
             if request.deferred:
                 continue  # its step is redone: counted then
-            row_selected, row_remote = selected_of[b], remote_of[b]
-            request.metrics.count_selection(row_selected, row_remote, layer, dropped_of[b])
+            row_selected, row_remote, row_dropped = selected_of[b], remote_of[b], dropped_of[b]
+            if b in attended_of:  # attended where they are: selected and remote, not dropped
+                row_selected, row_remote, row_dropped = row_selected + attended_of[b], attended_of[b], 0
+            request.metrics.count_selection(row_selected, row_remote, layer, row_dropped)
             if row_remote:
                 request.remote_met.add(layer)
             if layer >= DENSE_LAYERS:  # layers 0-1 move whole whatever is selected: the bound counts them apart
@@ -295,7 +325,111 @@ class DecodePath:
             selected += row_selected
             remote += row_remote
         self.counters.add_selection(selected, remote)
-        return Assembled(k_out, v_out, local_stop, split)
+        return Assembled(k_out, v_out, local_stop, split, attended)
+
+    def _send_attends(
+        self, layer: int, requests: list[DecodeRequest], split: IndexSplit, attend: AttendAsk | None
+    ) -> tuple[list[tuple[int, Future, float]], dict[int, int]]:
+        """ATTEND for each request whose policy attends to remote entries in place and that has some in this layer
+        (`_attends`): its remote (token, head) entries with its rows of the step's query; layers 0-1 too (a joiner
+        steps before their push has landed). Returns ([(b, future, sent)], {b: entries asked})."""
+        asking = [b for b, r in enumerate(requests) if self._attends(r, attend)]
+        if attend is None or not asking:
+            return [], {}
+        num_heads = self.layout.num_kv_heads
+        remote_of = split.num_remote.view(len(requests), num_heads).sum(1).tolist()
+        attended: list[tuple[int, Future, float]] = []
+        asked: dict[int, int] = {}
+        for b in asking:
+            if not remote_of[b]:
+                continue
+            request, rows = requests[b], slice(b * num_heads, (b + 1) * num_heads)
+            entries = decide.remote_entries(split.index[rows], split.status[rows])
+            if request.metrics.in_first_step:
+                request.metrics.first_step_unforeseen += int(entries.numel())
+            attended.append((b, self._send_attend(request, layer, entries, attend, b), time.monotonic()))
+            asked[b] = int(entries.numel())
+            request.metrics.step_attended += asked[b]
+            # an entry attended where it stays remote, and each step that picks it again asks again: hinted, so the
+            # speculative push brings it next (layers 0-1 are on their way whole)
+            if layer >= DENSE_LAYERS:
+                self.hint_entries(request, layer, entries)
+        if attended:
+            _let_senders_run()
+        return attended, asked
+
+    @staticmethod
+    def _attends(request: DecodeRequest, attend: AttendAsk | None) -> bool:
+        """Whether this step asks ATTENDs for the request's remote picks: its policy attends to them in place, the
+        step brought its query, and it can ask now (live, its step not being redone)."""
+        return (
+            attend is not None
+            and request.flags.attend_remote
+            and request.live
+            and not request.deferred
+            and not request.held_back
+            and not request.metrics.error
+        )
+
+    def _send_attend(
+        self, request: DecodeRequest, layer: int, entries: torch.Tensor, attend: AttendAsk, b: int
+    ) -> Future:
+        """Sends one ATTEND for flat (token, head) ids of one layer with batch member b's query; its future gets the
+        reply (or LinkLost)."""
+        future = _KindFuture("step")
+        link = request.link
+        with self._lock:
+            fetch_id = next(self._fetch_ids)
+            self._fetches[fetch_id] = (future, link)
+        if not link.alive:
+            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        asked = fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
+        assert asked.heads is not None  # fetch_message names the heads of every token
+        query = attend.query[b].detach().float().cpu()
+        message = msg.Attend(request.request_id, layer, fetch_id, asked.positions, asked.heads, query, attend.scale)
+        if attend.softcap is not None:
+            message = dataclasses.replace(message, softcap=attend.softcap)
+        link.control.send(message.pack(), tag="fetch_request")
+        return future
+
+    def land_attended(
+        self,
+        layer: int,
+        request_ids: list[str],
+        attended: list[tuple[int, Future, float]],
+        timeout: float | None = None,
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Waits for one layer's ATTEND replies (`Assembled.attended`): [(b, output [Hq, d], [Hq, 2] max and sum)]
+        for each that came. One that fails or is not back `timeout` (default: the engine's fetch_timeout) after it
+        was sent fails its request only (marked, as a failed fetch does): that request's rows keep the local part
+        and it leaves after the step; a lost link under recompute has it redo the step elsewhere."""
+        limit = self.fetch_timeout if timeout is None else timeout
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        started = time.monotonic()
+        for b, future, sent in attended:
+            request = self._require_any(request_ids[b])
+            try:
+                reply = self._reply_or_fail(request, future, max(0.0, sent + limit - time.monotonic()))
+            except TimeoutError:
+                self.counters.add_failure("on_demand")
+                self._fail_request(request.request_id, f"attend for layer {layer} timed out after {limit:g} s")
+                continue
+            if reply is None:
+                continue
+            if not isinstance(reply, msg.AttendReply):
+                self._fail_request(request.request_id, f"attend for layer {layer}: a {type(reply).__name__} came back")
+                continue
+            round_trip = max(0.0, _arrival_of(future) - sent)
+            self.counters.add("on_demand", reply.num_bytes, round_trip)
+            self.counters.add_fetch("step", round_trip)
+            parts.append((b, reply.out, reply.stats))
+        if attended:
+            elapsed = time.monotonic() - started
+            self.link_wait_s += elapsed
+            self.counters.add_fetch_wait("step", elapsed)
+            for b in {b for b, _, _ in attended}:
+                self._require_any(request_ids[b]).metrics.count_fetch_wait(elapsed)
+        return parts
 
     def _await_pushed(self, layer: int, requests: list[DecodeRequest], timeout: float) -> None:
         """Layers 0-1 are pushed whole for every request: while that push is on its way, fetching the layer would
@@ -404,7 +538,9 @@ class DecodePath:
         (`metrics.FETCH_KINDS`) is what its landing is counted as; a forecast's reply goes after the replies to
         other fetches queued at the prefill node."""
         future = _KindFuture(kind)
-        low = kind == "forecast"
+        # a forecast's reply, and for a request that attends to misses in place a prefetch's (the step no longer
+        # waits for it: it asks an ATTEND), go after the replies a step waits for
+        low = kind == "forecast" or (kind == "prefetch" and request.flags.attend_remote)
         link = request.link  # once: a lost link may be swapped for another under us (recompute)
         with self._lock:
             fetch_id = next(self._fetch_ids)
@@ -586,18 +722,24 @@ class DecodePath:
 
     def _land_one(self, request: DecodeRequest, layer: int, entries: torch.Tensor, future: Future, sent: float) -> None:
         """Lands one fetch whose future is done: its reply, or the failure it carries (for its request only)."""
+        reply = self._reply_or_fail(request, future)
+        if reply is not None:
+            self._land_reply(request, layer, entries, reply, sent, _kind_of(future), _arrival_of(future))
+
+    def _reply_or_fail(self, request: DecodeRequest, future: Future, timeout: float | None = None) -> Any:
+        """The reply a fetch's or an ATTEND's future holds (waiting up to `timeout`: TimeoutError past it); None when
+        it carries a failure, marked on its request only: a lost link under recompute has it redo its step where
+        it is opened again (or fail, when no node is left)."""
         try:
-            reply: msg.FetchReply = future.result()
+            return future.result(timeout=timeout)
         except LinkLost as exc:
-            if self.recompute:  # the request is opened again elsewhere (or failed, when no node is left)
+            if self.recompute:
                 request.deferred = True
             else:
                 self._fail_request(request.request_id, str(exc), lost=True)
-            return
         except RequestFailed as exc:
             self._fail_request(request.request_id, str(exc))
-            return
-        self._land_reply(request, layer, entries, reply, sent, _kind_of(future), _arrival_of(future))
+        return None
 
     def _land_reply(
         self,

@@ -34,6 +34,18 @@ class Assembled(NamedTuple):
     v: torch.Tensor  # [R, k, d]
     num_valid: torch.Tensor  # [R] int32: entries [0, num_valid) of each row are real
     split: IndexSplit
+    # ATTENDs in flight: (batch member, its reply's future, when it was sent); those members' rows hold only what is
+    # local, the rest comes as their partial attention (`DecodePath.land_attended`)
+    attended: list[tuple[int, Future, float]] = []
+
+
+class AttendAsk(NamedTuple):
+    """What a layer's ATTENDs carry of the step: the query [B, Hq, d] (post-RoPE) and the attention's scale and
+    softcap, as the model applies them."""
+
+    query: torch.Tensor
+    scale: float
+    softcap: float | None = None
 
 
 # a fetch in flight: (layer, flat (token, head) ids asked for, its reply's future, when it was sent)

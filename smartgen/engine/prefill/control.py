@@ -131,6 +131,8 @@ class PrefillEngine(PrefillPath):
                 self._open(link, geometry, message)
             case msg.Fetch():
                 self._serve_fetch(link, message)
+            case msg.Attend():
+                self._serve_attend(link, message)
             case msg.Idle():
                 request = self._get(message.request_id)
                 if request is not None:

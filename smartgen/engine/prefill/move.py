@@ -12,6 +12,7 @@ import torch
 
 import smartgen.engine.prefill.decide as decide
 from smartgen.engine import messages as msg
+from smartgen.engine.attention import partial_attention
 from smartgen.engine.descriptors import ONES_SOURCE, block_entries, block_wants, entry_write_ops, token_write_ops
 from smartgen.engine.kv_quant import SERVING_QUANT, pack_layer
 from smartgen.engine.layout import KVLayout
@@ -524,21 +525,28 @@ class PrefillPath:
         completion.add_done_callback(landed)
         return packed.numel()
 
-    def _serve_fetch(self, link: LinkEnd, message: msg.Fetch) -> None:
+    def _asked_of(self, message: msg.Fetch | msg.Attend) -> OpenedRequest:
+        """The open request a FETCH or an ATTEND asks entries of, once its layer, positions and heads check out."""
         request = self._get(message.request_id)
         if request is None:
             raise RequestGone(f"request {message.request_id!r} is not open on this prefill node")
         layer, positions, heads = message.layer, message.positions, message.heads
+        what = message.KIND.name
         if not 0 <= layer < self.layout.num_layers:
-            raise msg.MessageError(f"FETCH: no layer {layer} in a {self.layout.num_layers}-layer model")
+            raise msg.MessageError(f"{what}: no layer {layer} in a {self.layout.num_layers}-layer model")
         if positions.numel() and not (0 <= int(positions.min()) and int(positions.max()) < request.length):
             raise msg.MessageError(
-                f"FETCH: positions outside the {request.length}-token prompt of {message.request_id!r}"
+                f"{what}: positions outside the {request.length}-token prompt of {message.request_id!r}"
             )
         if request.kv.layers_ready <= layer:
             raise ValueError(f"layer {layer} of {message.request_id!r} is not prefilled yet")
         if heads is not None and tuple(heads.shape) != (positions.numel(), self.layout.num_kv_heads):
-            raise msg.MessageError(f"FETCH: heads must be [{positions.numel()}, {self.layout.num_kv_heads}] bool")
+            raise msg.MessageError(f"{what}: heads must be [{positions.numel()}, {self.layout.num_kv_heads}] bool")
+        return request
+
+    def _serve_fetch(self, link: LinkEnd, message: msg.Fetch) -> None:
+        request = self._asked_of(message)
+        layer, positions, heads = message.layer, message.positions, message.heads
         k, v = request.kv.k[layer, positions], request.kv.v[layer, positions]  # [p, H, d]
         again = 0  # entries asked for that a push sent already: it was still on the link when the step asked
         if heads is None:  # every head of each token
@@ -560,6 +568,24 @@ class PrefillPath:
         reply = msg.FetchReply(message.request_id, message.fetch_id, k, v).pack()
         if message.low:  # a forecast's fetch: after every reply a running request's step waits for
             reply.priority = 1
+        link.control.send(reply, tag="on_demand")
+        self.counters.add("on_demand", reply.payload_bytes)
+        request.fetched_since_idle += reply.payload_bytes
+
+    def _serve_attend(self, link: LinkEnd, message: msg.Attend) -> None:
+        """Attends to the asked entries with the decode step's query and sends the partial result: the entries stay
+        here (a speculative push still sends them), only [Hq, d + 2] floats cross."""
+        request = self._asked_of(message)
+        num_heads = self.layout.num_kv_heads
+        if message.query.shape[0] % num_heads:
+            raise msg.MessageError(f"ATTEND: {message.query.shape[0]} query heads for {num_heads} KV heads")
+        layer, positions, heads = message.layer, message.positions, message.heads
+        k, v = request.kv.k[layer, positions][heads], request.kv.v[layer, positions][heads]  # [E, d], token-major
+        head_of = torch.arange(num_heads).expand_as(heads)[heads]
+        out, stats = partial_attention(
+            message.query.to(k.device), k, v, head_of.to(k.device), num_heads, message.scale, message.softcap
+        )
+        reply = msg.AttendReply(message.request_id, message.fetch_id, out.cpu(), stats.cpu()).pack()
         link.control.send(reply, tag="on_demand")
         self.counters.add("on_demand", reply.payload_bytes)
         request.fetched_since_idle += reply.payload_bytes
