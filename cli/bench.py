@@ -69,7 +69,7 @@ def bench(
             "just past its budget), smartgen (ours: hints; layer l+1's selection speculated and fetched while "
             "layer l computes; each speculative slice followed by the next as it lands, so the link never idles "
             "while KV is left to send; the first step's forecast, whose token is the second; the prefill node decoding on while idle (head start); speculation scheduled on the link behind proactive "
-            "sets), smartgen-no-forecast, smartgen-no-second-token, smartgen-no-head-start, smartgen-eager-proactive, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), proactive-only, quant2 (full "
+            "sets), smartgen-no-forecast, smartgen-no-second-token, smartgen-no-head-start, smartgen-eager-proactive, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), smartgen-attend (its misses attended where the KV is, not fetched), proactive-only, quant2 (full "
             "transfer of 2-bit quantized KV, KIVI/HACK-like: lossy).",
         ),
     ] = "full,partial,partial+profile,partial+profile+parallel,smartgen-paper,smartgen,proactive-only,quant2",

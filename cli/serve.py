@@ -96,7 +96,7 @@ Scheme = Annotated[
         DECODE,
         "Default transfer scheme: smartgen (the paper's three paths with hints, prefetch, chained speculation "
         "scheduled behind proactive sets, the first step's forecast, whose token is the second, and the prefill node decoding on while idle: its head start), smartgen-no-forecast, "
-        "smartgen-no-second-token, smartgen-no-head-start, smartgen-eager-proactive, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, "
+        "smartgen-no-second-token, smartgen-no-head-start, smartgen-eager-proactive, smartgen-unscheduled, smartgen-no-prefetch and smartgen-no-hints (its ablations), smartgen-attend (its misses attended where the KV is, not fetched), smartgen-paper (the paper's paths only), smartgen-paper+hints, full, "
         "partial, partial+profile, partial+profile+parallel, proactive-only, quant2 (full transfer of 2-bit "
         "quantized KV: lossy); a request may ask for another.",
     ),
