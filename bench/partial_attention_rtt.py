@@ -3,12 +3,13 @@
     .venv/bin/python bench/partial_attention_rtt.py                   # random:32's shape, the bench's 25 Mbit/s
     .venv/bin/python bench/partial_attention_rtt.py --mbps 25000 --entries 20,150,1000
 
-Not a SmartGen path: the measurement behind a proposal (docs/results/2026-12-08-partial-attention-feasibility.md).
+The measurement behind `smartgen-attend` (docs/results/2026-12-08-partial-attention-feasibility.md), over one lane alone.
 Today a decode step FETCHes the remote entries it selected and waits for their K and V to cross the link; on a slow
 link the reply's bytes are most of the wait. The alternative measured here sends the same FETCH (the entry ids)
 and has the serving end attend to those entries with the step's query, replying with the partial result: per query
 head the output [d] and the softmax's max and sum (fp32), which the decode node would merge exactly with its local
-part (the log-sum-exp merge of split attention), whatever the number of entries.
+part (the log-sum-exp merge of split attention), whatever the number of entries. The attention and the merge are
+the engine's own (`engine.attention`), as `smartgen-attend` serves and merges them.
 
 Both run over one real TCP lane on loopback, paced at `--mbps` both ways, with the real `Fetch` and `FetchReply`
 messages; the partial result travels as a `FetchReply` whose K is the output [Hq, d] and whose V is (max, sum)
@@ -28,48 +29,26 @@ import time
 import torch
 
 from smartgen.engine import messages as msg
+from smartgen.engine.attention import merge_partials, partial_attention
 from smartgen.engine.decode.move import fetch_message
 from smartgen.lanes.tcp_link import loopback_tcp_link
 
 WARMUP = 10
 
 
-def partial_attention(
-    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split attention of query [H, G, d] (G query heads per KV head) over E entries k, v [E, d] of KV heads `head`
-    [E]: (output [H, G, d] normalised over these entries, [H, G, 2] their scores' max and the sum of exp(score -
-    max)): what the decode node needs to merge this part with its own exactly."""
-    num_heads = query.shape[0]
-    scores = torch.einsum("hgd,ed->hge", query, k.float()) * query.shape[-1] ** -0.5
-    scores = scores.masked_fill(head.view(1, 1, -1) != torch.arange(num_heads).view(-1, 1, 1), float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    weights = (scores - top).exp()
-    total = weights.sum(-1, keepdim=True)
-    return torch.einsum("hge,ed->hgd", weights, v.float()) / total, torch.cat([top, total], -1)
-
-
-def merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The attention over the union of the parts' entries, from each part's (output, [max, sum]): the decode node's
-    side of the merge."""
-    top = torch.stack([stats[..., :1] for _, stats in parts]).amax(0)
-    scaled = [stats[..., 1:] * (stats[..., :1] - top).exp() for _, stats in parts]
-    return sum(out * scale for (out, _), scale in zip(parts, scaled)) / sum(scaled)
-
-
 def merge_error(heads: int, q_per_kv: int, dim: int, entries: int = 400) -> float:
     """Largest difference between attention over `entries` at once and the merge of its two halves' partials."""
     generator = torch.Generator().manual_seed(1)
-    query = torch.randn(heads, q_per_kv, dim, generator=generator)
+    query = torch.randn(heads * q_per_kv, dim, generator=generator)
     k, v = torch.randn(entries, dim, generator=generator), torch.randn(entries, dim, generator=generator)
     head = torch.arange(entries) % heads
-    whole, _ = partial_attention(query, k, v, head)
+    whole, _ = partial_attention(query, k, v, head, heads)
     half = entries // 2
     parts = [
-        partial_attention(query, k[:half], v[:half], head[:half]),
-        partial_attention(query, k[half:], v[half:], head[half:]),
+        partial_attention(query, k[:half], v[:half], head[:half], heads),
+        partial_attention(query, k[half:], v[half:], head[half:], heads),
     ]
-    return float((merged(parts) - whole).abs().max())
+    return float((merge_partials(parts) - whole).abs().max())
 
 
 def main() -> None:
@@ -122,9 +101,9 @@ def main() -> None:
             k = keys[ask.layer].view(-1, dim).index_select(0, ids)
             v = values[ask.layer].view(-1, dim).index_select(0, ids)
             if mode["attend"]:
-                query = torch.randn(heads, args.q_per_kv, dim)
-                out, stats = partial_attention(query, k, v, ids % heads)
-                reply = msg.FetchReply(ask.request_id, ask.fetch_id, out.reshape(-1, dim), stats.reshape(-1, 2))
+                query = torch.randn(heads * args.q_per_kv, dim)
+                out, stats = partial_attention(query, k, v, ids % heads, heads)
+                reply = msg.FetchReply(ask.request_id, ask.fetch_id, out, stats)
             else:
                 reply = msg.FetchReply(ask.request_id, ask.fetch_id, k, v)
             packed = reply.pack()

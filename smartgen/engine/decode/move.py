@@ -376,13 +376,7 @@ class DecodePath:
     ) -> Future:
         """Sends one ATTEND for flat (token, head) ids of one layer with batch member b's query; its future gets the
         reply (or LinkLost)."""
-        future = _KindFuture("step")
-        link = request.link
-        with self._lock:
-            fetch_id = next(self._fetch_ids)
-            self._fetches[fetch_id] = (future, link)
-        if not link.alive:
-            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        future, link, fetch_id = self._asked(request, "step")
         asked = fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
         assert asked.heads is not None  # fetch_message names the heads of every token
         query = attend.query[b].detach().float().cpu()
@@ -537,22 +531,28 @@ class DecodePath:
         """Sends one FETCH for flat (token, head) ids of one layer; its future gets the reply (or LinkLost). `kind`
         (`metrics.FETCH_KINDS`) is what its landing is counted as; a forecast's reply goes after the replies to
         other fetches queued at the prefill node."""
-        future = _KindFuture(kind)
         # a forecast's reply, and for a request that attends to misses in place a prefetch's (the step no longer
         # waits for it: it asks an ATTEND), go after the replies a step waits for
         low = kind == "forecast" or (kind == "prefetch" and request.flags.attend_remote)
-        link = request.link  # once: a lost link may be swapped for another under us (recompute)
-        with self._lock:
-            fetch_id = next(self._fetch_ids)
-            self._fetches[fetch_id] = (future, link)
-        if not link.alive:
-            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        future, link, fetch_id = self._asked(request, kind)
         fetch = fetch_message(request.request_id, layer, fetch_id, entries, self.layout.num_kv_heads)
         if low:
             fetch = dataclasses.replace(fetch, low=True)
         landing = self._landing(request, layer, entries) if link.control.lands_replies else None
         link.control.send(fetch.pack(), tag="fetch_request", landing=landing)
         return future
+
+    def _asked(self, request: DecodeRequest, kind: str) -> tuple[_KindFuture, LinkEnd, int]:
+        """A new ask's future (of `kind`), the link it goes on and its id, the reply's future registered under the id
+        (failed at once with LinkLost when the link is down). The link is read once: a lost one may be swapped for
+        another under us (recompute)."""
+        future, link = _KindFuture(kind), request.link
+        with self._lock:
+            fetch_id = next(self._fetch_ids)
+            self._fetches[fetch_id] = (future, link)
+        if not link.alive:
+            future.set_exception(LinkLost(f"prefill node connection lost: {link.error or 'connection closed'}"))
+        return future, link, fetch_id
 
     def _landing(self, request: DecodeRequest, layer: int, entries: torch.Tensor) -> Landing:
         """Where a FETCH's reply belongs: its K rows, then its V rows (the reply's payload order)."""
